@@ -1,0 +1,71 @@
+"""`kvtier` command line: flags into configs, one entry point per subcommand, no logic here.
+
+Each command module exposes `register(subparsers)`, which adds its parser and sets `func`
+(a callable taking the parsed namespace and returning an exit code). Modules import heavy
+dependencies (vLLM, torch) inside `func`, so `kvtier --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier.errors import KvtierError
+
+# Top-level commands, in the order `--help` lists them.
+COMMAND_MODULES = (
+    "kvtier.model",
+    "kvtier.vllm.serve",
+    "kvtier.router.cli",
+    "kvtier.sim.cli",
+)
+# `kvtier bench SCENARIO`: one module per scenario.
+BENCH_MODULES = (
+    "kvtier.bench.store",
+    "kvtier.bench.tiers",
+    "kvtier.bench.router",
+)
+
+
+def _register_all(subparsers: argparse._SubParsersAction, modules: tuple[str, ...]) -> None:  # type: ignore[type-arg]
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a dependency is missing: a real error
+                raise
+            continue  # command not built in this checkout yet
+        module.register(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier",
+        description="Tiered KV cache (L1 host memory, L2 shared pool) and KV-aware router "
+                    "for fleets of vLLM replicas.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _register_all(sub, COMMAND_MODULES)
+    bench = sub.add_parser("bench", help="run a benchmark scenario and write its figures",
+                           description="Benchmarks: each scenario measures kvtier side by side "
+                                       "with its baselines in one run and writes JSON.")
+    bench_sub = bench.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
+    _register_all(bench_sub, BENCH_MODULES)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KvtierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The kvtier exception tree.
+
+    KvtierError
+    ├── ConfigError        (ValueError)  a setting is invalid; the message names the field
+    ├── ModelError                        the embedded model could not be prepared or loaded
+    ├── CodecError                        a stored block failed validation (treated as a miss)
+    │   └── ChecksumError                 payload bytes do not match the header checksum
+    └── TierError                         an L1/L2 backend failed (treated as a miss, counted)
+
+In the data path a tier fault never reaches the engine: the store turns it into a miss plus a
+metric. These exceptions surface only at configuration time, in CLIs and in tools.
+"""
+
+
+class KvtierError(Exception):
+    """Base of every error kvtier raises on purpose."""
+
+
+class ConfigError(KvtierError, ValueError):
+    """A configuration value is invalid; the message names the offending field."""
+
+
+class ModelError(KvtierError):
+    """The embedded model could not be installed, converted or verified."""
+
+
+class CodecError(KvtierError):
+    """A stored block is malformed, truncated, from another namespace or another version."""
+
+
+class ChecksumError(CodecError):
+    """A stored block's payload does not match the checksum in its header."""
+
+
+class TierError(KvtierError):
+    """A storage tier failed an operation (I/O error, lost connection)."""
