@@ -48,7 +48,7 @@ class ServerSpec:
         cmd = [sys.executable, "-m", "kvtier.vllm.launch", "serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--enforce-eager", "--max-model-len", str(self.max_model_len),
-               "--served-model-name", Path(self.model).name]]
+               "--served-model-name", Path(self.model).name]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + list(self.extra_args)
