@@ -19,12 +19,15 @@ COMMAND_MODULES = (
     "kvtier.vllm.serve",
     "kvtier.router.cli",
     "kvtier.sim.cli",
+    "kvtier.cluster.cli",
+    "kvtier.l2.cli",
 )
 # `kvtier bench SCENARIO`: one module per scenario.
 BENCH_MODULES = (
     "kvtier.bench.store",
     "kvtier.bench.tiers",
     "kvtier.bench.router",
+    "kvtier.bench.fleet",
 )
 
 

@@ -5,7 +5,8 @@
     ├── ModelError                        the embedded model could not be prepared or loaded
     ├── CodecError                        a stored block failed validation (treated as a miss)
     │   └── ChecksumError                 payload bytes do not match the header checksum
-    └── TierError                         an L1/L2 backend failed (treated as a miss, counted)
+    ├── TierError                         an L1/L2 backend failed (treated as a miss, counted)
+    └── RoutingError                      the router has no healthy replica for a request
 
 In the data path a tier fault never reaches the engine: the store turns it into a miss plus a
 metric. These exceptions surface only at configuration time, in CLIs and in tools.
@@ -34,3 +35,7 @@ class ChecksumError(CodecError):
 
 class TierError(KvtierError):
     """A storage tier failed an operation (I/O error, lost connection)."""
+
+
+class RoutingError(KvtierError):
+    """No healthy replica is left to take a request (all excluded, failed or unknown)."""

@@ -1,0 +1,200 @@
+"""Start and stop a local fleet: the shared L2, N vLLM replicas with the connector, the router.
+
+`Cluster(spec)` owns every process it starts (and the L2 server or mount when it started one);
+`stop()` ends them all, in reverse order, whatever state start-up reached. A state file in the
+work directory names the owning `kvtier up` process so `kvtier down` can ask it to stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from tqdm import tqdm
+
+from kvtier.cluster.spec import ClusterSpec
+from kvtier.errors import KvtierError
+from kvtier.model import resolve_model
+from kvtier.vllm.server import ServerProcess, ServerSpec
+
+STATE_FILE = "cluster.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise KvtierError(f"{url}: process exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.3)
+    raise KvtierError(f"{url}: not ready after {timeout_s:.0f} s")
+
+
+class Cluster:
+    """A running fleet; use as a context manager or call `start()` / `stop()`."""
+
+    def __init__(self, spec: ClusterSpec, *, progress: bool = True) -> None:
+        self.spec = spec
+        self.progress = progress
+        self.work_dir = spec.work_dir.resolve()
+        self.model = resolve_model(spec.model)
+        self.model_name = Path(self.model).name
+        self.replicas: list[ServerProcess] = []
+        self.event_endpoints: list[str] = []
+        self.router: subprocess.Popen[bytes] | None = None
+        self.l2_location: str | None = None
+        self._stack = ExitStack()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.router_port}"
+
+    @property
+    def replica_urls(self) -> list[str]:
+        return [r.url for r in self.replicas]
+
+    # ----------------------------------------------------------------------------- start-up
+    def start(self) -> Cluster:
+        try:
+            self.work_dir.mkdir(parents=True, exist_ok=True)
+            (self.work_dir / "logs").mkdir(exist_ok=True)
+            self._start_l2()
+            self._start_replicas()
+            self._start_router()
+            self._write_state()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_l2(self) -> None:
+        cache = self.spec.cache
+        if not cache.l2_enabled:
+            return
+        if cache.l2_backend == "posix":
+            path = Path(cache.l2_path) if cache.l2_path else self.work_dir / "l2"
+            path.mkdir(parents=True, exist_ok=True)
+            self.l2_location = str(path)
+        elif cache.l2_backend == "valkey":
+            if cache.l2_url:
+                self.l2_location = cache.l2_url
+            else:
+                from kvtier.l2.valkey_server import ValkeyServer
+
+                server = self._stack.enter_context(ValkeyServer(self.work_dir / "valkey"))
+                self.l2_location = server.url
+        else:  # juicefs
+            from kvtier.l2.juicefs import JuiceFSVolume
+
+            volume = self._stack.enter_context(JuiceFSVolume(self.work_dir / "juicefs"))
+            self.l2_location = str(volume.mount(0))
+
+    def connector_config(self, index: int, events_endpoint: str) -> dict[str, Any] | None:
+        """`--kv-transfer-config` of replica `index` (None: no connector)."""
+        cache = self.spec.cache
+        if not cache.connector_enabled:
+            return None
+        extra: dict[str, Any] = {
+            "l1_bytes": int(cache.l1_gib * 1024**3) if cache.l1_enabled else 0,
+            "block_tokens": self.spec.block_tokens,
+            "replica_id": f"http://127.0.0.1:{self.spec.replica_base_port + index}",
+            "events_endpoint": events_endpoint,
+        }
+        if self.l2_location is not None:
+            key = "l2_url" if cache.l2_backend == "valkey" else "l2_path"
+            extra[key] = self.l2_location
+        return {"kv_connector": "KvtierConnector",
+                "kv_connector_module_path": "kvtier.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra}
+
+    def _start_replicas(self) -> None:
+        cpus = os.cpu_count() or 1
+        threads = self.spec.threads_per_replica
+        for i in range(self.spec.replicas):
+            endpoint = f"tcp://127.0.0.1:{free_port()}"
+            first = (i * threads) % cpus
+            server = ServerProcess(ServerSpec(
+                model=self.model, port=self.spec.replica_base_port + i,
+                kv_transfer_config=self.connector_config(i, endpoint),
+                kv_cache_gib=self.spec.engine_kv_cache_gib, threads=threads,
+                cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
+                extra_args=self._engine_args(),
+                log_path=self.work_dir / "logs" / f"replica-{i}.log"))
+            self.replicas.append(server)
+            self.event_endpoints.append(endpoint)
+        with tqdm(total=len(self.replicas), desc="starting replicas", unit="replica",
+                  disable=not self.progress) as bar:
+            for server in self.replicas:
+                server.wait_healthy(timeout_s=600)
+                bar.update()
+
+    def _engine_args(self) -> list[str]:
+        args = ["--enable-prompt-tokens-details"]
+        if self.spec.engine_kv_cache_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.spec.engine_kv_cache_blocks)]
+        return args
+
+    def _start_router(self) -> None:
+        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(self.spec.router_port),
+               "--strategy", self.spec.strategy, "--model", self.model,
+               "--block-tokens", "128"]
+        for url in self.replica_urls:
+            cmd += ["--replica", url]
+        if self.spec.cache.connector_enabled:
+            for endpoint in self.event_endpoints:
+                cmd += ["--events", endpoint]
+        log = open(self.work_dir / "logs" / "router.log", "ab")
+        self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        log.close()
+        wait_http_ok(self.url + "/health", 120, self.router)
+
+    def _write_state(self) -> None:
+        state = {"pid": os.getpid(), "router": self.url, "replicas": self.replica_urls,
+                 "l2": self.l2_location}
+        (self.work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+
+    # ----------------------------------------------------------------------------- shutdown
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.terminate()
+            try:
+                self.router.wait(10)
+            except subprocess.TimeoutExpired:
+                self.router.kill()
+                self.router.wait()
+            self.router = None
+        for server in self.replicas:
+            server.stop()
+        self.replicas.clear()
+        self._stack.close()
+        (self.work_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

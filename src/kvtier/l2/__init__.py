@@ -1,0 +1,10 @@
+"""What a shared L2 needs around the tiers: servers and mounts, the capacity janitor, its CLI.
+
+- `valkey_server`: start/stop a loopback Valkey (or Redis 7) server, for the Valkey L2 tier and
+  as JuiceFS's metadata engine.
+- `juicefs`: format a JuiceFS volume and mount it over FUSE (once per "node"), unmount reliably.
+- `cli`: `kvtier l2 status|gc|verify`.
+
+The tiers themselves live in `kvtier.tiers` (`posix`, `valkey`), the janitor in
+`kvtier.tiers.janitor`, per-file-system settings in `kvtier.tiers.profiles`.
+"""

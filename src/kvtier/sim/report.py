@@ -1,0 +1,79 @@
+"""What one simulation run measured, as JSON for files and as text for people."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["ReplicaReport", "SimResult", "max_over_mean", "percentile_ms"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    name: str
+    requests: int
+    """Requests routed to it."""
+    busy_s: float
+    """Simulated seconds it spent loading and prefilling."""
+    prefill_tokens: int
+    """Prompt tokens it computed (not served from a cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    requests: int
+    blocks: int
+    """Prompt blocks of all requests (trace hash ids)."""
+    hit_rate: float
+    """Blocks served from any cache tier over all blocks."""
+    ideal_hit_rate: float
+    """Blocks seen earlier in the trace over all blocks (one infinite cache)."""
+    hit_rate_by_tier: dict[str, float]
+    """Per tier ("l0", "l1", "l2"): blocks served from it over all blocks."""
+    token_hit_rate: float
+    """Prompt tokens served from cache over all prompt tokens."""
+    ttft_p50_ms: float
+    ttft_p90_ms: float
+    ttft_p99_ms: float
+    ttft_mean_ms: float
+    queue_p50_ms: float
+    """Time from arrival until the replica starts the request (median)."""
+    queue_p99_ms: float
+    load_max_over_mean: float
+    """Requests routed to the busiest replica over the mean per replica."""
+    work_max_over_mean: float
+    """Same for busy seconds (loads + prefill)."""
+    reasons: dict[str, int]
+    """Routing decisions by the policy's stated reason."""
+    replicas: list[ReplicaReport]
+    sim_span_s: float
+    """Simulated seconds from the first arrival to the last first token."""
+    wall_s: float
+    """Wall-clock seconds the simulation took."""
+    config: dict[str, object]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        tiers = " ".join(f"{t}={v:.1%}" for t, v in self.hit_rate_by_tier.items())
+        return (f"requests {self.requests}  blocks {self.blocks}\n"
+                f"hit rate {self.hit_rate:.1%} (ideal {self.ideal_hit_rate:.1%}; {tiers})  "
+                f"token hit rate {self.token_hit_rate:.1%}\n"
+                f"TTFT p50 {self.ttft_p50_ms:.0f} ms  p90 {self.ttft_p90_ms:.0f} ms  "
+                f"p99 {self.ttft_p99_ms:.0f} ms  (queue p50 {self.queue_p50_ms:.0f} ms)\n"
+                f"load max/mean {self.load_max_over_mean:.2f} requests, "
+                f"{self.work_max_over_mean:.2f} busy time  reasons {self.reasons}\n"
+                f"simulated {self.sim_span_s:.0f} s in {self.wall_s:.1f} s wall")
+
+
+def percentile_ms(values_s: Sequence[float], q: float) -> float:
+    return float(np.percentile(values_s, q) * 1000.0) if values_s else 0.0
+
+
+def max_over_mean(values: Sequence[float] | Mapping[str, float]) -> float:
+    vals = list(values.values()) if isinstance(values, Mapping) else list(values)
+    mean = sum(vals) / len(vals) if vals else 0.0
+    return max(vals) / mean if mean > 0 else 1.0

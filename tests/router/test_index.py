@@ -1,0 +1,77 @@
+"""PrefixIndex: per-replica, per-tier prefix matching with LRU bounds and purges."""
+
+from kvtier.events import Tier
+from kvtier.keys import block_hashes
+from kvtier.router.index import SHARED, PrefixIndex
+
+CHAIN = block_hashes(list(range(40)), 4)  # 10 chained block hashes
+
+
+def test_match_reports_each_replicas_longest_contiguous_prefix() -> None:
+    index = PrefixIndex()
+    index.insert("a", CHAIN[:3], Tier.L0, now=0.0)
+    index.insert("b", CHAIN[:1], Tier.L1, now=0.0)
+    index.insert("b", CHAIN[2:4], Tier.L0, now=0.0)  # a gap at block 1: not contiguous
+    assert index.match(CHAIN) == {"a": [Tier.L0] * 3, "b": [Tier.L1]}
+
+
+def test_best_tier_wins_and_removing_one_tier_keeps_the_other() -> None:
+    index = PrefixIndex()
+    index.insert("a", CHAIN[:2], Tier.L1, now=0.0)
+    index.insert("a", CHAIN[:1], Tier.L0, now=0.0)
+    assert index.match(CHAIN)["a"] == [Tier.L0, Tier.L1]
+    index.remove("a", CHAIN[:1], Tier.L0)
+    assert index.match(CHAIN)["a"] == [Tier.L1, Tier.L1]
+    assert len(index) == 2
+
+
+def test_shared_l2_blocks_count_for_every_replica_including_unknown_ones() -> None:
+    index = PrefixIndex()
+    index.insert(SHARED, CHAIN[:4], Tier.L2, now=0.0)
+    index.insert("a", CHAIN[:2], Tier.L0, now=0.0)
+    got = index.match(CHAIN, replicas=["a", "b"])
+    assert got == {"a": [Tier.L0, Tier.L0, Tier.L2, Tier.L2], "b": [Tier.L2] * 4}
+
+
+def test_lru_bound_evicts_the_least_recently_touched_entry() -> None:
+    index = PrefixIndex(max_blocks=3)
+    index.insert("a", CHAIN[:2], Tier.L0, now=1.0)
+    index.insert("b", CHAIN[:1], Tier.L0, now=2.0)
+    index.insert("a", CHAIN[:1], Tier.L0, now=3.0)  # touch a/0: a/1 is now the oldest
+    index.insert("b", CHAIN[1:2], Tier.L0, now=4.0)
+    assert len(index) == 3
+    assert index.match(CHAIN) == {"a": [Tier.L0], "b": [Tier.L0, Tier.L0]}
+
+
+def test_purge_forgets_one_replica_only() -> None:
+    index = PrefixIndex()
+    index.insert("a", CHAIN[:3], Tier.L0, now=0.0)
+    index.insert("b", CHAIN[:3], Tier.L1, now=0.0)
+    index.purge("a")
+    assert index.match(CHAIN) == {"b": [Tier.L1] * 3}
+    assert len(index) == 3
+    assert index.replicas() == {"b"}
+
+
+def test_remove_tier_clears_only_that_tier() -> None:
+    index = PrefixIndex()
+    index.insert("a", CHAIN[:2], Tier.L0, now=0.0)
+    index.insert("a", CHAIN[:1], Tier.L1, now=0.0)
+    index.remove_tier("a", Tier.L0)
+    assert index.match(CHAIN) == {"a": [Tier.L1]}
+    assert len(index) == 1
+
+
+def test_expire_drops_entries_touched_before_the_cutoff() -> None:
+    index = PrefixIndex()
+    index.insert("a", CHAIN[:2], Tier.L0, now=1.0)
+    index.insert("b", CHAIN[:2], Tier.L0, now=5.0)
+    assert index.expire(before=3.0) == 2
+    assert index.match(CHAIN) == {"b": [Tier.L0, Tier.L0]}
+
+
+def test_match_continues_a_prefix_across_merged_indexes() -> None:
+    events, speculative = PrefixIndex(), PrefixIndex()
+    events.insert("a", CHAIN[:2], Tier.L1, now=0.0)
+    speculative.insert("a", CHAIN[2:3], Tier.L0, now=0.0)
+    assert events.match(CHAIN, also=(speculative,)) == {"a": [Tier.L1, Tier.L1, Tier.L0]}
