@@ -29,7 +29,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Self
 
 from kvtier.admission import make_policy
 from kvtier.codec import BlockMeta, byte_view, check_payload_length
@@ -46,10 +46,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 EventSink = Callable[[EventKind, Tier, Sequence[BlockHash]], None]
 
 __all__ = ["LoadedBlock", "StoreStats", "TieredStore"]
+
+L2_BATCH = 16
+"""Blocks per L2 existence check or read batch: one round trip for a network tier, while a
+prefix that ends early costs a directory tier at most this many wasted checks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +106,8 @@ class TieredStore:
 
     def __init__(self, config: StoreConfig, identity: ModelIdentity,
                  on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None) -> None:
-        """`l2_tier` replaces the L2 built from `config.l2_path` (another backend, a test double)."""
+        """`l2_tier` replaces the L2 built from `config.l2_path` (another backend such as
+        `kvtier.tiers.valkey`, or a test double); its creator keeps ownership and closes it."""
         self.config = config
         self.identity = identity
         self.namespace = identity.namespace()
@@ -111,6 +115,7 @@ class TieredStore:
         self._policy = make_policy(config)
         self._l1 = MemoryTier(config.l1_bytes) if config.l1_bytes > 0 else None
         self._l2: BlockTier | None = l2_tier
+        self._owns_l2 = l2_tier is None  # an injected tier is closed by whoever made it
         self._l2_disabled_reason: str | None = None
         if self._l2 is None and config.l2_path is not None:
             try:
@@ -144,36 +149,38 @@ class TieredStore:
     def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
         """Tiers of the longest contiguous prefix of `hashes` available now."""
         found: list[Tier] = []
-        for h in hashes:
-            tier = self.contains(h)
-            if tier is None:
+        while len(found) < len(hashes):
+            tiers = self._locate(hashes[len(found):len(found) + L2_BATCH])
+            found += tiers
+            if len(tiers) < L2_BATCH:
                 break
-            found.append(tier)
         self._count(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=len(found))
         return found
 
     def contains(self, block_hash: BlockHash) -> Tier | None:
         """The nearest tier holding `block_hash` now, without side effects."""
-        if self._l1 is not None and self._l1.contains(block_hash):
-            return Tier.L1
-        if self._l2 is not None and self._l2_call(self._l2.contains, block_hash, False):
-            return Tier.L2
-        return None
+        tiers = self._locate([block_hash])
+        return tiers[0] if tiers else None
 
     def load(self, hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
-        """The leading blocks of `hashes` that could be read, in order; L2 hits go into L1."""
+        """The leading blocks of `hashes` that could be read, in order; L2 hits go into L1.
+
+        Runs of blocks missing from L1 are read from L2 in batches of up to `L2_BATCH`.
+        """
         loaded: list[LoadedBlock] = []
-        for h in hashes:
+        while len(loaded) < len(hashes):
+            h = hashes[len(loaded)]
             block = self._l1.get(h) if self._l1 is not None else None
-            tier = Tier.L1
-            if block is None and self._l2 is not None:
-                block = self._l2_call(self._l2.get, h, None)
-                tier = Tier.L2
-                if block is not None:
-                    self._promote(h, block)
-            if block is None:
-                break
-            loaded.append(LoadedBlock(h, block.meta, block.payload, tier))
+            if block is not None:
+                loaded.append(LoadedBlock(h, block.meta, block.payload, Tier.L1))
+                continue
+            run = self._l1_miss_run(hashes[len(loaded):len(loaded) + L2_BATCH])
+            blocks = self._l2_read(run)
+            for rh, rblock in zip(run, blocks, strict=True):
+                if rblock is None:
+                    return loaded
+                self._promote(rh, rblock)
+                loaded.append(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
         return loaded
 
     def save(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer, *,
@@ -225,28 +232,78 @@ class TieredStore:
         then (or everything queued, with `drain=False`) is abandoned and counted. A write
         already in progress cannot be interrupted: the writer threads are joined for up to
         `timeout_s` (they are daemons, so a hung mount cannot keep the process alive).
+        L1 is emptied and an L2 tier the store built is closed; views already handed out by
+        `load` stay valid.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if not self._writers:
-            return
-        if not (drain and self.flush(timeout_s)):
-            self._abandon = True
-            self._discard_queued()
-        for _ in self._writers:
-            self._queue.put(None)
-        for thread in self._writers:
-            thread.join(timeout_s)
+        if self._writers:
+            if not (drain and self.flush(timeout_s)):
+                self._abandon = True
+                self._discard_queued()
+            for _ in self._writers:
+                self._queue.put(None)
+            for thread in self._writers:
+                thread.join(timeout_s)
+        if self._l1 is not None:
+            self._l1.close()
+        if self._l2 is not None and self._owns_l2:
+            self._l2.close()
 
-    def __enter__(self) -> TieredStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _locate(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tiers of the contiguous prefix of `hashes` (one L2 batch for the L1 misses)."""
+        in_l1 = (self._l1.contains_many(hashes) if self._l1 is not None
+                 else [False] * len(hashes))
+        misses = [h for h, hit in zip(hashes, in_l1, strict=True) if not hit]
+        in_l2 = iter(self._l2_exists(misses) if misses else [])
+        found: list[Tier] = []
+        for hit in in_l1:
+            if hit:
+                found.append(Tier.L1)
+            elif next(in_l2):
+                found.append(Tier.L2)
+            else:
+                break
+        return found
+
+    def _l1_miss_run(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """The leading hashes L1 does not hold (at least the first one)."""
+        if self._l1 is None:
+            return list(hashes)
+        run = [hashes[0]]
+        for h in hashes[1:]:
+            if self._l1.contains(h):
+                break
+            run.append(h)
+        return run
+
+    def _l2_exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        if self._l2 is None:
+            return [False] * len(hashes)
+        try:
+            return self._l2.contains_many(hashes)
+        except Exception:  # a tier must not raise; if it does, it is a miss
+            log.exception("kvtier: L2 existence check failed; treating it as a miss")
+            return [False] * len(hashes)
+
+    def _l2_read(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
+        if self._l2 is None:
+            return [None] * len(hashes)
+        try:
+            return self._l2.get_many(hashes)
+        except Exception:
+            log.exception("kvtier: L2 read failed; treating it as a miss")
+            return [None] * len(hashes)
 
     def _promote(self, block_hash: BlockHash, block: StoredBlock) -> None:
         if self._l1 is not None:
@@ -314,14 +371,6 @@ class TieredStore:
         with self._lock:
             for name, delta in deltas.items():
                 self._counts[name] += delta
-
-    def _l2_call(self, op: Callable[[BlockHash], T], block_hash: BlockHash, fallback: T) -> T:
-        """Run one L2 read operation; an unexpected exception becomes `fallback` (a miss)."""
-        try:
-            return op(block_hash)
-        except Exception:
-            log.exception("kvtier: L2 %s failed; treating it as a miss", op.__name__)
-            return fallback
 
     def _emit(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
         if self._on_event is None:

@@ -17,14 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from kvtier.keys import ModelIdentity
 from kvtier.tiers.base import BlockTier
 from kvtier.tiers.posix import PosixTier
 from kvtier.tiers.valkey import ValkeyTier, ValkeyTierConfig
-from tests.l2.l2_fixtures import IDENTITY, NAMESPACE, make_block
+from tests.l2.l2_fixtures import IDENTITY, make_block
 
 
 def open_tier(backend: str, identity: ModelIdentity = IDENTITY) -> BlockTier:
@@ -73,7 +75,7 @@ def read(args: argparse.Namespace) -> dict[str, object]:
 
 
 def fill(args: argparse.Namespace) -> dict[str, object]:
-    """Write fresh blocks for `seconds`, logging (start time, bytes) of each publish; with
+    """Write fresh blocks for `seconds`, logging (started, finished, bytes) per publish; with
     `--capacity`, also run a janitor thread as a replica would."""
     from kvtier.tiers.janitor import Janitor, JanitorConfig
     tier = open_tier(f"posix:{args.dir}")
@@ -89,10 +91,12 @@ def fill(args: argparse.Namespace) -> dict[str, object]:
     i = 0
     try:
         while time.monotonic() < end:
+            if args.rate:  # a replica's write rate is bounded by its prefill compute
+                time.sleep(max(0.0, (i / args.rate) - (args.seconds - (end - time.monotonic()))))
             h, meta, payload = make_block(1000 + args.writer, i, args.bytes)
             started = time.time()
             if tier.put(h, meta, payload).stored:
-                written.append((started, len(payload)))
+                written.append((started, time.time(), len(payload)))
             i += 1
     finally:
         if janitor is not None:
@@ -109,9 +113,10 @@ def janitor(args: argparse.Namespace) -> dict[str, object]:
         capacity_bytes=args.capacity, high_watermark=args.high, low_watermark=args.low,
         lease_ttl_s=args.lease_ttl, interval_s=args.interval, grace_s=args.grace),
         holder=args.holder)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # terminate = a clean shutdown
     j.start()
-    print(json.dumps({"started": os.getpid()}), flush=True)
-    time.sleep(args.seconds)
+    stop.wait(args.seconds)
     j.close()
     return {"passes": j.passes}
 
@@ -142,6 +147,7 @@ def main() -> None:
         p.add_argument("--lease-ttl", type=float, default=3.0)
         p.add_argument("--interval", type=float, default=0.1)
         p.add_argument("--grace", type=float, default=0.0)
+        p.add_argument("--rate", type=float, default=0.0, help="blocks/s (0: unlimited)")
     args = parser.parse_args()
     report = {"write": write, "read": read, "fill": fill, "janitor": janitor}[args.cmd](args)
     print(json.dumps(report), flush=True)

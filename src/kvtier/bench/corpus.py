@@ -17,7 +17,7 @@ _MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclas
             "datetime", "decimal", "email", "enum", "fractions", "functools", "heapq", "http",
             "inspect", "itertools", "json", "logging", "multiprocessing", "os", "pathlib",
             "pickle", "random", "re", "shutil", "socket", "sqlite3", "statistics", "string",
-            "subprocess", "tarfile", "textwrap", "threading", "typing", "unittest", "urllib",
+            "subprocess", "tarfile", "textwrap", "threading", "unittest", "urllib",
             "uuid", "zipfile")
 
 

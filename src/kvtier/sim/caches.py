@@ -86,7 +86,7 @@ class FIFOCache(_OrderedCache):
     refresh_on_hit = False
 
 
-EVICTION: dict[str, type[LRUCache] | type[FIFOCache]] = {
+EVICTION: dict[str, type[_OrderedCache]] = {
     LRUCache.name: LRUCache,
     FIFOCache.name: FIFOCache,
 }

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.events import Tier
@@ -89,7 +90,7 @@ class CostModel:
         return int(gib * 2**30 // (self.kv_bytes_per_token * block_tokens))
 
 
-def _read_profiles(path: Path | None) -> dict[str, object]:
+def _read_profiles(path: Path | None) -> dict[str, Any]:
     if path is None:
         text = resources.files("kvtier").joinpath("defaults/costs.json").read_text()
     else:
@@ -104,7 +105,7 @@ def _read_profiles(path: Path | None) -> dict[str, object]:
 
 
 def profile_names() -> list[str]:
-    return sorted(_read_profiles(None)["profiles"])  # type: ignore[arg-type]
+    return sorted(_read_profiles(None)["profiles"])
 
 
 def load_costs(profile: str | None = None, overrides: dict[str, float] | None = None) -> CostModel:
@@ -115,22 +116,26 @@ def load_costs(profile: str | None = None, overrides: dict[str, float] | None = 
     """
     path = Path(profile) if profile and profile.endswith(".json") else None
     doc = _read_profiles(path)
-    profiles: dict[str, dict[str, object]] = doc["profiles"]  # type: ignore[assignment]
+    profiles: dict[str, dict[str, Any]] = doc["profiles"]
     name = str(doc.get("default")) if path is not None or profile is None else profile
     if name not in profiles:
         raise ConfigError(f"costs: unknown profile {name!r}; choose from "
                           f"{', '.join(sorted(profiles))} or give a .json file")
-    entries = profiles[name]
     known = {f.name for f in fields(CostModel)}
-    values: dict[str, float] = {}
+    values: dict[str, Any] = {}
     for key in known:
-        entry = entries.get(key)
+        entry = profiles[name].get(key)
         if not isinstance(entry, dict) or "value" not in entry:
             raise ConfigError(f"costs: profile {name!r} lacks {key}.value")
-        values[key] = float(entry["value"])  # type: ignore[arg-type]
-    values["kv_bytes_per_token"] = int(values["kv_bytes_per_token"])
-    model = CostModel(**values)
-    for key in overrides or {}:
+        values[key] = entry["value"]
+    for key, value in (overrides or {}).items():
         if key not in known:
-            raise ConfigError(f"cost: unknown field {key!r}; choose from {', '.join(sorted(known))}")
-    return replace(model, **(overrides or {}))
+            raise ConfigError(f"cost: unknown field {key!r}; "
+                              f"choose from {', '.join(sorted(known))}")
+        values[key] = value
+    try:
+        values = {k: float(v) for k, v in values.items()}
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"costs: profile {name!r} has a non-numeric value ({exc})") from exc
+    values["kv_bytes_per_token"] = int(values["kv_bytes_per_token"])
+    return CostModel(**values)

@@ -52,6 +52,8 @@ class SimResult:
     """Simulated seconds from the first arrival to the last first token."""
     wall_s: float
     """Wall-clock seconds the simulation took."""
+    cpu_s: float
+    """CPU seconds of this process during the simulation (wall time minus contention)."""
     config: dict[str, object]
 
     def to_dict(self) -> dict[str, object]:
@@ -66,7 +68,8 @@ class SimResult:
                 f"p99 {self.ttft_p99_ms:.0f} ms  (queue p50 {self.queue_p50_ms:.0f} ms)\n"
                 f"load max/mean {self.load_max_over_mean:.2f} requests, "
                 f"{self.work_max_over_mean:.2f} busy time  reasons {self.reasons}\n"
-                f"simulated {self.sim_span_s:.0f} s in {self.wall_s:.1f} s wall")
+                f"simulated {self.sim_span_s:.0f} s in {self.wall_s:.1f} s wall "
+                f"({self.cpu_s:.1f} s CPU)")
 
 
 def percentile_ms(values_s: Sequence[float], q: float) -> float:

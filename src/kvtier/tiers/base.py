@@ -4,12 +4,16 @@ Operations (all thread-safe; called by `kvtier.store.TieredStore` from the engin
 thread, its worker threads and the store's own I/O threads, once per block):
 
     contains(h)       is the block there now? No side effects on contents or recency.
+    contains_many(hs) `contains` for many blocks at once (one round trip where the backend
+                      allows it); the store asks for a prefix's blocks in chunks.
     get(h)            the block's meta and a read-only payload view, or None on a miss.
                       A block that fails validation is a miss; the tier removes and counts it.
+    get_many(hs)      `get` for many blocks at once, results in order.
     put(h, meta, p)   store a copy of payload `p`; reports whether it was stored and which blocks
                       were evicted to make room. A block already present is not rewritten.
     remove(h)         delete the block if present.
     stats()           a frozen snapshot of the tier's counters.
+    close()           release connections or threads the tier holds (called by its owner).
 
 Tier faults (I/O errors, a vanished mount) never raise out of these calls: they become misses
 or failed puts and are counted in `TierStats.errors`.
@@ -18,6 +22,7 @@ or failed puts and are counted in `TierStats.errors`.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -104,10 +109,16 @@ class BlockTier(Protocol):
 
     def contains(self, block_hash: BlockHash) -> bool: ...
 
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]: ...
+
     def get(self, block_hash: BlockHash) -> StoredBlock | None: ...
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]: ...
 
     def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult: ...
 
     def remove(self, block_hash: BlockHash) -> bool: ...
 
     def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...

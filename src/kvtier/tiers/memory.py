@@ -10,7 +10,9 @@ or an insert marks the block and then its ancestors (followed through `meta.pare
 are in L1) most recently used, root last. A prefix is therefore always more recent than its
 extensions and chains are evicted from their tails: a leaf without its root is useless, a root
 without its leaves is not. Plain LRU would evict a conversation's root first, since it was
-saved first.
+saved first. For the same reason a block is refused (not inserted, nothing evicted) when it and
+its ancestors together exceed the budget: a chain longer than L1 keeps its head in L1, and its
+tail lives in L2 only.
 
 Budget: the sum of the sizes of the buffers held never exceeds `capacity_bytes` at any moment;
 room is made before a block is inserted, and a block larger than the whole budget is refused.
@@ -25,8 +27,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvtier.codec import BlockMeta, byte_view
 from kvtier.errors import ConfigError
@@ -52,6 +57,15 @@ def _footprint(view: memoryview) -> int:
         return max(view.nbytes, memoryview(owner).nbytes)
     except TypeError:
         return view.nbytes
+
+
+def _private_copy(view: memoryview) -> memoryview:
+    """A read-only copy in a numpy buffer: numpy asks for transparent huge pages on large
+    arrays, which makes the first touch and every later copy out cheaper than `bytes`."""
+    array = np.empty(view.nbytes, dtype=np.uint8)
+    array.data[:] = view
+    array.flags.writeable = False
+    return array.data
 
 
 class MemoryTier:
@@ -82,6 +96,12 @@ class MemoryTier:
         """Presence check; does not change recency."""
         return block_hash in self._entries
 
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return [h in self._entries for h in hashes]
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
+        return [self.get(h) for h in hashes]
+
     def get(self, block_hash: BlockHash) -> StoredBlock | None:
         """The block, marked most recently used; None on a miss."""
         with self._lock:
@@ -99,15 +119,19 @@ class MemoryTier:
         entry = self._entries.get(block_hash)
         return None if entry is None else entry.block
 
-    def _touch_chain(self, block_hash: BlockHash) -> None:
-        """Mark the block, then its ancestors held here, most recently used (lock held)."""
-        h = block_hash
+    def _touch_chain(self, block_hash: BlockHash) -> int:
+        """Mark the block, then its ancestors held here, most recently used (lock held).
+
+        Returns the bytes charged for the blocks touched."""
+        h, touched = block_hash, 0
         for _ in range(len(self._entries)):  # bound: a forged cycle of parents cannot spin
             entry = self._entries.get(h)
             if entry is None:
-                return
+                break
             self._entries.move_to_end(h)
+            touched += entry.charge
             h = entry.block.meta.parent
+        return touched
 
     def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult:
         """Store one private copy of `payload` (the caller may reuse its buffer afterwards)."""
@@ -118,7 +142,7 @@ class MemoryTier:
         if view.nbytes > self._capacity:
             self._counters.add(rejected=1)
             return PutResult(stored=False)
-        copy = memoryview(bytes(view))  # copy outside the lock: it is the expensive part
+        copy = _private_copy(view)  # outside the lock: it is the expensive part
         return self._insert(block_hash, StoredBlock(meta, copy), copy.nbytes)
 
     def adopt(self, block_hash: BlockHash, block: StoredBlock) -> PutResult:
@@ -128,27 +152,26 @@ class MemoryTier:
         return self._insert(block_hash, block, _footprint(block.payload))
 
     def _insert(self, block_hash: BlockHash, block: StoredBlock, charge: int) -> PutResult:
-        if charge > self._capacity:
-            self._counters.add(rejected=1)
-            return PutResult(stored=False)
         evicted: list[BlockHash] = []
         with self._lock:
             if block_hash in self._entries:
-                stored = False
-            else:
-                while self._used + charge > self._capacity:
-                    old_hash, old = self._entries.popitem(last=False)
-                    self._used -= old.charge
-                    evicted.append(old_hash)
-                self._entries[block_hash] = _Entry(block, charge)
-                self._used += charge
-                self._touch_chain(block_hash)
-                stored = True
-        if stored:
-            self._counters.add(stored=1, bytes_written=block.payload.nbytes, evicted=len(evicted))
-        else:
-            self._counters.add(already_present=1)
-        return PutResult(stored=stored, evicted=tuple(evicted))
+                self._counters.add(already_present=1)
+                return PutResult(stored=False)
+            # The block's ancestors become the most recent entries; if they and the block do
+            # not fit together, the block is refused rather than evicting its own prefix.
+            ancestors = self._touch_chain(block.meta.parent)
+            if ancestors + charge > self._capacity:
+                self._counters.add(rejected=1)
+                return PutResult(stored=False)
+            while self._used + charge > self._capacity:  # never reaches the ancestors
+                old_hash, old = self._entries.popitem(last=False)
+                self._used -= old.charge
+                evicted.append(old_hash)
+            self._entries[block_hash] = _Entry(block, charge)
+            self._used += charge
+            self._touch_chain(block.meta.parent)
+        self._counters.add(stored=1, bytes_written=block.payload.nbytes, evicted=len(evicted))
+        return PutResult(stored=True, evicted=tuple(evicted))
 
     def remove(self, block_hash: BlockHash) -> bool:
         with self._lock:
@@ -161,6 +184,12 @@ class MemoryTier:
         """Held blocks from next-to-evict to most recently used."""
         with self._lock:
             return list(self._entries)
+
+    def close(self) -> None:
+        """Drop every block (views already handed out stay valid)."""
+        with self._lock:
+            self._entries.clear()
+            self._used = 0
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -13,8 +13,11 @@ that is success. Where hard links are unsupported the temp file is renamed into 
 Readers therefore only ever see complete files; a file that still fails validation (bit rot,
 a foreign writer, another format version) is a miss, is deleted and is counted.
 
-Reads go straight into one uninitialised buffer per block with large sequential `readinto`
-calls; the payload is returned as a read-only slice of it (no copy), ready to be adopted by L1.
+Data moves once: a write streams the payload in 512 KiB chunks, hashing each chunk right before
+writing it (then fills in the header, which holds the checksum); a read takes the header into a
+small buffer, then streams the payload straight into its own uninitialised buffer, hashing each
+chunk right after reading it. The payload is returned read-only (no copy) and adopted as is by
+L1.
 
 Existence answers (`contains`) are cached for `exists_ttl_s`: a batched lookup over a FUSE
 mount then costs one stat per block per TTL, and a fresh miss re-checks after the TTL.
@@ -35,17 +38,20 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+import xxhash
 
 from kvtier.codec import (
     HEADER_BYTES,
     BlockMeta,
     byte_view,
+    check_payload_length,
     decode_header,
     encode_header,
+    payload_hasher,
     verify_payload,
 )
 from kvtier.errors import CodecError, TierError
@@ -61,6 +67,9 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvt"
 MANIFEST = "manifest.json"
 _EXISTS_CACHE_MAX = 1 << 16
+CHUNK_BYTES = 512 * 1024
+"""I/O and hashing granularity: large enough for sequential throughput, small enough that a
+chunk just read or about to be written is still in the CPU's L2 cache when it is hashed."""
 # link() errors meaning "this filesystem cannot hard-link", not "the write failed".
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
             errno.EXDEV}
@@ -76,28 +85,41 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def _read_exact(fd: int, view: memoryview) -> int:
-    """Fill `view` from `fd` with large reads; returns bytes read (short only at EOF)."""
+def _read_exact(fd: int, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> int:
+    """Fill `view` from `fd` chunk by chunk, hashing each chunk while it is in cache; returns
+    the bytes read (short only at EOF)."""
     done = 0
     while done < view.nbytes:
-        n = os.readv(fd, [view[done:]])
+        n = os.readv(fd, [view[done:done + CHUNK_BYTES]])
         if n == 0:
             break
+        if hasher is not None:
+            hasher.update(view[done:done + n])
         done += n
     return done
 
 
-def publish(path: str, views: list[memoryview]) -> bool:
-    """Atomically create `path` with the concatenation of `views`.
+def _write_block(fd: int, namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
+                 payload: memoryview) -> None:
+    """Header placeholder, payload chunks (hashed as they go), then the real header: one pass
+    over the payload, appends only apart from the final 4 KiB rewrite."""
+    _write_all(fd, [memoryview(bytes(HEADER_BYTES))])
+    hasher = payload_hasher()
+    for start in range(0, payload.nbytes, CHUNK_BYTES):
+        chunk = payload[start:start + CHUNK_BYTES]
+        hasher.update(chunk)
+        _write_all(fd, [chunk])
+    header = encode_header(namespace, block_hash, meta, payload, checksum=hasher.intdigest())
+    if os.pwrite(fd, header, 0) != HEADER_BYTES:
+        raise OSError(errno.EIO, "short header write")
 
-    Returns True if this call created it, False if it already existed (another writer won).
-    Raises OSError on a real I/O failure.
-    """
+
+def _publish_with(path: str, write: Callable[[int], None]) -> bool:
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         try:
-            _write_all(fd, views)
+            write(fd)
         finally:
             os.close(fd)
         try:
@@ -117,6 +139,15 @@ def publish(path: str, views: list[memoryview]) -> bool:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+
+
+def publish(path: str, views: list[memoryview]) -> bool:
+    """Atomically create `path` with the concatenation of `views`.
+
+    Returns True if this call created it, False if it already existed (another writer won).
+    Raises OSError on a real I/O failure.
+    """
+    return _publish_with(path, lambda fd: _write_all(fd, list(views)))
 
 
 class PosixTier:
@@ -174,6 +205,9 @@ class PosixTier:
         self._remember(block_hash, present, now)
         return present
 
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        return [self.contains(h) for h in hashes]
+
     def _remember(self, block_hash: BlockHash, present: bool, now: float | None = None) -> None:
         if self._ttl <= 0:
             return
@@ -192,9 +226,10 @@ class PosixTier:
                 self._remember(block_hash, True)
                 return PutResult(stored=False)
             view = byte_view(payload)
-            header = encode_header(self._namespace, block_hash, meta, view)
+            check_payload_length(meta, view.nbytes)
             self._ensure_dir(os.path.dirname(path))
-            created = publish(path, [memoryview(header), view])
+            created = _publish_with(path, lambda fd: _write_block(
+                fd, self._namespace, block_hash, meta, view))
         except OSError as exc:
             self._fault("write", exc)
             return PutResult(stored=False)
@@ -227,16 +262,18 @@ class PosixTier:
             return None
         try:
             size = os.fstat(fd).st_size
-            # Uninitialised: every byte is overwritten by the read (bytearray would zero it).
-            buf = memoryview(np.empty(max(size, HEADER_BYTES), dtype=np.uint8))
-            got = _read_exact(fd, buf[:HEADER_BYTES])
-            header = decode_header(buf[:got], namespace=self._namespace, block_hash=block_hash)
+            head = memoryview(bytearray(HEADER_BYTES))
+            got = _read_exact(fd, head)
+            header = decode_header(head[:got], namespace=self._namespace, block_hash=block_hash)
             if size != HEADER_BYTES + header.payload_bytes:
                 raise CodecError(f"file: {size} bytes, header says "
                                  f"{HEADER_BYTES} + {header.payload_bytes}")
-            payload = buf[HEADER_BYTES:size]
-            got = _read_exact(fd, payload)
-            verify_payload(header, payload[:got])
+            # Its own buffer, so L1 holds exactly the payload after promotion; uninitialised,
+            # since the read overwrites every byte (a bytearray would be zeroed first).
+            payload = np.empty(header.payload_bytes, dtype=np.uint8).data
+            hasher = payload_hasher()
+            got = _read_exact(fd, payload, hasher)
+            verify_payload(header, payload[:got], digest=hasher.intdigest())
         except CodecError as exc:
             self._discard(path, os.fstat(fd), exc)
             self._remember(block_hash, False)
@@ -251,6 +288,9 @@ class PosixTier:
         self._remember(block_hash, True)
         self._counters.add(hits=1, bytes_read=payload.nbytes)
         return StoredBlock(header.meta, payload.toreadonly())
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
+        return [self.get(h) for h in hashes]
 
     def _discard(self, path: str, opened: os.stat_result, why: CodecError) -> None:
         """Delete a bad file, unless it was meanwhile replaced by another (good) one."""
@@ -286,3 +326,6 @@ class PosixTier:
 
     def stats(self) -> TierStats:
         return self._counters.snapshot()
+
+    def close(self) -> None:
+        """Nothing to release: every call opens and closes its own file descriptors."""

@@ -166,7 +166,7 @@ class ValkeyTier:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.exists(self.key(h))
-            return pipe.execute()
+            return list(pipe.execute())  # type: ignore[no-untyped-call]
 
         found = self._call(run, "exists")
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
@@ -210,7 +210,8 @@ class ValkeyTier:
     def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult:
         view = byte_view(payload)
         value = encode_header(self._namespace, block_hash, meta, view) + view
-        created = self._call(lambda c: c.set(self.key(block_hash), value, nx=True), "set")
+        # SET NX answers None when the key exists; bool() keeps None for "the call failed".
+        created = self._call(lambda c: bool(c.set(self.key(block_hash), value, nx=True)), "set")
         if created:
             self._counters.add(stored=1, bytes_written=view.nbytes)
             return PutResult(stored=True)
@@ -225,4 +226,4 @@ class ValkeyTier:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        self._client.close()
+        self._client.close()  # type: ignore[no-untyped-call]

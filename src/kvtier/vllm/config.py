@@ -125,3 +125,18 @@ def _coerce(name: str, raw: Any, default: Any) -> Any:
         return str(raw)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{name}: cannot read {raw!r} as {type(default).__name__}") from exc
+
+
+CONNECTOR_CLASS = "KvtierConnector"
+CONNECTOR_MODULE = "kvtier.vllm.connector"
+
+
+def kv_transfer_config(config: ConnectorConfig) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` enabling the connector with `config`.
+
+    Load failures are recomputed (`kv_load_failure_policy: "recompute"`): with vLLM's default
+    ("fail") a block lost between lookup and load would fail the request.
+    """
+    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": config.as_extra_config()}

@@ -1,0 +1,409 @@
+"""Benchmark S3: routers side by side on the same replicas, in one run.
+
+    kvtier bench router --json bench_router.json
+
+Workload: `prefixes` distinct `prefix_tokens`-token documents x `suffixes` short questions,
+interleaved (p0 s0, p1 s0, ..., p7 s0, p0 s1, ...), streamed with `concurrency` requests in
+flight, against 2 vLLM replicas (1 thread each, cores 0 and 1). Each router gets fresh prefixes,
+so none profits from another's warm cache. Per router (one row):
+
+- affinity: prefix-cache hit tokens the replicas report (`vllm:prefix_cache_hits`) over the
+  most they could have (each repeat of a prefix hitting every full block it shares with the
+  prefix's first request): the fraction of repeats that landed where their prefix was cached;
+- load_max_min: most over fewest requests finished per replica (`vllm:request_success`);
+- ttft_p50_ms: median time to first token through the router;
+- overhead_p50_ms / overhead_p99_ms: the router's added latency, measured in front of two fast
+  fake replicas (separate process) as the paired difference router - direct over sequential
+  requests with the same prompts: pure routing cost, free of engine noise.
+
+Peers: the cache-aware modes of `sglang-router` and `vllm-router` (PyPI), when installed; a
+peer that cannot be started records the exact reason in its row's "error".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "sglang-router",
+           "vllm-router")
+BLOCK = 128
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----- the routers under test -----
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    url: str
+    events: str | None = None
+    """vLLM KV-event endpoint (kvaware only)."""
+
+
+def router_command(name: str, replicas: Sequence[Replica], port: int) -> list[str]:
+    """The command starting router `name` on `port` in front of `replicas`."""
+    urls = [r.url for r in replicas]
+    base = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(port), "--seed", "0"]
+    kvtier_strategy = {"kvtier-prefixaware": "prefixaware", "kvtier-kvaware": "kvaware",
+                       "roundrobin": "roundrobin", "leastload": "leastload"}
+    if name == "kvtier-kvaware":
+        return base + ["--strategy", "kvaware"] + [
+            a for r in replicas
+            for a in ("--replica", r.url + (f"={r.events}" if r.events else ""))]
+    if name in kvtier_strategy:
+        return base + ["--strategy", kvtier_strategy[name]] + [
+            a for u in urls for a in ("--replica", u)]
+    if name == "sglang-router":
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
+    if name == "vllm-router":
+        exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+        return [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                "--worker-urls", *urls]
+    raise ValueError(f"unknown router {name!r}")
+
+
+class RouterProcess:
+    """A router under test in its own process group; `stop()` ends the whole group."""
+
+    def __init__(self, name: str, replicas: Sequence[Replica], log_dir: Path) -> None:
+        self.name = name
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log_dir / f"router-{name}-{self.port}.log"
+        cmd = router_command(name, replicas, self.port)
+        if name == "vllm-router" and not Path(cmd[0]).exists():
+            raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
+        with open(self.log, "wb") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True,
+                                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    async def wait_ready(self, timeout_s: float = 120.0) -> None:
+        import aiohttp
+        deadline = time.monotonic() + timeout_s
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with code {self._proc.returncode}: "
+                                       f"{self.log.read_text()[-400:].strip()}")
+                try:
+                    async with session.get(self.url + "/health",
+                                           timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            return
+                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                    pass
+                await asyncio.sleep(0.3)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s: "
+                           f"{self.log.read_text()[-400:].strip()}")
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self._proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self._proc.wait(10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+# ----- the fast fake replica (overhead measurement) -----
+
+def _fake_replica_main(port: int) -> None:
+    """A replica that answers instantly: /health, /v1/models, /tokenize, completions."""
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": "fake", "object": "model", "max_model_len": 8192}]})
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        words = str(body.get("prompt", "")).split()
+        return web.json_response({"tokens": [hash(w) % 50000 for w in words],
+                                  "count": len(words), "max_model_len": 8192})
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "c", "object": "text_completion", "model": "fake",
+                                  "choices": [{"index": 0, "text": " ok",
+                                               "finish_reason": "length"}],
+                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1,
+                                            "total_tokens": 2}})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    log = open(log_dir / f"fake-{port}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.router", "--fake-replica",
+                             str(port)], stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    log.close()
+    return proc, f"http://127.0.0.1:{port}"
+
+
+# ----- measurements -----
+
+async def _scrape(session: Any, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out = {}
+    for name in ("vllm:prefix_cache_hits_total", "vllm:request_success_total"):
+        out[name] = sum(float(v) for v in re.findall(
+            rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: tuple[str, ...]
+    """Interleaved request prompts."""
+    ideal_hit_tokens: int
+    """Prefix-cache hit tokens if every repeat landed where its prefix was cached."""
+
+
+def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixes: int,
+                   prefix_tokens: int) -> Workload:
+    docs = []
+    for p in range(prefixes):
+        head = f"Document {tag}-{p}.\n"
+        body_ids = corpus.encode(corpus.document(prefix_tokens, seed=zlib.crc32(f"{tag}-{p}".encode())))
+        ids = corpus.encode(head) + body_ids
+        docs.append(corpus.decode(ids[:prefix_tokens]))
+    prompts, ideal = [], 0
+    for s in range(suffixes):
+        for p, doc in enumerate(docs):
+            prompt = f"{doc}\nQuestion {s}: what does document {p} say about item {s * 7 + p}?"
+            prompts.append(prompt)
+            if s > 0:
+                first = tokenizer.encode(f"{doc}\nQuestion 0: what does document {p} say "
+                                         f"about item {p}?")
+                mine = tokenizer.encode(prompt)
+                common = next((i for i, (a, b) in enumerate(zip(first, mine)) if a != b),
+                              min(len(first), len(mine)))
+                ideal += min(common, len(mine) - 1) // BLOCK * BLOCK
+    return Workload(tuple(prompts), ideal)
+
+
+async def run_workload(router_url: str, replicas: Sequence[str], model: str,
+                       workload: Workload, concurrency: int) -> dict[str, Any]:
+    import aiohttp
+
+    from kvtier.bench.client import stream_request
+    from kvtier.bench.report import percentile
+
+    async with aiohttp.ClientSession() as session:
+        before = [await _scrape(session, r) for r in replicas]
+        gate = asyncio.Semaphore(concurrency)
+        ttfts: list[float] = []
+        errors: list[str] = []
+
+        async def one(prompt: str) -> None:
+            async with gate:
+                try:
+                    outcome = await stream_request(session, router_url, {
+                        "model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0})
+                    ttfts.append(outcome.ttft_ms)
+                except Exception as exc:  # noqa: BLE001 - a failed request is a figure too
+                    errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+        tasks = []
+        for prompt in workload.prompts:  # start in order: the interleaving is the workload
+            tasks.append(asyncio.create_task(one(prompt)))
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(0.5)  # let the counters settle
+        after = [await _scrape(session, r) for r in replicas]
+    hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
+               for a, b in zip(after, before))
+    load = [a["vllm:request_success_total"] - b["vllm:request_success_total"]
+            for a, b in zip(after, before)]
+    row: dict[str, Any] = {
+        "affinity": round(hits / workload.ideal_hit_tokens, 4) if workload.ideal_hit_tokens
+        else None,
+        "load_max_min": round(max(load) / min(load), 3) if min(load) > 0 else None,
+        "load": load,
+        "ttft_p50_ms": round(percentile(ttfts, 50), 2),
+        "requests": len(workload.prompts), "failed": len(errors)}
+    if errors:
+        row["error"] = errors[0]
+    return row
+
+
+async def measure_overhead(router_url: str, direct_url: str, prompts: Sequence[str],
+                           pairs: int) -> dict[str, float]:
+    """Paired (router - direct) latency of sequential non-streaming requests."""
+    import aiohttp
+
+    from kvtier.bench.report import percentile
+
+    diffs: list[float] = []
+    async with aiohttp.ClientSession() as session:
+        async def timed(url: str, prompt: str) -> float:
+            start = time.perf_counter()
+            async with session.post(url + "/v1/completions", json={
+                    "model": "fake", "prompt": prompt, "max_tokens": 4}) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise RuntimeError(f"{url}: HTTP {resp.status}")
+            return time.perf_counter() - start
+
+        warmup = 30
+        for i in range(pairs + warmup):
+            prompt = prompts[i % len(prompts)]
+            direct = await timed(direct_url, prompt)
+            routed = await timed(router_url, prompt)
+            if i >= warmup:
+                diffs.append(1000 * (routed - direct))
+    return {"overhead_p50_ms": round(percentile(diffs, 50), 3),
+            "overhead_p99_ms": round(percentile(diffs, 99), 3)}
+
+
+# ----- orchestration -----
+
+def start_replicas(model: str, work_dir: Path) -> list[Any]:
+    from kvtier.vllm.server import ServerProcess, ServerSpec
+
+    servers = []
+    for i in range(2):
+        events = f"ipc://{work_dir}/kv-events-{i}"
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                  "topic": "kv"}
+        spec = ServerSpec(model=model, port=_free_port(), threads=1, cpu_ids=str(i),
+                          max_model_len=4096, extra_args=["--kv-events-config",
+                                                          json.dumps(config)],
+                          log_path=work_dir / f"vllm-{i}.log")
+        servers.append((ServerProcess(spec), events))
+    try:
+        for server, _ in servers:
+            server.wait_healthy(600)
+    except BaseException:
+        for server, _ in servers:
+            server.stop()
+        raise
+    return servers
+
+
+async def bench_one(name: str, replicas: list[Replica], fakes: list[Replica], model: str,
+                    workload: Workload, args: argparse.Namespace,
+                    work_dir: Path) -> dict[str, Any]:
+    row: dict[str, Any] = {"router": name}
+    try:
+        router = RouterProcess(name, replicas, work_dir)
+        try:
+            await router.wait_ready()
+            row.update(await run_workload(router.url, [r.url for r in replicas], model,
+                                          workload, args.concurrency))
+        finally:
+            router.stop()
+        router = RouterProcess(name, fakes, work_dir)
+        try:
+            await router.wait_ready()
+            row.update(await measure_overhead(router.url, fakes[0].url, workload.prompts,
+                                              args.overhead_pairs))
+        finally:
+            router.stop()
+    except Exception as exc:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
+        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from kvtier.bench.corpus import Corpus
+    from kvtier.bench.report import write_json
+    from kvtier.model import resolve_model
+
+    model_dir = resolve_model(args.model)
+    model = Path(model_dir).name
+    work_dir = Path(args.work_dir).resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    corpus = Corpus(tokenizer)
+    fake_procs = [start_fake_replica(work_dir) for _ in range(2)]
+    servers = start_replicas(model_dir, work_dir)
+    rows = []
+    try:
+        replicas = [Replica(s.url, events) for s, events in servers]
+        fakes = [Replica(url) for _, url in fake_procs]
+        for i, name in enumerate(args.routers):
+            workload = build_workload(tokenizer, corpus, f"r{i}", args.prefixes, args.suffixes,
+                                      args.prefix_tokens)
+            rows.append(asyncio.run(bench_one(name, replicas, fakes, model, workload, args,
+                                              work_dir)))
+    finally:
+        for server, _ in servers:
+            server.stop()
+        for proc, _ in fake_procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    write_json(rows, Path(args.json))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "router", help="S3: kvtier's router vs round robin, least load, sglang-router and "
+                       "vllm-router on 2 replicas",
+        description="Shared-prefix workload (distinct documents x questions, interleaved) "
+                    "through each router in front of the same 2 vLLM replicas: affinity from "
+                    "the replicas' prefix-cache counters, load spread, TTFT, and the router's "
+                    "added latency measured against fast fake replicas.")
+    p.add_argument("--json", required=True, metavar="FILE", help="write the rows here")
+    p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS),
+                   help="routers to compare (default: all)")
+    p.add_argument("--prefixes", type=int, default=8, help="distinct prefixes (default 8)")
+    p.add_argument("--suffixes", type=int, default=4,
+                   help="questions per prefix (default 4)")
+    p.add_argument("--prefix-tokens", type=int, default=1024,
+                   help="tokens per prefix (default 1024)")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="requests in flight (default 4)")
+    p.add_argument("--overhead-pairs", type=int, default=400,
+                   help="paired direct/routed requests for the overhead figure (default 400)")
+    p.add_argument("--model", metavar="DIR", help="HF model dir (default: embedded model)")
+    p.add_argument("--work-dir", default=".kvtier/bench-router",
+                   help="logs and event sockets (default .kvtier/bench-router)")
+    p.set_defaults(func=_cmd)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--fake-replica":
+        _fake_replica_main(int(sys.argv[2]))

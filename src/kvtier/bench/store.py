@@ -1,0 +1,348 @@
+"""`kvtier bench store`: the tiers' data path next to the plain copies it wraps, in one run.
+
+Every figure is GB/s (10^9 bytes/s) of block payload, the median of `--repeats` passes over
+`--blocks` distinct blocks of the embedded model's real size (256 tokens x 30 layers x K,V x
+3 heads x 64 dims x bf16 = 5,898,240 bytes; random bytes). kvtier and its baseline alternate
+within each repeat (which goes first alternates too), over the same bytes:
+
+    l1_put_gbps    TieredStore.save (admission, one copy into L1, LRU, eviction) with L1 full,
+                   i.e. in steady state; the first fill of an empty L1 is `l1_put_fill_gbps`.
+    memcpy_gbps    the same payloads copied into pre-allocated, pre-faulted buffers (the best
+                   case any copy can reach; L1 needs one copy per saved block).
+    l1_get_gbps    TieredStore.load of chains held in L1, plus copying each payload out into a
+                   pre-allocated buffer (what a consumer does with a zero-copy view).
+    l2_write_gbps  PosixTier.put: encode + xxh3 checksum + unique temp file + link into the
+                   fan-out layout, one thread.
+    raw_write_gbps open(), write() and close() of the same bytes as plain files, same directory.
+    l2_read_gbps   PosixTier.get: open, header read + validation, payload read into a fresh
+                   buffer, checksum verification.
+    raw_read_gbps  open() + read() of the plain files into a fresh buffer (Python's `f.read()`).
+
+Page cache: warm for both by default (files were just written); `--cold` syncs and drops the
+page cache before every read pass (needs root). Dirty data is synced before each timed pass,
+untimed, so one writer never pays for the other's writeback. The L2 directory defaults to a
+temporary directory under /tmp; `--l2 posix:PATH` benchmarks a mount (a fresh subdirectory of
+PATH is used and removed afterwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.codec import BlockMeta
+from kvtier.config import StoreConfig
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.store import TieredStore
+from kvtier.tiers.posix import PosixTier
+
+TARGET_RATIO = 0.7
+CHAIN_BLOCKS = 8
+"""Blocks per synthetic request chain (2,048 tokens at 256 tokens per block)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """KV shape of a model, as stored per block."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    itemsize: int = 2
+
+    def shape(self, tokens: int) -> tuple[int, ...]:
+        return (self.layers, 2, tokens, self.kv_heads, self.head_dim)
+
+    def block_bytes(self, tokens: int) -> int:
+        return self.layers * 2 * tokens * self.kv_heads * self.head_dim * self.itemsize
+
+
+EMBEDDED = Geometry("SmolLM2-135M-Instruct", layers=30, kv_heads=3, head_dim=64)
+
+
+def geometry_of(model_dir: str | None) -> Geometry:
+    """Geometry from a HF model directory's config.json; the embedded model's by default."""
+    if model_dir is None:
+        return EMBEDDED
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        return Geometry(Path(model_dir).name, layers=cfg["num_hidden_layers"],
+                        kv_heads=cfg.get("num_key_value_heads", heads),
+                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    except (OSError, KeyError, ValueError) as exc:
+        raise ConfigError(f"model: cannot read the KV geometry of {model_dir!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class StoreBenchConfig:
+    block_tokens: int = 256
+    """Tokens per block (256 = kvtier's default block)."""
+    blocks: int = 64
+    """Distinct blocks per pass (64 x 5.6 MiB = 360 MiB)."""
+    repeats: int = 7
+    """Timed passes per figure; medians are reported."""
+    l2_root: str | None = None
+    """Directory under which the L2 benchmark directory is created; None = a /tmp temp dir."""
+    cold: bool = False
+    """Drop the page cache before each read pass (root only)."""
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise ConfigError(f"block_tokens: must be positive, got {self.block_tokens}")
+        if self.blocks < 2 * CHAIN_BLOCKS or self.blocks % CHAIN_BLOCKS:
+            raise ConfigError(f"blocks: must be a multiple of {CHAIN_BLOCKS} and at least "
+                              f"{2 * CHAIN_BLOCKS}, got {self.blocks}")
+        if self.repeats <= 0:
+            raise ConfigError(f"repeats: must be positive, got {self.repeats}")
+
+
+# ---- timed steps -------------------------------------------------------------------------------
+
+def _paired(items: int, first: Callable[[int], object],
+            second: Callable[[int], object]) -> tuple[float, float]:
+    """Run `first(i)` and `second(i)` for every item, alternating which goes first, and return
+    the total seconds of each: both see the same moments of a noisy, shared machine."""
+    clock = time.perf_counter
+    totals = [0.0, 0.0]
+    for i in range(items):
+        order = ((0, first), (1, second)) if i % 2 == 0 else ((1, second), (0, first))
+        for slot, fn in order:
+            start = clock()
+            fn(i)
+            totals[slot] += clock() - start
+    return totals[0], totals[1]
+
+
+def _raw_write(paths: Sequence[str], sources: Sequence[memoryview], i: int) -> None:
+    with open(paths[i], "wb", buffering=0) as f:
+        f.write(sources[i])
+
+
+def _raw_read(paths: Sequence[str], i: int) -> None:
+    with open(paths[i], "rb", buffering=0) as f:
+        f.read()
+
+
+def _save(store: TieredStore, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
+          sources: Sequence[memoryview], i: int) -> None:
+    store.save(hashes[i], metas[i], sources[i])
+
+
+def _load_one(store: TieredStore, hashes: Sequence[BlockHash], dests: Sequence[memoryview],
+              i: int) -> None:
+    (block,) = store.load(hashes[i:i + 1])
+    dests[i][:] = block.payload
+
+
+def _put(tier: PosixTier, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
+         sources: Sequence[memoryview], i: int) -> None:
+    tier.put(hashes[i], metas[i], sources[i])
+
+
+def _get(tier: PosixTier, hashes: Sequence[BlockHash], i: int) -> None:
+    tier.get(hashes[i])
+
+
+def _clear(paths: Sequence[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _drop_page_cache() -> None:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as exc:
+        raise ConfigError(f"cold: cannot drop the page cache ({exc}); run as root or omit "
+                          "--cold") from exc
+
+
+def _chains(tag: str, n_chains: int, tokens: int, geometry: Geometry
+            ) -> tuple[list[BlockHash], list[BlockMeta]]:
+    """Hashes and metas of `n_chains` distinct request chains of CHAIN_BLOCKS blocks each."""
+    hashes: list[BlockHash] = []
+    metas: list[BlockMeta] = []
+    shape = geometry.shape(tokens)
+    for c in range(n_chains):
+        extra = extra_key(cache_salt=f"{tag}/{c}")
+        chain = block_hashes([7] * (tokens * CHAIN_BLOCKS), tokens, extra)
+        parents = [root_hash(extra), *chain[:-1]]
+        hashes += chain
+        metas += [BlockMeta(num_tokens=tokens, dtype=geometry.dtype, shape=shape, parent=p)
+                  for p in parents]
+    return hashes, metas
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
+        progress: bool = True) -> dict[str, Any]:
+    """Measure every figure of the module docstring; returns the JSON document."""
+    from tqdm import tqdm
+
+    tokens, n = config.block_tokens, config.blocks
+    size = geometry.block_bytes(tokens)
+    half = n // 2
+    rng = np.random.default_rng(20261202)
+    sources = [rng.integers(0, 256, size, dtype=np.uint8).data for _ in range(n)]
+    dests = [np.ones(size, dtype=np.uint8).data for _ in range(half)]  # pre-faulted
+
+    def memcpy(i: int) -> None:
+        dests[i % half][:] = sources[i]
+
+    identity = ModelIdentity(model=geometry.name, kv_dtype=geometry.dtype, block_tokens=tokens)
+    n_chains = n // CHAIN_BLOCKS
+    seconds: dict[str, list[float]] = {k: [] for k in (
+        "memcpy", "l1_put", "memcpy_get_pair", "l1_get", "raw_write", "l2_write", "raw_read",
+        "l2_read")}
+    bench_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=config.l2_root))
+    bar = tqdm(total=2 * config.repeats + 1, desc="bench store", unit="pass",
+               disable=not progress, file=sys.stderr)
+    try:
+        # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
+        store = TieredStore(StoreConfig(l1_bytes=half * size, l2_path=None), identity)
+        hashes, metas = _chains("fill", n_chains, tokens, geometry)
+        start = time.perf_counter()
+        for i in range(n):
+            store.save(hashes[i], metas[i], sources[i])
+        fill_s = time.perf_counter() - start
+        bar.update()
+        for r in range(config.repeats):
+            hashes, metas = _chains(f"l1/{r}", n_chains, tokens, geometry)
+            t_copy, t_put = _paired(n, memcpy, partial(_save, store, hashes, metas, sources))
+            held = hashes[-half:]  # the newest chains, which L1 holds now
+            t_copy2, t_get = _paired(half, memcpy, partial(_load_one, store, held, dests))
+            for name, t in (("memcpy", t_copy), ("l1_put", t_put),
+                            ("memcpy_get_pair", t_copy2), ("l1_get", t_get)):
+                seconds[name].append(t)
+            bar.update()
+        store.close()
+
+        # L2: the tier itself next to plain files, in the same directory tree.
+        tier = PosixTier(str(bench_dir), identity.namespace(), identity.manifest(),
+                         exists_ttl_s=0)
+        raw_dir = bench_dir / "raw"
+        raw_dir.mkdir()
+        raw_paths = [str(raw_dir / f"{i:04d}.bin") for i in range(n)]
+        # The same keys every repeat (files are deleted in between, directories stay): the
+        # steady state of a long-running L2, whose fan-out directories already exist.
+        hashes, metas = _chains("l2", n_chains, tokens, geometry)
+        for r in range(config.repeats):
+            os.sync()
+            t_raw_w, t_l2_w = _paired(n, partial(_raw_write, raw_paths, sources),
+                                      partial(_put, tier, hashes, metas, sources))
+            if config.cold:
+                _drop_page_cache()
+            else:
+                os.sync()
+            t_raw_r, t_l2_r = _paired(n, partial(_raw_read, raw_paths),
+                                      partial(_get, tier, hashes))
+            if tier.stats().hits != (r + 1) * n:
+                raise RuntimeError("L2 read back fewer blocks than were written")
+            for name, t in (("raw_write", t_raw_w), ("l2_write", t_l2_w),
+                            ("raw_read", t_raw_r), ("l2_read", t_l2_r)):
+                seconds[name].append(t)
+            _clear([tier.path(h) for h in hashes])
+            _clear(raw_paths)
+            bar.update()
+    finally:
+        bar.close()
+        shutil.rmtree(bench_dir, ignore_errors=True)
+
+    moved = {name: (half if name in ("memcpy_get_pair", "l1_get") else n) * size
+             for name in seconds}
+    gbps = {name: [round(moved[name] / t / 1e9, 3) for t in ts] for name, ts in seconds.items()}
+    med = {f"{name}_gbps": statistics.median(v) for name, v in gbps.items()}
+    ratios = {
+        "l1_put_ratio": med["l1_put_gbps"] / med["memcpy_gbps"],
+        "l1_get_ratio": med["l1_get_gbps"] / med["memcpy_get_pair_gbps"],
+        "l2_write_ratio": med["l2_write_gbps"] / med["raw_write_gbps"],
+        "l2_read_ratio": med["l2_read_gbps"] / med["raw_read_gbps"],
+    }
+    return {
+        **med,
+        "l1_put_fill_gbps": round(n * size / fill_s / 1e9, 3),
+        **{k: round(v, 3) for k, v in ratios.items()},
+        "target_ratio": TARGET_RATIO,
+        "meets_target": all(v >= TARGET_RATIO for v in ratios.values()),
+        "block_bytes": size,
+        "block_tokens": tokens,
+        "blocks_per_pass": n,
+        "repeats": config.repeats,
+        "page_cache": "cold" if config.cold else "warm",
+        "l2_root": config.l2_root or tempfile.gettempdir(),
+        "geometry": asdict(geometry),
+        "per_repeat_gbps": gbps,
+    }
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+
+def _l2_root(value: str) -> str:
+    kind, _, path = value.partition(":")
+    if kind != "posix" or not path:
+        raise argparse.ArgumentTypeError(f"expected posix:PATH, got {value!r}")
+    return path
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    config = StoreBenchConfig(block_tokens=args.block_tokens, blocks=args.blocks,
+                              repeats=args.repeats, l2_root=args.l2, cold=args.cold)
+    if args.l2 is not None and not os.path.isdir(args.l2):
+        raise ConfigError(f"l2: {args.l2!r} is not a directory")
+    result = run(config, geometry_of(args.model), progress=not args.quiet)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    summary = {k: v for k, v in result.items()
+               if k.endswith(("_gbps", "_ratio")) and isinstance(v, float)}
+    for key, value in summary.items():
+        print(f"{key:>18}  {value:8.3f}")
+    print(f"{'meets_target':>18}  {result['meets_target']} (every ratio >= {TARGET_RATIO})")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    defaults = StoreBenchConfig()
+    p = subparsers.add_parser(
+        "store", help="L1/L2 block throughput next to memcpy and plain file I/O",
+        description=__doc__.split("\n\n")[1] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", metavar="FILE", help="write all figures as JSON to FILE")
+    p.add_argument("--l2", metavar="posix:PATH", type=_l2_root, default=None,
+                   help="benchmark L2 in a fresh subdirectory of PATH (default: under /tmp)")
+    p.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
+                   help=f"tokens per block (default {defaults.block_tokens})")
+    p.add_argument("--blocks", type=int, default=defaults.blocks,
+                   help=f"distinct blocks per pass, a multiple of {CHAIN_BLOCKS} "
+                        f"(default {defaults.blocks})")
+    p.add_argument("--repeats", type=int, default=defaults.repeats,
+                   help=f"timed passes per figure; medians are reported "
+                        f"(default {defaults.repeats})")
+    p.add_argument("--cold", action="store_true",
+                   help="drop the page cache before every read pass (root only)")
+    p.add_argument("--model", metavar="DIR", default=None,
+                   help="take the KV geometry from this HF model directory "
+                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,204 @@
+"""`KvtierConnector`: kvtier's tiered store under vLLM's prefix cache, as a `KVConnectorBase_V1`.
+
+Loaded by vLLM from the transfer config (one instance in the scheduler, one per worker):
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvtierConnector",
+        "kv_connector_module_path": "kvtier.vllm.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"l1_bytes": 4294967296, "l2_path": "/mnt/kv"}}'
+
+This class only routes vLLM's hooks: scheduler-role hooks to `SchedulerSide`, worker-role hooks
+to `WorkerSide`, counters to `stats`. Loads are asynchronous (a hit waits in vLLM's
+WAITING_FOR_REMOTE_KVS while a worker thread fills its blocks), saves run on a worker thread
+after the forward pass, and a request with saves in flight keeps its blocks until they finish.
+Failed loads are reported by engine block id; with `kv_load_failure_policy: "recompute"` vLLM
+recomputes them (with vLLM's default "fail" the request fails).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError
+from kvtier.events import Tier
+from kvtier.vllm import compat, runtime
+from kvtier.vllm.compat import (
+    CacheHitSource,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorStats,
+)
+from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.metadata import KvtierMetadata
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
+from kvtier.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvtierConnector"]
+
+log = logging.getLogger(__name__)
+
+_HIT_SOURCE = {Tier.L1: CacheHitSource.HOST, Tier.L2: CacheHitSource.DISK}
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    """vLLM KV connector backed by kvtier's L1 (host memory) and L2 (shared pool)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        compat.check_version()
+        self.config = ConnectorConfig.from_sources(compat.extra_config(vllm_config))
+        geometry = compat.engine_geometry(vllm_config)
+        if self.config.block_tokens % geometry.engine_block_tokens:
+            raise ConfigError(f"block_tokens: {self.config.block_tokens} is not a multiple of "
+                              f"vLLM's block size {geometry.engine_block_tokens}")
+        model = compat.model_path(vllm_config)
+        self.counters = ConnectorCounters()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._runtimes = [
+                runtime.acquire(self.config,
+                                runtime.model_identity(self.config, geometry, model, rank),
+                                publish=False)
+                for rank in range(geometry.tp_size)]
+            self._scheduler = SchedulerSide(
+                self._runtimes, self.config.block_tokens, geometry.engine_block_tokens,
+                self.config.lookup_ttl_s, self.counters,
+                events=self.config.events_endpoint is not None,
+                block_ids_of=self._block_ids_of)
+        else:
+            rank = compat.worker_tp_rank()
+            identity = runtime.model_identity(self.config, geometry, model, rank)
+            self._runtimes = [runtime.acquire(self.config, identity, publish=rank == 0)]
+            self._worker = WorkerSide(self._runtimes[0], geometry, self.config.block_tokens,
+                                      self.config.load_threads, self.counters)
+        log.info("kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
+                 role.name, [r.namespace for r in self._runtimes], self.config.block_tokens,
+                 self.config.l1_bytes, self.config.l2_path)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss, not a lost hand-off
+
+    # ---- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KvtierMetadata):
+            self._worker_side().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker_side().start_loads(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete before the request is scheduled (asynchronous loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # whole blocks are copied after the forward pass, in `wait_for_save`
+
+    def wait_for_save(self) -> None:
+        self._worker_side().submit_saves(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_side().finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.counters.take()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+        for rt in self._runtimes:
+            runtime.release(rt)
+        self._runtimes = []
+
+    # ---- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler_side().new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request,
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        by_tier = self._scheduler_side().hit_tokens(request)
+        sources = {_HIT_SOURCE[t]: n for t, n in by_tier.items() if n}
+        if sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().finished(request), None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()  # kvtier publishes its own events (kvtier.events_wire), keyed seedlessly
+
+    # ---- stats ------------------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KvtierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _block_ids_of(self, req_id: str) -> list[int]:
+        if self._kv_cache_manager is None:
+            raise RuntimeError("kvtier: vLLM never bound its KV cache manager")
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _meta(self) -> KvtierMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KvtierMetadata):
+            raise RuntimeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
+        return meta
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvtier: worker hook called on the scheduler-side connector")
+        return self._worker
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvtier: scheduler hook called on the worker-side connector")
+        return self._scheduler

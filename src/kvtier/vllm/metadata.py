@@ -1,0 +1,54 @@
+"""What the scheduler-side connector tells the workers each step (pickled across processes).
+
+Built once per step by `SchedulerSide.build_meta` on the scheduler thread; read by
+`WorkerSide` in every worker. Engine block ids are the request's own blocks in vLLM's paged
+cache: they stay allocated to the request until the worker reports the transfer finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.events import Tier
+from kvtier.keys import BlockHash
+from kvtier.vllm.compat import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Load `hashes` (consecutive kvtier blocks) of one request into its engine blocks."""
+
+    req_id: str
+    hashes: tuple[BlockHash, ...]
+    engine_block_ids: tuple[int, ...]
+    """Destinations, `per_block` per kvtier block, minus the `skip` leading ones."""
+    skip: int
+    """Leading engine blocks of the first kvtier block already computed locally (kept)."""
+    tiers: tuple[Tier, ...]
+    """Where the lookup found each block (stats only; the load may find it elsewhere)."""
+    engine_hashes: tuple[BlockHash, ...] = ()
+    """Engine-block hashes of the loaded blocks, `per_block` per block (events; may be empty)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Offer the consecutive full kvtier blocks `hashes` of one request to the store."""
+
+    req_id: str
+    hashes: tuple[BlockHash, ...]
+    parents: tuple[BlockHash, ...]
+    engine_block_ids: tuple[int, ...]
+    """Sources, `per_block` per kvtier block."""
+    first_index: int
+    """Index of `hashes[0]` in the request's chain (prefix length for admission)."""
+    reused_blocks: int
+    """How many of the leading blocks of this request were cache hits (admission hint)."""
+    engine_hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(slots=True)
+class KvtierMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: frozenset[str] = frozenset()
+    """Requests preempted this step: their blocks are freed, pending saves must finish first."""

@@ -1,0 +1,164 @@
+"""Per-process shared state of the connector: one TieredStore (and event publisher) per namespace.
+
+vLLM builds one connector for the scheduler and one per worker. With a single worker (TP=1,
+the default `uni` executor) both live in the engine-core process, and they must share one
+store: the scheduler's lookups must see the L1 the worker fills. `acquire` hands out one
+`Runtime` per namespace per process, reference-counted; `release` closes it with the last
+user. A scheduler in a process without a worker (TP>1: workers are separate processes) gets a
+store of its own whose L1 stays empty (L1 memory is taken only by saves): it sees L2 only.
+
+Events: the store reports blocks entering/leaving L1 and L2 as kvtier hashes (one per
+`block_tokens`). The router indexes prompts at the ENGINE block size, so `HashAliases` maps each
+kvtier hash to the engine-block hashes it covers (registered by the worker before it saves or
+loads a block) and the publisher sends those. Store callbacks run on the thread that caused the
+change (worker threads, L2 I/O threads); `publish` only enqueues.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from kvtier.events import EventKind, Tier
+from kvtier.events_wire import EventPublisher
+from kvtier.keys import BlockHash, ModelIdentity, Namespace
+from kvtier.store import TieredStore
+from kvtier.vllm.compat import EngineGeometry
+from kvtier.vllm.config import ConnectorConfig
+
+log = logging.getLogger(__name__)
+
+_SAMPLE_BYTES = 1 << 20
+
+
+@lru_cache(maxsize=8)
+def weights_digest(model_dir: str) -> str:
+    """A cheap fingerprint of a local model's weights: config.json, and per weight file its
+    name, size, first and last MiB. Empty for a hub id (no local directory)."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return ""
+    h = hashlib.blake2b(digest_size=16)
+    config = root / "config.json"
+    if config.is_file():
+        h.update(config.read_bytes())
+    for path in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(0, size - _SAMPLE_BYTES))
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def model_identity(config: ConnectorConfig, geometry: EngineGeometry, model_path: str,
+                   tp_rank: int) -> ModelIdentity:
+    """The namespace identity of one TP rank's blocks."""
+    return ModelIdentity(
+        model=config.model_id or Path(model_path.rstrip("/")).name or model_path,
+        weights_digest=weights_digest(model_path),
+        kv_dtype=geometry.dtype,
+        kv_layout=geometry.layout(),
+        block_tokens=config.block_tokens,
+        tp_size=geometry.tp_size,
+        tp_rank=tp_rank,
+    )
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class HashAliases:
+    """kvtier block hash -> the engine-block hashes it covers (bounded, least recent dropped)."""
+
+    def __init__(self, capacity: int = 200_000) -> None:
+        self._capacity = capacity
+        self._map: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.unknown = 0
+        """Event hashes that had no alias (e.g. an L2 file another replica wrote)."""
+
+    def add(self, block_hash: BlockHash, engine_hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            self._map[block_hash] = tuple(engine_hashes)
+            self._map.move_to_end(block_hash)
+            while len(self._map) > self._capacity:
+                self._map.popitem(last=False)
+
+    def expand(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        out: list[BlockHash] = []
+        with self._lock:
+            for h in hashes:
+                engine = self._map.get(h)
+                if engine is None:
+                    self.unknown += 1
+                else:
+                    out.extend(engine)
+        return out
+
+
+@dataclass(slots=True)
+class Runtime:
+    """What the scheduler and worker connectors of one process share for one namespace."""
+
+    namespace: Namespace
+    store: TieredStore
+    aliases: HashAliases
+    publisher: EventPublisher | None
+    users: int = 0
+
+    def on_event(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
+        if self.publisher is None:
+            return
+        engine_hashes = self.aliases.expand(hashes)
+        if engine_hashes:
+            self.publisher.publish(kind, tier, engine_hashes)
+
+
+_lock = threading.Lock()
+_runtimes: dict[Namespace, Runtime] = {}
+
+
+def acquire(config: ConnectorConfig, identity: ModelIdentity, *, publish: bool) -> Runtime:
+    """The process's runtime for `identity`, created on first use; `publish` starts the event
+    publisher (when an endpoint is configured) if this call creates the runtime."""
+    namespace = identity.namespace()
+    with _lock:
+        runtime = _runtimes.get(namespace)
+        if runtime is None:
+            store_config = config.store_config()
+            publisher = None
+            if publish and config.events_endpoint:
+                publisher = EventPublisher(config.events_endpoint,
+                                           config.replica_id or default_replica_id())
+            runtime = Runtime(namespace=namespace, store=None,  # type: ignore[arg-type]
+                              aliases=HashAliases(), publisher=publisher)
+            runtime.store = TieredStore(store_config, identity, on_event=runtime.on_event)
+            _runtimes[namespace] = runtime
+            log.info("kvtier: store for namespace %s (L1 %d bytes, L2 %s, events %s)",
+                     namespace, store_config.l1_bytes, config.l2_path,
+                     config.events_endpoint if publisher else None)
+        runtime.users += 1
+        return runtime
+
+
+def release(runtime: Runtime) -> None:
+    """Drop one user; the last one drains queued L2 writes and closes the store."""
+    with _lock:
+        runtime.users -= 1
+        if runtime.users > 0:
+            return
+        _runtimes.pop(runtime.namespace, None)
+    runtime.store.close(drain=True, timeout_s=30.0)
+    if runtime.publisher is not None:
+        runtime.publisher.close()

@@ -1,0 +1,252 @@
+"""Scheduler-side connector: finds cached prefixes and plans loads and saves.
+
+Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
+
+    new_request(request)             once per request on arrival: start tracking it.
+    matched_tokens(request, local)   for each waiting request, possibly several times per step.
+                                     Never blocks: the first call queues a lookup on the
+                                     lookup thread and answers None ("ask again next step");
+                                     a later call answers from the finished lookup while it is
+                                     younger than `lookup_ttl_s`. No side effects on the store.
+    after_alloc(request, blocks, n)  once blocks are allocated for an external hit: plans the
+                                     load (asynchronous: the request waits in vLLM's
+                                     WAITING_FOR_REMOTE_KVS until the worker reports it).
+    build_meta(scheduler_output)     every step: the planned loads, plus saves of every full
+                                     kvtier block the step completes.
+    finished(request)                once per request: True keeps its blocks allocated until
+                                     the workers report its saves done (`get_finished`).
+
+Counting rules: only full kvtier blocks, only the longest contiguous prefix that exists now,
+and never the last prompt token (vLLM must compute at least one token to sample from).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.events import Tier
+from kvtier.keys import BlockHash, block_hashes, root_hash
+from kvtier.vllm import compat
+from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.runtime import Runtime
+from kvtier.vllm.stats import ConnectorCounters
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Lookup:
+    n_hashes: int
+    future: Future[list[Tier]]
+    done_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """What the scheduler side remembers about one live request."""
+
+    request: Request
+    extra: bytes
+    hashes: list[BlockHash] = field(default_factory=list)
+    engine_hashes: list[BlockHash] = field(default_factory=list)
+    lookup: _Lookup | None = None
+    local_tokens: int = 0
+    """Block-aligned local (L0) hit given to the last `matched_tokens` that found more."""
+    found: list[Tier] = field(default_factory=list)
+    handled_blocks: int = 0
+    """Leading kvtier blocks already offered to the store."""
+    hit_blocks: int = 0
+    """Leading kvtier blocks that were cache hits (L0 or external)."""
+    has_saves: bool = False
+    hit_tokens: dict[Tier, int] = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, runtimes: Sequence[Runtime], block_tokens: int, engine_block_tokens: int,
+                 lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
+                 block_ids_of: Callable[[str], list[int]]) -> None:
+        """`runtimes`: one per TP rank (a block counts only if every rank has it);
+        `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
+        self._runtimes = list(runtimes)
+        self._block = block_tokens
+        self._engine_block = engine_block_tokens
+        self._per_block = block_tokens // engine_block_tokens
+        self._ttl = lookup_ttl_s
+        self._counters = counters
+        self._events = events
+        self._block_ids_of = block_ids_of
+        self._tracked: dict[str, _Tracked] = {}
+        self._loads: list[LoadSpec] = []
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+
+    # ---- vLLM hooks ---------------------------------------------------------------------
+
+    def new_request(self, request: Request) -> None:
+        """Every request is tracked from arrival: one served wholly from L0 still saves."""
+        self._track(request)
+
+    def matched_tokens(self, request: Request, local_tokens: int) -> tuple[int | None, bool]:
+        tokens = compat.request_token_ids(request)
+        if tokens is None:
+            return 0, False
+        usable = (len(tokens) - 1) // self._block  # never the last token
+        if usable * self._block <= local_tokens:
+            return 0, False  # L0 already covers everything we could offer
+        tracked = self._track(request)
+        self._extend_hashes(tracked, tokens, usable)
+        lookup = tracked.lookup
+        now = time.monotonic()
+        if (lookup is None or lookup.n_hashes < usable
+                or (lookup.done_at is not None and now - lookup.done_at > self._ttl)):
+            tracked.lookup = self._submit(tracked.hashes[:usable])
+            return None, False
+        if not lookup.future.done():
+            return None, False
+        found = lookup.future.result()[:usable] if lookup.future.exception() is None else []
+        matched = len(found) * self._block
+        if matched <= local_tokens:
+            return 0, False
+        tracked.local_tokens = local_tokens
+        tracked.found = found
+        return matched - local_tokens, True
+
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        if num_external == 0:
+            return
+        tracked = self._tracked[request.request_id]
+        local = tracked.local_tokens
+        first, last = local // self._block, (local + num_external) // self._block
+        skip = (local % self._block) // self._engine_block
+        ids = compat.block_ids(blocks)
+        p = self._per_block
+        tiers = tuple(tracked.found[first:last])
+        self._loads.append(LoadSpec(
+            req_id=request.request_id, hashes=tuple(tracked.hashes[first:last]),
+            engine_block_ids=tuple(ids[first * p + skip:last * p]), skip=skip, tiers=tiers,
+            engine_hashes=tuple(tracked.engine_hashes[first * p:last * p])))
+        hit_tokens: dict[Tier, int] = {}
+        for i, tier in enumerate(tiers):
+            n = self._block - (skip * self._engine_block if i == 0 else 0)
+            hit_tokens[tier] = hit_tokens.get(tier, 0) + n
+        tracked.hit_tokens = hit_tokens
+        self._counters.add(hit_tokens_l1=hit_tokens.get(Tier.L1, 0),
+                           hit_tokens_l2=hit_tokens.get(Tier.L2, 0))
+        # Loaded blocks stay unhandled: the save plan offers them again once computed, and the
+        # saver skips those the store holds, so a block whose load failed is saved after vLLM
+        # recomputes it.
+        tracked.hit_blocks = max(tracked.hit_blocks, last)
+        tracked.lookup = None
+
+    def hit_tokens(self, request: Request) -> dict[Tier, int]:
+        """Tokens of the planned load per tier (for vLLM's per-source hit metrics)."""
+        tracked = self._tracked.get(request.request_id)
+        return dict(tracked.hit_tokens) if tracked is not None else {}
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
+        meta = KvtierMetadata(loads=self._loads,
+                              preempted=frozenset(scheduler_output.preempted_req_ids or ()))
+        self._loads = []
+        for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            spec = self._plan_save(tracked, n_scheduled)
+            if spec is not None:
+                meta.saves.append(spec)
+        return meta
+
+    def finished(self, request: Request) -> bool:
+        tracked = self._tracked.pop(request.request_id, None)
+        return tracked is not None and tracked.has_saves
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _track(self, request: Request) -> _Tracked:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            tracked = _Tracked(request=request, extra=compat.request_extra(request))
+            self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _extend_hashes(self, tracked: _Tracked, tokens: Sequence[int], n_blocks: int) -> None:
+        have = len(tracked.hashes)
+        if n_blocks > have:
+            parent = tracked.hashes[-1] if have else None
+            start = have * self._block
+            tracked.hashes += block_hashes(tokens[start:n_blocks * self._block], self._block,
+                                           tracked.extra, parent)
+        if self._events:
+            n_engine = n_blocks * self._per_block
+            have_e = len(tracked.engine_hashes)
+            if n_engine > have_e:
+                parent = tracked.engine_hashes[-1] if have_e else None
+                start = have_e * self._engine_block
+                tracked.engine_hashes += block_hashes(
+                    tokens[start:n_engine * self._engine_block], self._engine_block,
+                    tracked.extra, parent)
+
+    def _submit(self, hashes: list[BlockHash]) -> _Lookup:
+        lookup = _Lookup(n_hashes=len(hashes), future=self._lookups.submit(self._lookup, hashes))
+
+        def stamp(_: Future[list[Tier]]) -> None:
+            lookup.done_at = time.monotonic()
+
+        lookup.future.add_done_callback(stamp)
+        return lookup
+
+    def _lookup(self, hashes: list[BlockHash]) -> list[Tier]:
+        """Longest prefix every TP rank holds; a block's tier is the farthest among ranks."""
+        found: list[Tier] | None = None
+        for runtime in self._runtimes:
+            tiers = runtime.store.lookup(hashes if found is None else hashes[:len(found)])
+            found = tiers if found is None else [max(a, b, key=_TIER_ORDER.__getitem__)
+                                                 for a, b in zip(found, tiers)]
+            if not found:
+                break
+        return found or []
+
+    def _plan_save(self, tracked: _Tracked, n_scheduled: int) -> SaveSpec | None:
+        """The kvtier blocks this step completes (KV computed by its forward pass)."""
+        tokens = compat.request_token_ids(tracked.request)
+        if tokens is None:
+            return None
+        computed = tracked.request.num_computed_tokens + n_scheduled
+        full = min(computed, len(tokens)) // self._block
+        if full <= tracked.handled_blocks:
+            return None
+        if tracked.handled_blocks == 0 and tracked.request.num_computed_tokens > 0:
+            # L0 hit: those blocks were computed (and offered to the store) by earlier requests.
+            tracked.hit_blocks = tracked.request.num_computed_tokens // self._block
+        self._extend_hashes(tracked, tokens, full)
+        first = tracked.handled_blocks
+        ids = self._block_ids_of(tracked.request.request_id)
+        p = self._per_block
+        if len(ids) < full * p:
+            log.warning("kvtier: request %s has %d blocks, expected >= %d; not saving",
+                        tracked.request.request_id, len(ids), full * p)
+            return None
+        parent = tracked.hashes[first - 1] if first else root_hash(tracked.extra)
+        hashes = tuple(tracked.hashes[first:full])
+        tracked.handled_blocks = full
+        tracked.has_saves = True
+        return SaveSpec(req_id=tracked.request.request_id, hashes=hashes,
+                        parents=(parent, *hashes[:-1]),
+                        engine_block_ids=tuple(ids[first * p:full * p]), first_index=first,
+                        reused_blocks=tracked.hit_blocks,
+                        engine_hashes=tuple(tracked.engine_hashes[first * p:full * p]))
+
+
+_TIER_ORDER = {Tier.L0: 0, Tier.L1: 1, Tier.L2: 2}

@@ -1,0 +1,166 @@
+"""Moving kvtier blocks between vLLM's paged KV tensors and contiguous host payloads.
+
+A kvtier block of `block_tokens` tokens is `per_block` consecutive engine blocks. Its payload
+keeps each engine block's bytes verbatim, layer by layer:
+
+    payload[layer, j] = kv_cache[layer][engine_block_ids[j]]      shape (layers, per_block, *engine)
+
+so no layout is interpreted or converted, and a block written by one replica is byte-for-byte
+what another replica with the same namespace (same backend, geometry, dtype) reads.
+
+Called only from the worker side's background threads (`worker_side`): `gather` by the saver,
+`scatter` by the loader. On CPU both are plain `index_select` / `index_copy_`. On CUDA, `gather`
+copies device blocks into a pinned host buffer and `scatter` stages the payload in a pinned
+buffer, each on a side stream with a non-blocking copy, synchronising only that stream; the
+forward pass on the default stream is never blocked. (CI has no GPU: the CUDA path is not run.)
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """Shape of one kvtier block's payload."""
+
+    num_layers: int
+    per_block: int
+    """Engine blocks per kvtier block."""
+    engine_block_shape: tuple[int, ...]
+    """Shape of one engine block in one layer's KV tensor (e.g. heads, 128, 2 x head_size)."""
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_layers, self.per_block, *self.engine_block_shape)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def payload_bytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _layer_order(name: str) -> tuple[object, ...]:
+    """Natural sort key: "layers.10" after "layers.9"."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+class PagedKV:
+    """The registered per-layer KV tensors of one worker (one TP rank)."""
+
+    def __init__(self, kv_caches: Mapping[str, torch.Tensor], per_block: int) -> None:
+        if not kv_caches:
+            raise ConfigError("kv_caches: vLLM registered no KV cache tensors")
+        names = sorted(kv_caches, key=_layer_order)
+        self.layers = [kv_caches[n] for n in names]
+        first = self.layers[0]
+        for name, t in zip(names, self.layers):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ConfigError(f"kv_caches: layer {name} has shape {tuple(t.shape)} "
+                                  f"{t.dtype}, unlike {tuple(first.shape)} {first.dtype}")
+        self.device = first.device
+        self.layout = BlockLayout(num_layers=len(self.layers), per_block=per_block,
+                                  engine_block_shape=tuple(first.shape[1:]), dtype=first.dtype)
+        self._cuda = _CudaStaging(self.layout) if self.device.type == "cuda" else None
+
+    @property
+    def num_engine_blocks(self) -> int:
+        return int(self.layers[0].shape[0])
+
+    def new_host_buffer(self) -> torch.Tensor:
+        """A host tensor shaped like one payload (pinned when the cache is on CUDA)."""
+        return torch.empty(self.layout.shape, dtype=self.layout.dtype,
+                           pin_memory=self._cuda is not None)
+
+    def gather(self, engine_block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy the engine blocks of one kvtier block into `out` (a host buffer)."""
+        self._check_ids(engine_block_ids, self.layout.per_block)
+        if self._cuda is not None:
+            self._cuda.gather(self.layers, engine_block_ids, out)
+            return
+        idx = torch.tensor(engine_block_ids, dtype=torch.long)
+        for layer, t in enumerate(self.layers):
+            torch.index_select(t, 0, idx, out=out[layer])
+
+    def scatter(self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0) -> None:
+        """Write a payload into the engine blocks; the first `skip` engine blocks of the kvtier
+        block are left alone (they already hold locally computed KV)."""
+        self._check_ids(engine_block_ids, self.layout.per_block - skip)
+        if not engine_block_ids:
+            return
+        if self._cuda is not None:
+            self._cuda.scatter(self.layers, src, engine_block_ids, skip)
+            return
+        idx = torch.tensor(engine_block_ids, dtype=torch.long)
+        for layer, t in enumerate(self.layers):
+            t.index_copy_(0, idx, src[layer, skip:])
+
+    def _check_ids(self, ids: Sequence[int], expected: int) -> None:
+        if len(ids) != expected:
+            raise ValueError(f"expected {expected} engine block ids, got {len(ids)}")
+        n = self.num_engine_blocks
+        if any(not 0 <= i < n for i in ids):
+            raise ValueError(f"engine block id outside 0..{n - 1}: {list(ids)}")
+
+
+def payload_view(payload: memoryview, layout: BlockLayout) -> torch.Tensor:
+    """A tensor over a stored payload's bytes (zero-copy; the caller only reads it)."""
+    if payload.nbytes != layout.payload_bytes:
+        raise ValueError(f"payload has {payload.nbytes} bytes, layout needs "
+                         f"{layout.payload_bytes}")
+    with warnings.catch_warnings():  # read-only buffers warn; the view is never written
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(payload, dtype=torch.uint8)
+    return raw.view(layout.dtype).view(layout.shape)
+
+
+def host_bytes(buffer: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous host tensor, as the store's `save` takes them."""
+    return memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+
+
+class _CudaStaging:
+    """Pinned staging and a side stream for device<->host block copies (CUDA only)."""
+
+    def __init__(self, layout: BlockLayout) -> None:
+        self.layout = layout
+        self.stream = torch.cuda.Stream()
+        self.staging = torch.empty(layout.shape, dtype=layout.dtype, pin_memory=True)
+        self._lock = threading.Lock()  # one stream and one staging buffer: one copy at a time
+
+    def gather(self, layers: Sequence[torch.Tensor], ids: Sequence[int],
+               out: torch.Tensor) -> None:
+        device = layers[0].device
+        with self._lock, torch.cuda.stream(self.stream):
+            # The forward writes these blocks on the default stream: order after it.
+            self.stream.wait_stream(torch.cuda.default_stream(device))
+            idx = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+            for layer, t in enumerate(layers):
+                out[layer].copy_(torch.index_select(t, 0, idx), non_blocking=True)
+            self.stream.synchronize()
+
+    def scatter(self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int],
+                skip: int) -> None:
+        device = layers[0].device
+        with self._lock, torch.cuda.stream(self.stream):
+            self.staging.copy_(src)
+            idx = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+            for layer, t in enumerate(layers):
+                block = self.staging[layer, skip:].to(device, non_blocking=True)
+                t.index_copy_(0, idx, block)
+            self.stream.synchronize()

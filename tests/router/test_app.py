@@ -1,0 +1,312 @@
+"""The router's HTTP behaviour against in-process fake replicas: passthrough, failover,
+streaming failures, counters, bad input, auth, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.router.router_fixtures import (
+    MAX_MODEL_LEN, MODEL, SSE_CHUNKS, completion, dumps, fakes, running_router, sse_bytes,
+)
+
+LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
+
+
+def run(coro):  # noqa: ANN001, ANN201 - test helper
+    return asyncio.run(asyncio.wait_for(coro, timeout=60))
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_flight(rr) -> dict[str, int]:  # noqa: ANN001
+    return {r.name: r.in_flight for r in rr.router.fleet}
+
+
+def queued(rr) -> dict[str, int]:  # noqa: ANN001
+    return {r.name: r.queued_prefill_tokens for r in rr.router.fleet}
+
+
+# ----- passthrough -----
+
+def test_non_streaming_response_is_passed_through_with_the_chosen_replica() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a]) as rr:
+            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvtier-replica"] == a.url
+                assert (await resp.json())["served_by"] == a.url
+            assert a.received == [completion()]
+            assert in_flight(rr) == {a.url: 0} and queued(rr) == {a.url: 0}
+    run(scenario())
+
+
+def test_streaming_response_is_relayed_byte_for_byte() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a]) as rr:
+            async with rr.client.post(rr.url + "/v1/chat/completions", json={
+                    "model": MODEL, "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}]}) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                assert await resp.read() == sse_bytes()
+    run(scenario())
+
+
+def test_models_and_health_and_metrics_endpoints_answer() -> None:
+    async def scenario() -> None:
+        async with fakes("ok", "ok") as reps, running_router(reps) as rr:
+            await rr.client.post(rr.url + "/v1/completions", json=completion())
+            async with rr.client.get(rr.url + "/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+            async with rr.client.get(rr.url + "/health") as resp:
+                doc = await resp.json()
+                assert resp.status == 200 and sorted(doc["healthy_replicas"]) == \
+                    sorted(r.url for r in reps)
+            async with rr.client.get(rr.url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' \
+                in text
+            assert 'kvtier_router_decisions_total{reason="cold",strategy="prefixaware"} 1.0' \
+                in text
+            for name in ("kvtier_router_request_seconds_bucket", "kvtier_router_in_flight{",
+                         "kvtier_router_index_blocks{", "kvtier_router_overhead_seconds_count",
+                         "kvtier_router_replica_healthy{"):
+                assert name in text
+    run(scenario())
+
+
+# ----- routing -----
+
+def test_prefixaware_sends_a_repeated_long_prompt_to_the_same_replica() -> None:
+    async def scenario() -> None:
+        async with fakes("ok", "ok") as reps, running_router(reps) as rr:
+            chosen = []
+            for suffix in ("one", "two", "three", "four"):
+                async with rr.client.post(rr.url + "/v1/completions",
+                                          json=completion(LONG_PROMPT + suffix)) as resp:
+                    chosen.append(resp.headers["x-kvtier-replica"])
+            assert len(set(chosen)) == 1
+    run(scenario())
+
+
+def test_session_strategy_sticks_to_the_header_session() -> None:
+    async def scenario() -> None:
+        async with fakes("ok", "ok", "ok") as reps, \
+                running_router(reps, strategy="session") as rr:
+            chosen = set()
+            for i in range(5):
+                async with rr.client.post(rr.url + "/v1/completions",
+                                          json=completion(f"q{i}"),
+                                          headers={"x-session-id": "alice"}) as resp:
+                    chosen.add(resp.headers["x-kvtier-replica"])
+            assert len(chosen) == 1
+    run(scenario())
+
+
+# ----- failover -----
+
+@pytest.mark.parametrize("bad_mode", ["error500", "reset", "hang", "stopped"])
+def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str) -> None:
+    async def scenario() -> None:
+        async with fakes("ok" if bad_mode == "stopped" else bad_mode, "ok") as (bad, good), \
+                running_router([bad, good], strategy="roundrobin", read_timeout_s=0.5) as rr:
+            if bad_mode == "stopped":
+                await bad.stop()
+            for _ in range(2):  # round robin visits the bad replica first or second
+                async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-kvtier-replica"] == good.url
+            assert in_flight(rr) == {bad.url: 0, good.url: 0}
+            assert queued(rr) == {bad.url: 0, good.url: 0}
+            text = rr.router.metrics.render().decode()
+            assert f'kvtier_router_failovers_total{{replica="{bad.url}"}} 1.0' in text
+    run(scenario())
+
+
+def test_every_replica_failing_is_a_502_with_an_openai_error() -> None:
+    async def scenario() -> None:
+        async with fakes("error500", "error500") as reps, running_router(reps) as rr:
+            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
+                assert resp.status == 502
+                error = (await resp.json())["error"]
+                assert error["code"] == "upstream_failed" and error["type"] == "upstream_error"
+            assert sorted(len(r.received) for r in reps) == [1, 1]  # each tried exactly once
+            assert in_flight(rr) == {r.url: 0 for r in reps}
+    run(scenario())
+
+
+def test_no_healthy_replica_is_a_503() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a]) as rr:
+            a.healthy = False
+            await wait_for(lambda: not rr.router.fleet[a.url].healthy, "replica down")
+            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
+                assert resp.status == 503
+                assert (await resp.json())["error"]["code"] == "no_healthy_replica"
+            async with rr.client.get(rr.url + "/health") as resp:
+                assert resp.status == 503
+    run(scenario())
+
+
+def test_a_replica_going_down_is_purged_from_the_index_and_comes_back() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a]) as rr:
+            await rr.client.post(rr.url + "/v1/completions", json=completion(LONG_PROMPT))
+            assert len(rr.router.policy.speculative) > 0
+            a.healthy = False
+            await wait_for(lambda: len(rr.router.policy.speculative) == 0, "index purge")
+            a.healthy = True
+            await wait_for(lambda: rr.router.fleet[a.url].healthy, "replica back")
+    run(scenario())
+
+
+# ----- streams that end badly -----
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+    async def scenario() -> None:
+        async with fakes("die_mid_stream") as (a,), running_router([a]) as rr:
+            async with rr.client.post(rr.url + "/v1/completions",
+                                      json=completion(stream=True)) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+            assert body.startswith(SSE_CHUNKS[0])
+            event = json.loads(body[len(SSE_CHUNKS[0]):].removeprefix(b"data: "))
+            assert event["error"]["type"] == "upstream_error"
+            assert in_flight(rr) == {a.url: 0}
+            text = rr.router.metrics.render().decode()
+            assert 'kvtier_router_stream_errors_total{cause="upstream"} 1.0' in text
+    run(scenario())
+
+
+def test_a_client_leaving_mid_stream_releases_the_in_flight_counter() -> None:
+    async def scenario() -> None:
+        async with fakes("slow_stream") as (a,), running_router([a]) as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions",
+                                        json=completion(LONG_PROMPT, stream=True))
+            assert await resp.content.readany() == SSE_CHUNKS[0]
+            assert in_flight(rr) == {a.url: 1}
+            assert queued(rr) == {a.url: 0}  # the first byte came back
+            resp.close()  # the client hangs up mid-stream
+            await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
+            a.release.set()
+    run(scenario())
+
+
+def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte() -> None:
+    async def scenario() -> None:
+        async with fakes("hang") as (a,), running_router([a], read_timeout_s=30) as rr:
+            task = asyncio.create_task(rr.client.post(rr.url + "/v1/completions",
+                                                      json=completion(LONG_PROMPT)))
+            tokens = len(rr.router.tokenizer.completion_tokens(completion(LONG_PROMPT)))
+            await wait_for(lambda: in_flight(rr) == {a.url: 1}, "request in flight")
+            assert queued(rr) == {a.url: tokens}
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
+            assert queued(rr) == {a.url: 0}
+    run(scenario())
+
+
+# ----- bad input -----
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", dumps({"prompt": "x"}), 400, "model"),
+    ("/v1/completions", dumps({"model": MODEL}), 400, "prompt"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": 5}), 400, "prompt"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "stream": "yes"}), 400, "stream"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}), 400,
+     "max_tokens"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}), 400,
+     "max_tokens"),
+    ("/v1/completions", dumps({"model": 7, "prompt": "x"}), 400, "model"),
+    ("/v1/completions", dumps({"model": "gpt-9", "prompt": "x"}), 404, "model"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "hi " * MAX_MODEL_LEN}), 400,
+     "prompt"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+     400, "prompt"),
+    ("/v1/chat/completions", dumps({"model": MODEL, "messages": "hi"}), 400, "messages"),
+    ("/v1/chat/completions", dumps({"model": MODEL, "messages": []}), 400, "messages"),
+    ("/v1/chat/completions", dumps({"model": MODEL, "messages": [{"content": "x"}]}), 400,
+     "messages[0]"),
+    ("/v1/chat/completions", dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": 3}]}), 400, "messages[0].content"),
+    ("/v1/chat/completions", dumps({"model": MODEL, "tools": "x", "messages": [
+        {"role": "user", "content": "x"}]}), 400, "tools"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_input_gets_a_4xx_openai_error_and_reaches_no_replica(
+        path: str, body: bytes, status: int, param: str | None) -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a]) as rr:
+            async with rr.client.post(rr.url + path, data=body,
+                                      headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == status
+                error = (await resp.json())["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["param"] == param
+            assert a.received == []
+            # the router still serves
+            async with rr.client.post(rr.url + path.replace("chat/", ""),
+                                      json=completion()) as resp:
+                assert resp.status == 200
+    run(scenario())
+
+
+def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a], max_body_bytes=1024) as rr:
+            for method, path, body, status in [
+                    ("POST", "/v1/completions", b"x" * 4096, 413),
+                    ("POST", "/v1/nothing", b"{}", 404),
+                    ("GET", "/v1/completions", b"", 405)]:
+                async with rr.client.request(method, rr.url + path, data=body) as resp:
+                    assert resp.status == status
+                    assert set((await resp.json())["error"]) == {"message", "type", "param",
+                                                                 "code"}
+    run(scenario())
+
+
+def test_api_key_is_required_on_v1_but_not_on_health() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a], api_key="s3cret") as rr:
+            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
+                assert resp.status == 401
+                assert (await resp.json())["error"]["code"] == "invalid_api_key"
+            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                      headers={"Authorization": "Bearer wrong"}) as resp:
+                assert resp.status == 401
+            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                      headers={"Authorization": "Bearer s3cret"}) as resp:
+                assert resp.status == 200
+            async with rr.client.get(rr.url + "/health") as resp:
+                assert resp.status == 200
+    run(scenario())
+
+
+def test_many_concurrent_requests_leave_every_counter_at_zero() -> None:
+    async def scenario() -> None:
+        async with fakes("ok", "error500", "ok") as reps, running_router(reps) as rr:
+            async def one(i: int) -> int:
+                async with rr.client.post(rr.url + "/v1/completions",
+                                          json=completion(f"p{i % 3} " + LONG_PROMPT,
+                                                          stream=i % 2 == 0)) as resp:
+                    await resp.read()
+                    return resp.status
+            statuses = await asyncio.gather(*(one(i) for i in range(30)))
+            assert statuses == [200] * 30
+            assert set(in_flight(rr).values()) == {0} and set(queued(rr).values()) == {0}
+    run(scenario())
+

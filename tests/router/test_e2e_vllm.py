@@ -1,0 +1,232 @@
+"""The router in front of two real vLLM replicas serving the embedded model.
+
+One module-scoped fixture starts both engines (1 thread each, pinned to cores 0 and 1) with
+vLLM's own KV events on IPC sockets; tests start routers in threads in front of them. The
+failover test kills a replica and restarts it, so it runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.keys import block_hashes
+from kvtier.model import resolve_model
+from kvtier.router.config import ReplicaConfig, RouterConfig
+from kvtier.router.tokenize import Tokenizer
+from kvtier.vllm.server import ServerProcess, ServerSpec
+from tests.router.router_fixtures import RouterThread
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 128
+MAX_LEN = 4096
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Engine:
+    spec: ServerSpec
+    events: str
+    process: ServerProcess
+
+    @property
+    def url(self) -> str:
+        return self.process.url
+
+    def restart(self) -> None:
+        self.process.stop()
+        self.process = ServerProcess(self.spec)
+        self.process.wait_healthy(600)
+
+    def prefix_hits(self) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(float(m) for m in re.findall(
+            r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
+    model = resolve_model(None)
+    tmp = tmp_path_factory.mktemp("vllm")
+    engines: list[Engine] = []
+    try:
+        for i in range(2):
+            events = f"ipc://{tmp}/kv-events-{i}"
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                      "topic": "kv"}
+            spec = ServerSpec(model=model, port=_free_port(), threads=1, cpu_ids=str(i),
+                              max_model_len=MAX_LEN,
+                              extra_args=["--kv-events-config", json.dumps(config)],
+                              log_path=Path(tmp, f"vllm-{i}.log"))
+            engines.append(Engine(spec, events, ServerProcess(spec)))
+        for engine in engines:
+            engine.process.wait_healthy(600)
+        yield engines
+    finally:
+        for engine in engines:
+            engine.process.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(resolve_model(None), BLOCK)
+
+
+def router_config(engines: list[Engine], strategy: str, events: bool = False) -> RouterConfig:
+    return RouterConfig(
+        replicas=tuple(ReplicaConfig(e.url, vllm_events=e.events if events else None)
+                       for e in engines),
+        strategy=strategy, port=0, health_interval_s=0.5, seed=1)
+
+
+def model_name() -> str:
+    return Path(resolve_model(None)).name
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def post(url: str, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"model": model_name(), **body},
+                      timeout=timeout)
+
+
+def test_shared_prefix_requests_land_where_the_prefix_is_cached(
+        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    prefixes = {p: token_prompt(p, 4 * BLOCK) for p in range(3)}
+    before = [e.prefix_hits() for e in engines]
+    chosen: dict[int, set[str]] = {p: set() for p in prefixes}
+    with RouterThread(router_config(engines, "prefixaware"), tokenizer) as rt:
+        for suffix in range(3):
+            for p, prefix in prefixes.items():
+                resp = post(rt.url, {"prompt": prefix + token_prompt(100 + suffix, 20),
+                                     "max_tokens": 2})
+                assert resp.status_code == 200, resp.text
+                chosen[p].add(resp.headers["x-kvtier-replica"])
+    assert all(len(replicas) == 1 for replicas in chosen.values()), chosen
+    hits = sum(e.prefix_hits() - b for e, b in zip(engines, before))
+    assert hits >= len(prefixes) * 2 * 4 * BLOCK  # every repeat hit its 4 cached blocks
+
+
+def _normalize(sse: bytes) -> bytes:
+    sse = re.sub(rb'"id":"[^"]*"', b'"id":"X"', sse)
+    return re.sub(rb'"created":\d+', b'"created":0', sse)
+
+
+def test_streaming_through_the_router_matches_a_direct_stream_byte_for_byte(
+        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    body = {"model": model_name(), "prompt": "The capital of France is", "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    with RouterThread(router_config(engines, "roundrobin"), tokenizer) as rt:
+        with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as resp:
+            via_router = resp.read()
+            replica = resp.headers["x-kvtier-replica"]
+    with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=120) as resp:
+        direct = resp.read()
+    assert via_router.endswith(b"data: [DONE]\n\n")
+    assert _normalize(via_router) == _normalize(direct)
+
+
+def test_chat_with_tools_and_bad_input_through_the_router(
+        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "weather", "description": "w",
+                                               "parameters": {"type": "object"}}}]
+    with RouterThread(router_config(engines, "prefixaware"), tokenizer) as rt:
+        chat = {"model": model_name(), "max_tokens": 4, "tools": tools, "tool_choice": "none",
+                "messages": [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+        ok = httpx.post(rt.url + "/v1/chat/completions", timeout=120, json=chat)
+        assert ok.status_code == 200, ok.text
+        # the router tokenized exactly as the engine did (template, tools, content parts)
+        assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.chat_tokens(chat))
+        for body, status, param in [
+                ({"prompt": "x" * 10}, 400, "model"),
+                ({"model": "nope", "prompt": "x"}, 404, "model"),
+                ({"model": model_name(), "prompt": token_prompt(1, MAX_LEN)}, 400, "prompt"),
+                ({"model": model_name(), "prompt": "x", "max_tokens": -3}, 400,
+                 "max_tokens")]:
+            resp = httpx.post(rt.url + "/v1/completions", json=body, timeout=60)
+            assert resp.status_code == status, resp.text
+            assert resp.json()["error"]["param"] == param
+        bad = httpx.post(rt.url + "/v1/completions", content=b"{oops", timeout=60)
+        assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type",
+                                                                        "param", "code"}
+
+
+def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
+        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    with RouterThread(router_config(engines, "kvaware", events=True), tokenizer) as rt:
+        # learn where a prefix lives, through vLLM's own KV events re-hashed router-side
+        prefix = token_prompt(7, 3 * BLOCK)
+        resp = post(rt.url, {"prompt": prefix + [11, 12], "max_tokens": 2})
+        victim = next(e for e in engines if e.url == resp.headers["x-kvtier-replica"])
+        survivor = next(e for e in engines if e is not victim)
+        hashes = block_hashes(prefix, BLOCK)
+        for _ in range(100):
+            if len(rt.call(lambda: rt.router.index.match(hashes).get(victim.url, []))) == 3:
+                break
+            time.sleep(0.1)
+        assert len(rt.call(lambda: rt.router.index.match(hashes)[victim.url])) == 3
+
+        # a long stream on the victim, killed mid-stream: ends with an error event
+        body = {"model": model_name(), "prompt": prefix + [13], "max_tokens": 2000,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", rt.url + "/v1/completions", json=body,
+                          timeout=httpx.Timeout(120)) as stream:
+            assert stream.headers["x-kvtier-replica"] == victim.url
+            chunks = stream.iter_raw()
+            first = next(chunks)
+            assert first.startswith(b"data: ")
+            victim.process.kill()
+            rest = b"".join(chunks)
+        last_event = rest.strip().split(b"\n\n")[-1]
+        assert json.loads(last_event.removeprefix(b"data: "))["error"]["type"] == \
+            "upstream_error"
+
+        # requests for the victim's prefix now succeed on the survivor, with no client error
+        for i in range(3):
+            resp = post(rt.url, {"prompt": prefix + [20 + i], "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvtier-replica"] == survivor.url
+
+        # the dead replica's index entries are purged
+        for _ in range(100):
+            if victim.url not in rt.call(lambda: rt.router.index.replicas()):
+                break
+            time.sleep(0.1)
+        assert victim.url not in rt.call(lambda: rt.router.index.replicas())
+
+        # restarted, it is healthy again and its entries come back from fresh events
+        victim.restart()
+        for _ in range(100):
+            if rt.call(lambda: rt.router.fleet[victim.url].healthy):
+                break
+            time.sleep(0.1)
+        for seed in range(20):
+            resp = post(rt.url, {"prompt": token_prompt(1000 + seed, 2 * BLOCK),
+                                 "max_tokens": 2})
+            assert resp.status_code == 200
+            if resp.headers["x-kvtier-replica"] == victim.url:
+                break
+        for _ in range(100):
+            if victim.url in rt.call(lambda: rt.router.index.replicas()):
+                break
+            time.sleep(0.1)
+        assert victim.url in rt.call(lambda: rt.router.index.replicas())

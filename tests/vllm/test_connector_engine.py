@@ -1,0 +1,209 @@
+"""The kvtier connector inside real vLLM servers: hits from L1 and from a shared L2 give exactly
+the greedy tokens of a server without the connector, and faults only cost a recompute.
+
+Engines (each a real `vllm serve` on the embedded model, one pinned thread):
+- `reference`: no connector; computes every prompt's expected tokens once, then stops;
+- `replica_a`, `replica_b`: the connector with a tiny L0 (40 x 128 tokens) and one shared L2
+  directory; `replica_b` never sees a prompt before the L2 tests send it there;
+- one connector engine with an unusable L2 path (its own test).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import block_hashes, extra_key
+from kvtier.vllm.server import ServerProcess
+
+from .engine_fixtures import complete, kv_transfer_config, metric, prompt_ids, reset_l0, start
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 256
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+
+PROMPTS = {
+    "l1": prompt_ids(1100, seed=101),
+    "l2": prompt_ids(2100, seed=102),
+    "corrupt": prompt_ids(1400, seed=103),
+    "race": prompt_ids(1300, seed=104),
+    "salted": prompt_ids(1200, seed=105),
+    "no_l2": prompt_ids(900, seed=106),
+}
+EVICTORS = [prompt_ids(1900, seed=200 + i) for i in range(3)]
+"""Three prompts of 15 engine blocks each: together they overflow the 40-block L0."""
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy tokens of every prompt from a server without the connector."""
+    logs = tmp_path_factory.mktemp("logs-reference")
+    with start(logs, "reference") as server:
+        return {name: complete(server, tokens) for name, tokens in PROMPTS.items()}
+
+
+@pytest.fixture(scope="module")
+def l2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("shared-l2")
+    return path
+
+
+@pytest.fixture(scope="module")
+def replica_a(expected: dict[str, list[int]], l2_dir: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("logs-a")
+    with start(logs, "replica-a", tiny_cache=True,
+               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def replica_b(replica_a: ServerProcess, l2_dir: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    logs = tmp_path_factory.mktemp("logs-b")
+    with start(logs, "replica-b", tiny_cache=True, cpu_ids="1",
+               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30)) as server:
+        yield server
+
+
+def _block_files(l2_dir: Path, tokens: list[int], salt: str | None = None) -> list[Path]:
+    """The L2 file of each full kvtier block of `tokens`, in chain order (may not exist)."""
+    namespaces = [p for p in l2_dir.iterdir() if p.is_dir()]
+    assert len(namespaces) == 1, namespaces
+    ns = namespaces[0]
+    hashes = block_hashes(tokens, BLOCK, extra_key(cache_salt=salt) if salt else b"")
+    return [ns / h.hex()[0:2] / h.hex()[2:4] / f"{h.hex()}.kvt" for h in hashes]
+
+
+def _wait_for_files(paths: list[Path], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(p.is_file() for p in paths):
+        assert time.monotonic() < deadline, [p for p in paths if not p.is_file()]
+        time.sleep(0.2)
+
+
+def _usable_blocks(tokens: list[int]) -> int:
+    """kvtier blocks a hit can cover: full blocks, never including the last token."""
+    return (len(tokens) - 1) // BLOCK
+
+
+def test_l1_hit_after_l0_eviction_gives_identical_tokens(
+        replica_a: ServerProcess, expected: dict[str, list[int]]) -> None:
+    tokens = PROMPTS["l1"]
+    assert complete(replica_a, tokens) == expected["l1"]
+    for evictor in EVICTORS:  # push the prompt's blocks out of the 40-block L0
+        complete(replica_a, evictor, max_tokens=1)
+    local_before = metric(replica_a, LOCAL_HITS)
+    external_before = metric(replica_a, EXTERNAL_HITS)
+    l1_before = metric(replica_a, "kvtier:load_blocks_l1_total")
+
+    assert complete(replica_a, tokens) == expected["l1"]
+
+    assert metric(replica_a, LOCAL_HITS) == local_before  # L0 really lost it
+    assert metric(replica_a, EXTERNAL_HITS) - external_before == _usable_blocks(tokens) * BLOCK
+    assert metric(replica_a, "kvtier:load_blocks_l1_total") - l1_before == _usable_blocks(tokens)
+
+
+def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
+        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
+        expected: dict[str, list[int]]) -> None:
+    tokens = PROMPTS["l2"]
+    assert complete(replica_a, tokens) == expected["l2"]
+    _wait_for_files(_block_files(l2_dir, tokens))
+    external_before = metric(replica_b, EXTERNAL_HITS)
+
+    assert complete(replica_b, tokens) == expected["l2"]
+
+    external = metric(replica_b, EXTERNAL_HITS) - external_before
+    full_engine_block_tokens = len(tokens) // 128 * 128
+    assert external >= 0.9 * full_engine_block_tokens
+    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= _usable_blocks(tokens)
+
+
+def test_corrupt_l2_file_is_removed_counted_and_recomputed(
+        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
+        expected: dict[str, list[int]]) -> None:
+    tokens = PROMPTS["corrupt"]
+    assert complete(replica_a, tokens) == expected["corrupt"]
+    files = _block_files(l2_dir, tokens)
+    _wait_for_files(files)
+    bad = files[2]
+    data = bytearray(bad.read_bytes())
+    data[-100:] = bytes(100)  # zero the payload's tail: the checksum no longer matches
+    bad.write_bytes(bytes(data))
+    failed_before = metric(replica_b, "kvtier:load_failed_blocks_total")
+    external_before = metric(replica_b, EXTERNAL_HITS)
+
+    assert complete(replica_b, tokens) == expected["corrupt"]
+
+    assert metric(replica_b, "kvtier:load_failed_blocks_total") - failed_before >= 1
+    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= 2  # the blocks before it
+    assert metric(replica_b, EXTERNAL_HITS) > external_before
+    # the bad file was removed, and the recompute saved a good one under the same name
+    _wait_for_files([bad])
+    assert bad.read_bytes() != bytes(data)
+
+
+def test_two_replicas_computing_one_prefix_together_write_each_block_once(
+        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
+        expected: dict[str, list[int]]) -> None:
+    tokens = PROMPTS["race"]
+    results: dict[str, list[int]] = {}
+
+    def run(name: str, server: ServerProcess) -> None:
+        results[name] = complete(server, tokens)
+
+    threads = [threading.Thread(target=run, args=(n, s))
+               for n, s in (("a", replica_a), ("b", replica_b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+
+    assert results == {"a": expected["race"], "b": expected["race"]}
+    files = _block_files(l2_dir, tokens)
+    _wait_for_files(files)
+    for f in files:
+        siblings = sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem))
+        assert siblings == [f.name]  # one published file, no temp files left behind
+    # and the block a third party reads back is intact: replica A reloads it after eviction
+    for evictor in EVICTORS:
+        complete(replica_a, evictor, max_tokens=1)
+    assert complete(replica_a, tokens) == expected["race"]
+
+
+def test_cache_salt_splits_the_cache(replica_a: ServerProcess, replica_b: ServerProcess,
+                                     l2_dir: Path, expected: dict[str, list[int]]) -> None:
+    tokens = PROMPTS["salted"]
+    assert complete(replica_a, tokens, cache_salt="tenant-a") == expected["salted"]
+    _wait_for_files(_block_files(l2_dir, tokens, salt="tenant-a"))
+    assert not any(p.exists() for p in _block_files(l2_dir, tokens))
+    external_before = metric(replica_b, EXTERNAL_HITS)
+
+    assert complete(replica_b, tokens, cache_salt="tenant-b") == expected["salted"]
+    assert metric(replica_b, EXTERNAL_HITS) == external_before  # another tenant: no hit
+
+    reset_l0(replica_b)
+    assert complete(replica_b, tokens, cache_salt="tenant-a") == expected["salted"]
+    assert metric(replica_b, EXTERNAL_HITS) > external_before  # the same tenant: L2 hit
+
+
+def test_unusable_l2_path_runs_l1_only_and_is_counted(
+        tmp_path: Path, expected: dict[str, list[int]]) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("L2 cannot live under a regular file")
+    with start(tmp_path, "no-l2", connector=kv_transfer_config(
+            l2_path=str(not_a_dir / "l2"), l1_bytes=1 << 30)) as server:
+        tokens = PROMPTS["no_l2"]
+        assert complete(server, tokens) == expected["no_l2"]
+        reset_l0(server)
+        assert complete(server, tokens) == expected["no_l2"]
+        assert metric(server, "kvtier:load_blocks_l1_total") == _usable_blocks(tokens)
+        assert metric(server, "kvtier:l2_unavailable_total") == 1
+    assert not (not_a_dir / "l2").exists()

@@ -1,0 +1,73 @@
+"""The per-process runtime: one shared store per namespace, and KV events keyed by the engine
+block hashes the router indexes (two per 256-token kvtier block)."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+from kvtier.codec import BlockMeta
+from kvtier.events import EventKind, Tier
+from kvtier.events_wire import EventSubscriber
+from kvtier.keys import ModelIdentity, block_hashes, root_hash
+from kvtier.vllm import runtime
+from kvtier.vllm.config import ConnectorConfig
+
+
+def _endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def _identity(rank: int = 0) -> ModelIdentity:
+    return ModelIdentity(model="m", kv_layout="test", block_tokens=256, tp_size=2, tp_rank=rank)
+
+
+def test_scheduler_and_worker_of_one_process_share_one_store_per_rank() -> None:
+    config = ConnectorConfig(l1_bytes=1 << 20)
+    worker = runtime.acquire(config, _identity(0), publish=False)
+    scheduler = runtime.acquire(config, _identity(0), publish=False)
+    other_rank = runtime.acquire(config, _identity(1), publish=False)
+    try:
+        assert scheduler.store is worker.store
+        assert other_rank.store is not worker.store
+    finally:
+        for rt in (worker, scheduler, other_rank):
+            runtime.release(rt)
+    assert worker.users == 0
+
+
+def test_stored_and_evicted_blocks_are_published_as_engine_block_hashes(tmp_path: Path) -> None:
+    endpoint = _endpoint()
+    payload = bytes(600_000)
+    config = ConnectorConfig(l1_bytes=1_000_000, events_endpoint=endpoint, replica_id="r1")
+    rt = runtime.acquire(config, _identity(), publish=True)
+    tokens = list(range(512))
+    kvtier_hashes = block_hashes(tokens, 256)
+    engine_hashes = block_hashes(tokens, 128)
+    try:
+        assert rt.publisher is not None
+        with EventSubscriber([endpoint]) as sub:
+            for i, h in enumerate(kvtier_hashes):
+                rt.aliases.add(h, engine_hashes[2 * i:2 * i + 2])
+            time.sleep(0.5)  # let the subscription reach the publisher
+            meta0 = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
+                              parent=root_hash())
+            rt.store.save(kvtier_hashes[0], meta0, payload)
+            meta1 = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
+                              parent=kvtier_hashes[0])
+            rt.store.save(kvtier_hashes[1], meta1, payload)  # L1 holds one: evicts block 0
+            events = []
+            deadline = time.monotonic() + 10
+            while len(events) < 3 and time.monotonic() < deadline:
+                events += sub.drain(timeout_s=0.5)
+    finally:
+        runtime.release(rt)
+    assert [(e.kind, e.tier, e.hashes) for e in events] == [
+        (EventKind.STORED, Tier.L1, tuple(engine_hashes[0:2])),
+        (EventKind.REMOVED, Tier.L1, tuple(engine_hashes[0:2])),
+        (EventKind.STORED, Tier.L1, tuple(engine_hashes[2:4])),
+    ]
+    assert {e.replica for e in events} == {"r1"}
