@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -35,16 +36,17 @@ def test_cleared_event_with_no_hashes_roundtrips() -> None:
     assert decode(encode(event)) == event
 
 
+_GOOD = {"v": 1, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l1", "seq": 0,
+         "hashes": []}
+
+
 @pytest.mark.parametrize("frame", [
     b"not json",
-    b'{"v": 2, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l1", "seq": 0, '
-    b'"hashes": []}',
-    b'{"v": 1, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l9", "seq": 0, '
-    b'"hashes": []}',
-    b'{"v": 1, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l1", "seq": 0, '
-    b'"hashes": ["abcd"]}',
-    b'{"v": 1, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l1", "seq": "x", '
-    b'"hashes": []}',
+    json.dumps(_GOOD | {"v": 2}).encode(),
+    json.dumps(_GOOD | {"tier": "l9"}).encode(),
+    json.dumps(_GOOD | {"hashes": ["abcd"]}).encode(),
+    json.dumps(_GOOD | {"seq": "x"}).encode(),
+    json.dumps({k: v for k, v in _GOOD.items() if k != "epoch"}).encode(),
 ])
 def test_malformed_frames_raise_codec_error(frame: bytes) -> None:
     with pytest.raises(CodecError):
@@ -93,9 +95,8 @@ def test_each_publisher_start_has_a_new_epoch() -> None:
 
 def test_publisher_rejects_an_endpoint_already_bound() -> None:
     endpoint = _free_endpoint()
-    with EventPublisher(endpoint, "r"):
-        with pytest.raises(ConfigError, match="events_endpoint"):
-            EventPublisher(endpoint, "r2")
+    with EventPublisher(endpoint, "r"), pytest.raises(ConfigError, match="events_endpoint"):
+        EventPublisher(endpoint, "r2")
 
 
 def test_subscriber_skips_and_counts_malformed_frames() -> None:

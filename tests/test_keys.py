@@ -108,7 +108,7 @@ def test_namespace_changes_with_each_identity_field() -> None:
         if field == "tp_rank":
             variant = dataclasses.replace(IDENTITY, tp_size=2, tp_rank=1)
         else:
-            variant = dataclasses.replace(IDENTITY, **{field: value})
+            variant = dataclasses.replace(IDENTITY, **{field: value})  # type: ignore[arg-type]
         namespaces.add(variant.namespace())
     assert len(namespaces) == 1 + len(changed)
     assert ModelIdentity(model="SmolLM2-135M-Instruct", weights_digest="abc").namespace() == \

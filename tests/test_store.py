@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -315,15 +317,78 @@ def test_l2_write_skipped_when_another_replica_already_wrote_it(tmp_path: Path) 
         assert (stats.l2.stored, stats.l2.already_present) == (0, 2)
 
 
+def test_resaving_a_block_recently_confirmed_in_l2_skips_the_write_through(
+        tmp_path: Path) -> None:
+    now = [100.0]
+    with TieredStore(config(tmp_path, l2_exists_ttl_s=5.0), IDENTITY,
+                     clock=lambda: now[0]) as store:
+        save_chain(store, 1)
+        assert store.flush(60)
+        save_chain(store, 1)
+        assert store.stats().l2_queued == 1
+        now[0] += 5.0  # the confirmation expired: the writer checks L2 again
+        save_chain(store, 1)
+        assert store.flush(60)
+        stats = store.stats()
+        assert stats.l2_queued == 2
+        assert stats.l2 is not None and (stats.l2.stored, stats.l2.already_present) == (1, 1)
+
+
+def test_concurrent_callers_see_only_whole_correct_blocks(tmp_path: Path) -> None:
+    """Four threads save, look up and load the same chain through one small store."""
+    errors: list[str] = []
+    with TieredStore(config(tmp_path, l1_bytes=3 * NBYTES, write_queue_blocks=4),
+                     IDENTITY) as store:
+        def worker(seed: int) -> None:
+            for step in range(300):
+                i = (seed * 7 + step) % len(CHAIN)
+                store.save(CHAIN[i], meta(i), payload(i))
+                tiers = store.lookup(CHAIN)
+                for j, block in enumerate(store.load(CHAIN[:len(tiers)])):
+                    if bytes(block.payload) != payload(j) or block.meta != meta(j):
+                        errors.append(f"thread {seed} step {step}: block {j} differs")
+                stats = store.stats().l1
+                if stats is not None and stats.used_bytes > 3 * NBYTES:
+                    errors.append(f"L1 over budget: {stats.used_bytes}")
+
+        threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert store.flush(60)
+        assert errors == []
+        for i in range(len(CHAIN)):  # one at a time, so none is dropped: then all are in L2
+            store.save(CHAIN[i], meta(i), payload(i))
+            assert store.flush(60)
+        assert [bytes(b.payload) for b in store.load(CHAIN)] == [payload(i) for i in range(10)]
+
+
 # ---- degradation ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("where", ["missing", "below-a-file"])
+def _immutable_dir(tmp_path: Path) -> Path:
+    """A directory even root cannot write into (`chattr +i`); skips where that is unavailable."""
+    path = tmp_path / "immutable"
+    path.mkdir()
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(path)], check=False,
+                                        capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    return path
+
+
+@pytest.mark.parametrize("where", ["missing", "below-a-file", "immutable"])
 def test_unusable_l2_directory_degrades_to_l1_only(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str) -> None:
     (tmp_path / "file").write_bytes(b"")
-    path = tmp_path / ("missing" if where == "missing" else "file/l2")
-    with caplog.at_level(logging.WARNING, logger="kvtier.store"):
-        store = TieredStore(config(path), IDENTITY)
+    path = {"missing": lambda: tmp_path / "missing", "below-a-file": lambda: tmp_path / "file/l2",
+            "immutable": lambda: _immutable_dir(tmp_path)}[where]()
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier.store"):
+            store = TieredStore(config(path), IDENTITY)
+    finally:
+        if where == "immutable":
+            subprocess.run(["chattr", "-i", str(path)], check=True)
     with store:
         assert "L2 disabled, running L1-only" in caplog.text
         assert not store.l2_enabled
@@ -345,6 +410,25 @@ def test_misbehaving_l2_never_reaches_the_caller(caplog: pytest.LogCaptureFixtur
         assert store.load(CHAIN) == []
         assert store.stats().l2_write_errors == 1
     assert "treating it as a miss" in caplog.text
+
+
+class UnconfirmableTier(GatedTier):
+    """L2 double that never stores and whose existence check raises."""
+
+    def put(self, block_hash: BlockHash, meta: BlockMeta, payload: object) -> PutResult:
+        self.written.append(block_hash)
+        return PutResult(stored=False)
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        raise OSError("mount gone")
+
+
+def test_writer_survives_a_tier_raising_after_a_put() -> None:
+    l2 = UnconfirmableTier()
+    with TieredStore(config(None, io_threads=1), IDENTITY, l2_tier=l2) as store:
+        save_chain(store, 3)
+        assert store.flush(60)
+        assert l2.written == CHAIN[:3]
 
 
 def test_failing_event_callback_is_counted_not_raised() -> None:

@@ -111,12 +111,6 @@ def payload_checksum(payload: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-def payload_hasher() -> xxhash.xxh3_64:
-    """Streaming `payload_checksum`: tiers hash chunk by chunk while each chunk is still in the
-    CPU cache from being read or written, instead of a second pass over the whole payload."""
-    return xxhash.xxh3_64()
-
-
 def check_payload_length(meta: BlockMeta, payload_bytes: int) -> None:
     """Reject a payload whose length contradicts the dtype and shape in `meta`."""
     expected = meta.expected_payload_bytes()
@@ -126,11 +120,8 @@ def check_payload_length(meta: BlockMeta, payload_bytes: int) -> None:
 
 
 def encode_header(namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
-                  payload: Buffer, *, checksum: int | None = None) -> bytes:
-    """Header bytes for `payload` (which is written right after it, unchanged).
-
-    `checksum`, when the caller already streamed the payload through `payload_hasher`, saves
-    hashing it again."""
+                  payload: Buffer) -> bytes:
+    """Header bytes for `payload` (which is written right after it, unchanged)."""
     view = byte_view(payload)
     check_payload_length(meta, view.nbytes)
     if len(block_hash) != HASH_BYTES:
@@ -141,8 +132,7 @@ def encode_header(namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
     shape = list(meta.shape) + [0] * (MAX_DIMS - len(meta.shape))
     fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, 0, HEADER_BYTES, ns, block_hash, meta.parent,
                           meta.num_tokens, meta.dtype.encode("ascii"), len(meta.shape), *shape,
-                          view.nbytes,
-                          payload_checksum(view) if checksum is None else checksum)
+                          view.nbytes, payload_checksum(view))
     head = fields + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(fields))
     return head + bytes(HEADER_BYTES - len(head))
 
@@ -180,10 +170,11 @@ def decode_header(data: Buffer, *, namespace: Namespace,
                   payload_bytes=payload_bytes, checksum=checksum)
 
 
-def verify_payload(header: Header, payload: Buffer, *, digest: int | None = None) -> None:
-    """Raise unless `payload` has the header's length and checksum (`digest`: already hashed)."""
+def verify_payload(header: Header, payload: Buffer, *, checksum: int | None = None) -> None:
+    """Raise unless `payload` has the header's length and checksum; `checksum` is the payload's
+    xxh3-64 when the caller already computed it while reading (then it is not hashed again)."""
     view = memoryview(payload)
     if view.nbytes != header.payload_bytes:
         raise CodecError(f"payload: {view.nbytes} bytes, header says {header.payload_bytes}")
-    if (payload_checksum(view) if digest is None else digest) != header.checksum:
+    if (payload_checksum(view) if checksum is None else checksum) != header.checksum:
         raise ChecksumError(f"payload: checksum mismatch in block {header.block_hash.hex()}")

@@ -33,7 +33,8 @@ class StoreConfig:
     io_threads: int = 2
     """Threads writing to L2 in the background (and checking existence in batched lookups)."""
     l2_exists_ttl_s: float = 1.0
-    """How long an L2 existence answer (present or absent) is reused by `lookup`; 0 disables."""
+    """How long an L2 existence answer is reused: by `lookup` (present or absent), and by
+    `save`, which skips the write-through of a block confirmed in L2 this recently; 0 disables."""
 
     def __post_init__(self) -> None:
         if self.l1_bytes < 0:

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import zmq
 
@@ -101,7 +101,7 @@ class EventPublisher:
         self._lock = threading.Lock()
         self._seq = 0
         self._dropped = 0
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
         try:
@@ -153,7 +153,7 @@ class EventPublisher:
         self._queue.put(None)
         self._thread.join(self._linger_s + 5.0)
 
-    def __enter__(self) -> EventPublisher:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -170,7 +170,7 @@ class EventSubscriber:
 
     def __init__(self, endpoints: Sequence[str] = ()) -> None:
         self._lock = threading.Lock()
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
@@ -243,7 +243,7 @@ class EventSubscriber:
         with self._lock:
             self._socket.close(0)
 
-    def __enter__(self) -> EventSubscriber:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -27,6 +27,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
@@ -50,6 +52,7 @@ EventSink = Callable[[EventKind, Tier, Sequence[BlockHash]], None]
 
 __all__ = ["LoadedBlock", "StoreStats", "TieredStore"]
 
+_CONFIRMED_MAX = 1 << 16
 L2_BATCH = 16
 """Blocks per L2 existence check or read batch: one round trip for a network tier, while a
 prefix that ends early costs a directory tier at most this many wasted checks."""
@@ -105,9 +108,11 @@ class TieredStore:
     """Longest-prefix lookup, promotion, admission and write-through over L1 and L2."""
 
     def __init__(self, config: StoreConfig, identity: ModelIdentity,
-                 on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None) -> None:
+                 on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`l2_tier` replaces the L2 built from `config.l2_path` (another backend such as
-        `kvtier.tiers.valkey`, or a test double); its creator keeps ownership and closes it."""
+        `kvtier.tiers.valkey`, or a test double); its creator keeps ownership and closes it.
+        `clock` times the L2 existence TTLs (tests pass a fake one)."""
         self.config = config
         self.identity = identity
         self.namespace = identity.namespace()
@@ -120,13 +125,16 @@ class TieredStore:
         if self._l2 is None and config.l2_path is not None:
             try:
                 self._l2 = PosixTier(config.l2_path, self.namespace, identity.manifest(),
-                                     exists_ttl_s=config.l2_exists_ttl_s)
+                                     exists_ttl_s=config.l2_exists_ttl_s, clock=clock)
             except TierError as exc:
                 self._l2_disabled_reason = str(exc)
                 log.warning("kvtier: L2 disabled, running L1-only: %s", exc)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: set[BlockHash] = set()  # queued or being written; guarded by _lock
+        # Blocks a writer recently saw in L2, oldest first, with when; guarded by _lock.
+        self._confirmed: OrderedDict[BlockHash, float] = OrderedDict()
+        self._clock = clock
         self._counts = dict.fromkeys(
             ("saves", "admission_rejected", "l2_queued", "l2_dropped", "l2_abandoned",
              "l2_write_errors", "lookups", "lookup_blocks", "lookup_hit_blocks",
@@ -208,7 +216,7 @@ class TieredStore:
                 self._record(self._l1.put(block_hash, meta, view), Tier.L1, block_hash)
                 held = self._l1.peek(block_hash)
         if self._l2 is not None:
-            self._enqueue(block_hash, meta, view if held is None else None, held)
+            self._enqueue(block_hash, meta, view, held)
         return True
 
     def stats(self) -> StoreStats:
@@ -230,15 +238,16 @@ class TieredStore:
 
         With `drain=True` queued writes are completed for up to `timeout_s`; whatever is left
         then (or everything queued, with `drain=False`) is abandoned and counted. A write
-        already in progress cannot be interrupted: the writer threads are joined for up to
-        `timeout_s` (they are daemons, so a hung mount cannot keep the process alive).
-        L1 is emptied and an L2 tier the store built is closed; views already handed out by
-        `load` stay valid.
+        already in progress cannot be interrupted: the writer threads are joined until
+        `timeout_s` (counted from the call) runs out; they are daemons, so a hung mount cannot
+        keep the process alive.
+        An L2 tier the store built is closed; L1 keeps its blocks until the store is dropped.
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if self._writers:
             if not (drain and self.flush(timeout_s)):
                 self._abandon = True
@@ -246,9 +255,7 @@ class TieredStore:
             for _ in self._writers:
                 self._queue.put(None)
             for thread in self._writers:
-                thread.join(timeout_s)
-        if self._l1 is not None:
-            self._l1.close()
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if self._l2 is not None and self._owns_l2:
             self._l2.close()
 
@@ -316,10 +323,10 @@ class TieredStore:
         if result.stored:
             self._emit(EventKind.STORED, tier, (block_hash,))
 
-    def _enqueue(self, block_hash: BlockHash, meta: BlockMeta, view: memoryview | None,
+    def _enqueue(self, block_hash: BlockHash, meta: BlockMeta, view: memoryview,
                  held: StoredBlock | None) -> None:
         with self._lock:
-            if block_hash in self._pending:
+            if block_hash in self._pending or self._recently_in_l2(block_hash):
                 return
             if self._queue.full():
                 self._counts["l2_dropped"] += 1
@@ -327,7 +334,7 @@ class TieredStore:
             self._pending.add(block_hash)
         # Write from L1's immutable copy when there is one; else take a private copy, since
         # the caller may overwrite its buffer as soon as save() returns.
-        payload = held.payload if held is not None else memoryview(bytes(view or b""))
+        payload = held.payload if held is not None else memoryview(bytes(view))
         try:
             self._queue.put_nowait(_WriteJob(block_hash, meta, payload))
         except queue.Full:
@@ -335,19 +342,36 @@ class TieredStore:
             return
         self._count(l2_queued=1)
 
+    def _recently_in_l2(self, block_hash: BlockHash) -> bool:
+        """Did a write-through confirm this block in L2 within `l2_exists_ttl_s`? (lock held)
+
+        Re-saving a hot prefix then costs no queue slot and no I/O; after the TTL the writer
+        checks L2 again, in case the janitor removed the block meanwhile."""
+        confirmed = self._confirmed.get(block_hash)
+        return confirmed is not None and self._clock() - confirmed < self.config.l2_exists_ttl_s
+
+    def _confirm(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            self._confirmed[block_hash] = self._clock()
+            self._confirmed.move_to_end(block_hash)
+            if len(self._confirmed) > _CONFIRMED_MAX:
+                self._confirmed.popitem(last=False)
+
     def _write_loop(self) -> None:
-        assert self._l2 is not None
-        while (job := self._queue.get()) is not None:
+        l2 = self._l2
+        while l2 is not None and (job := self._queue.get()) is not None:
             if self._abandon:
                 self._finish(job.block_hash, l2_abandoned=1)
                 continue
             try:
-                result = self._l2.put(job.block_hash, job.meta, job.payload)
+                result = l2.put(job.block_hash, job.meta, job.payload)
             except Exception:  # a tier must not raise; never let one kill the writer
                 log.exception("kvtier: L2 write of %s failed", job.block_hash.hex())
                 self._finish(job.block_hash, l2_write_errors=1)
                 continue
             self._record(result, Tier.L2, job.block_hash)
+            if result.stored or self._l2_exists([job.block_hash])[0]:
+                self._confirm(job.block_hash)
             self._finish(job.block_hash)
 
     def _discard_queued(self) -> None:

@@ -21,7 +21,13 @@ import pytest
 
 from kvtier.codec import BlockMeta
 from kvtier.keys import BlockHash, ModelIdentity, Namespace, chain_hash, root_hash
-from kvtier.l2.juicefs import JuiceFSMount, JuiceFSVolume, JuiceFSVolumeSpec, fuse_available
+from kvtier.l2.juicefs import (
+    JuiceFSMount,
+    JuiceFSVolume,
+    JuiceFSVolumeSpec,
+    fuse_available,
+    unmount_dead,
+)
 from kvtier.l2.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
 
 IDENTITY = ModelIdentity(model="l2-test-model", block_tokens=16)
@@ -31,6 +37,8 @@ TOKENS = 16
 needs_fuse = pytest.mark.skipif(not fuse_available(), reason="FUSE mounts need root + /dev/fuse")
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+"""Workers run from the repository root so `tests.l2.l2_worker` imports wherever pytest ran."""
 
 
 def block_hash(seed: int, index: int) -> BlockHash:
@@ -63,7 +71,7 @@ def poll(fn: Callable[[], T | None], deadline_s: float, interval_s: float = 0.05
 
 def run_worker(*args: str, timeout_s: float = 120.0) -> dict[str, object]:
     """Run `python -m tests.l2.l2_worker ARGS` to completion; its JSON report."""
-    done = subprocess.run([sys.executable, "-m", "tests.l2.l2_worker", *args],
+    done = subprocess.run([sys.executable, "-m", "tests.l2.l2_worker", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -71,7 +79,7 @@ def run_worker(*args: str, timeout_s: float = 120.0) -> dict[str, object]:
 
 def spawn_worker(*args: str) -> subprocess.Popen[str]:
     """Start `python -m tests.l2.l2_worker ARGS` in the background."""
-    return subprocess.Popen([sys.executable, "-m", "tests.l2.l2_worker", *args],
+    return subprocess.Popen([sys.executable, "-m", "tests.l2.l2_worker", *args], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -101,6 +109,7 @@ def two_mounts(tmp_path_factory: pytest.TempPathFactory,
     if not fuse_available():
         pytest.skip("FUSE mounts need root + /dev/fuse")
     root = Path(tmp_path_factory.mktemp("juicefs"))
+    unmount_dead(str(root.parent.parent))  # mounts orphaned by an earlier, killed run
     volume = JuiceFSVolume(JuiceFSVolumeSpec(root=str(root), meta_url=valkey_server.url + "/1"))
     try:
         yield volume.mount(), volume.mount()

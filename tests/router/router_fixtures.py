@@ -13,7 +13,7 @@ import json
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -195,7 +195,7 @@ class RouterThread:
             return fn()
         return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(30)
 
-    def __enter__(self) -> RouterThread:
+    def __enter__(self) -> Self:
         self._thread.start()
         if not self._ready.wait(60):
             raise RuntimeError("router did not start")

@@ -9,17 +9,24 @@ import json
 import pytest
 
 from tests.router.router_fixtures import (
-    MAX_MODEL_LEN, MODEL, SSE_CHUNKS, completion, dumps, fakes, running_router, sse_bytes,
+    MAX_MODEL_LEN,
+    MODEL,
+    SSE_CHUNKS,
+    completion,
+    dumps,
+    fakes,
+    running_router,
+    sse_bytes,
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
 
 
-def run(coro):  # noqa: ANN001, ANN201 - test helper
+def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=60))
 
 
-async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if predicate():
             return
@@ -27,11 +34,11 @@ async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:  # no
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def in_flight(rr) -> dict[str, int]:  # noqa: ANN001
+def in_flight(rr) -> dict[str, int]:
     return {r.name: r.in_flight for r in rr.router.fleet}
 
 
-def queued(rr) -> dict[str, int]:  # noqa: ANN001
+def queued(rr) -> dict[str, int]:
     return {r.name: r.queued_prefill_tokens for r in rr.router.fleet}
 
 
@@ -51,13 +58,12 @@ def test_non_streaming_response_is_passed_through_with_the_chosen_replica() -> N
 
 def test_streaming_response_is_relayed_byte_for_byte() -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a]) as rr:
-            async with rr.client.post(rr.url + "/v1/chat/completions", json={
-                    "model": MODEL, "stream": True,
-                    "messages": [{"role": "user", "content": "hi"}]}) as resp:
-                assert resp.status == 200
-                assert resp.headers["Content-Type"].startswith("text/event-stream")
-                assert await resp.read() == sse_bytes()
+        chat = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        async with fakes("ok") as (a,), running_router([a]) as rr, \
+                rr.client.post(rr.url + "/v1/chat/completions", json=chat) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            assert await resp.read() == sse_bytes()
     run(scenario())
 
 

@@ -56,7 +56,7 @@ class Engine:
     def prefix_hits(self) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
         return sum(float(m) for m in re.findall(
-            r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.M))
+            r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE))
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +134,10 @@ def test_streaming_through_the_router_matches_a_direct_stream_byte_for_byte(
         engines: list[Engine], tokenizer: Tokenizer) -> None:
     body = {"model": model_name(), "prompt": "The capital of France is", "max_tokens": 12,
             "temperature": 0, "stream": True}
-    with RouterThread(router_config(engines, "roundrobin"), tokenizer) as rt:
-        with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as resp:
-            via_router = resp.read()
-            replica = resp.headers["x-kvtier-replica"]
+    with RouterThread(router_config(engines, "roundrobin"), tokenizer) as rt, \
+            httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as resp:
+        via_router = resp.read()
+        replica = resp.headers["x-kvtier-replica"]
     with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=120) as resp:
         direct = resp.read()
     assert via_router.endswith(b"data: [DONE]\n\n")

@@ -72,7 +72,7 @@ def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() ->
     index = PrefixIndex()
     rehasher = VllmRehasher("r1", index, Forgets(index))
     counted: list[tuple[str, str]] = []
-    count = lambda source, kind: counted.append((source, kind))  # noqa: E731
+    count = lambda source, kind: counted.append((source, kind))
     rehasher.apply(0, vllm_batch(stored([b"seed-a", 77], TOKENS[:8])), 0.0, count)
     rehasher.apply(1, vllm_batch(stored([b"x" * 32, 9], TOKENS[8:], parent=77)), 0.0, count)
     assert index.match(HASHES) == {"r1": [Tier.L0] * 4}

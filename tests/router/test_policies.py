@@ -10,7 +10,12 @@ from kvtier.events import Tier
 from kvtier.keys import block_hashes
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import (
-    POLICIES, CostWeights, Decision, ReplicaView, RouteRequest, make_policy,
+    POLICIES,
+    CostWeights,
+    Decision,
+    ReplicaView,
+    RouteRequest,
+    make_policy,
 )
 
 BLOCK = 16

@@ -12,7 +12,8 @@ from typing import Any
 
 from kvtier.sim.model import CostModel
 
-MOONCAKE = Path("/work/shared/data/traces/mooncake_conversation_trace.jsonl")
+MOONCAKE = (Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
+            / "mooncake_conversation_trace.jsonl")
 """The Mooncake conversation trace (12,031 requests); ideal block hit rate 36.6%."""
 
 

@@ -71,3 +71,13 @@ def test_bad_values_exit_2_with_the_field_named(capsys: pytest.CaptureFixture[st
                  "--quiet"])
     assert code == 2
     assert "unknown field 'warp'" in capsys.readouterr().err
+
+
+def test_public_surface_of_the_sim_package_is_pinned() -> None:
+    import kvtier.sim
+
+    assert kvtier.sim.__all__ == sorted(kvtier.sim.__all__)
+    assert set(kvtier.sim.__all__) == {
+        "CostModel", "FleetConfig", "PlanAnswer", "SimResult", "SweepAxis", "Trace",
+        "TraceRequest", "load_costs", "load_trace", "parse_sweep", "plan_capacity", "run_sweep",
+        "simulate"}

@@ -8,12 +8,12 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.keys import root_hash
-from kvtier.tiers.base import StoredBlock
+from kvtier.tiers.base import PutResult, StoredBlock
 from kvtier.tiers.memory import MemoryTier
 from tests.tiers.tier_fixtures import hash_of, meta_for, payload_for
 
 
-def put(tier: MemoryTier, name: str, nbytes: int = 100, parent: str | None = None):
+def put(tier: MemoryTier, name: str, nbytes: int = 100, parent: str | None = None) -> PutResult:
     h = hash_of(name)
     return tier.put(h, meta_for(nbytes, hash_of(parent) if parent else None), payload_for(h, nbytes))
 

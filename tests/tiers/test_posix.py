@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import struct
 import subprocess
@@ -88,7 +89,7 @@ def test_publish_falls_back_to_rename_without_hard_links(
     def no_link(src: str, dst: str) -> None:
         raise OSError(errno.EPERM, "hard links not supported")
 
-    monkeypatch.setattr(posix.os, "link", no_link)
+    monkeypatch.setattr(os, "link", no_link)
     target = tmp_path / "blk.kvt"
     assert posix.publish(str(target), [memoryview(b"abc"), memoryview(b"def")]) is True
     assert target.read_bytes() == b"abcdef"

@@ -1,8 +1,14 @@
 """The kvtier connector inside real vLLM servers: hits from L1 and from a shared L2 give exactly
 the greedy tokens of a server without the connector, and faults only cost a recompute.
 
+"Exactly" means: the same tokens vLLM itself produces when the same number of leading tokens
+come from its own prefix cache. (Greedy decoding is sensitive to how a prompt's prefill was
+split: vLLM alone, with 1,024 of a 1,200-token prompt cached, can pick a different token than
+with nothing cached. So each expectation is computed by a plain vLLM whose prefix cache was
+primed with exactly the prefix the connector serves.)
+
 Engines (each a real `vllm serve` on the embedded model, one pinned thread):
-- `reference`: no connector; computes every prompt's expected tokens once, then stops;
+- `reference`: no connector; computes every expected output once, then stops;
 - `replica_a`, `replica_b`: the connector with a tiny L0 (40 x 128 tokens) and one shared L2
   directory; `replica_b` never sees a prompt before the L2 tests send it there;
 - one connector engine with an unusable L2 path (its own test).
@@ -40,12 +46,36 @@ EVICTORS = [prompt_ids(1900, seed=200 + i) for i in range(3)]
 """Three prompts of 15 engine blocks each: together they overflow the 40-block L0."""
 
 
+def _usable(tokens: list[int]) -> int:
+    """Tokens a kvtier hit covers: full blocks, never including the last token."""
+    return (len(tokens) - 1) // BLOCK * BLOCK
+
+
+HITS = {
+    "l1": [0, _usable(PROMPTS["l1"])],
+    "l2": [0, _usable(PROMPTS["l2"])],
+    "corrupt": [0, 2 * BLOCK],  # blocks 0 and 1 load, block 2 is corrupt
+    "race": [0, _usable(PROMPTS["race"])],
+    "salted": [0, _usable(PROMPTS["salted"])],
+    "no_l2": [0, _usable(PROMPTS["no_l2"])],
+}
+"""Leading tokens served from a cache in each test's requests (0: computed cold)."""
+
+
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Greedy tokens of every prompt from a server without the connector."""
+def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], list[int]]:
+    """(prompt, cached prefix) -> greedy tokens of a server without the connector."""
     logs = tmp_path_factory.mktemp("logs-reference")
+    out: dict[tuple[str, int], list[int]] = {}
     with start(logs, "reference") as server:
-        return {name: complete(server, tokens) for name, tokens in PROMPTS.items()}
+        for name, hits in HITS.items():
+            tokens = PROMPTS[name]
+            for hit in hits:
+                reset_l0(server)
+                if hit:
+                    complete(server, tokens[:hit], max_tokens=1)  # L0 holds exactly `hit`
+                out[name, hit] = complete(server, tokens)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +85,7 @@ def l2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def replica_a(expected: dict[str, list[int]], l2_dir: Path,
+def replica_a(expected: dict[tuple[str, int], list[int]], l2_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-a")
     with start(logs, "replica-a", tiny_cache=True,
@@ -88,49 +118,48 @@ def _wait_for_files(paths: list[Path], timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def _usable_blocks(tokens: list[int]) -> int:
-    """kvtier blocks a hit can cover: full blocks, never including the last token."""
-    return (len(tokens) - 1) // BLOCK
-
-
 def test_l1_hit_after_l0_eviction_gives_identical_tokens(
-        replica_a: ServerProcess, expected: dict[str, list[int]]) -> None:
+        replica_a: ServerProcess, expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["l1"]
-    assert complete(replica_a, tokens) == expected["l1"]
+    assert complete(replica_a, tokens) == expected["l1", 0]
     for evictor in EVICTORS:  # push the prompt's blocks out of the 40-block L0
         complete(replica_a, evictor, max_tokens=1)
     local_before = metric(replica_a, LOCAL_HITS)
     external_before = metric(replica_a, EXTERNAL_HITS)
     l1_before = metric(replica_a, "kvtier:load_blocks_l1_total")
+    l1_tokens_before = metric(replica_a, "kvtier:hit_tokens_l1_total")
 
-    assert complete(replica_a, tokens) == expected["l1"]
+    assert complete(replica_a, tokens) == expected["l1", HITS["l1"][1]]
 
     assert metric(replica_a, LOCAL_HITS) == local_before  # L0 really lost it
-    assert metric(replica_a, EXTERNAL_HITS) - external_before == _usable_blocks(tokens) * BLOCK
-    assert metric(replica_a, "kvtier:load_blocks_l1_total") - l1_before == _usable_blocks(tokens)
+    assert metric(replica_a, EXTERNAL_HITS) - external_before == _usable(tokens)
+    assert metric(replica_a, "kvtier:load_blocks_l1_total") - l1_before == _usable(tokens) // BLOCK
+    assert metric(replica_a, "kvtier:hit_tokens_l1_total") - l1_tokens_before == _usable(tokens)
 
 
 def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
         replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[str, list[int]]) -> None:
+        expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["l2"]
-    assert complete(replica_a, tokens) == expected["l2"]
+    assert complete(replica_a, tokens) == expected["l2", 0]
     _wait_for_files(_block_files(l2_dir, tokens))
     external_before = metric(replica_b, EXTERNAL_HITS)
+    l2_tokens_before = metric(replica_b, "kvtier:hit_tokens_l2_total")
 
-    assert complete(replica_b, tokens) == expected["l2"]
+    assert complete(replica_b, tokens) == expected["l2", HITS["l2"][1]]
 
     external = metric(replica_b, EXTERNAL_HITS) - external_before
     full_engine_block_tokens = len(tokens) // 128 * 128
     assert external >= 0.9 * full_engine_block_tokens
-    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= _usable_blocks(tokens)
+    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= _usable(tokens) // BLOCK
+    assert metric(replica_b, "kvtier:hit_tokens_l2_total") - l2_tokens_before == _usable(tokens)
 
 
 def test_corrupt_l2_file_is_removed_counted_and_recomputed(
         replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[str, list[int]]) -> None:
+        expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["corrupt"]
-    assert complete(replica_a, tokens) == expected["corrupt"]
+    assert complete(replica_a, tokens) == expected["corrupt", 0]
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files)
     bad = files[2]
@@ -140,7 +169,7 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
     failed_before = metric(replica_b, "kvtier:load_failed_blocks_total")
     external_before = metric(replica_b, EXTERNAL_HITS)
 
-    assert complete(replica_b, tokens) == expected["corrupt"]
+    assert complete(replica_b, tokens) == expected["corrupt", HITS["corrupt"][1]]
 
     assert metric(replica_b, "kvtier:load_failed_blocks_total") - failed_before >= 1
     assert metric(replica_b, "kvtier:load_blocks_l2_total") >= 2  # the blocks before it
@@ -152,7 +181,7 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
 
 def test_two_replicas_computing_one_prefix_together_write_each_block_once(
         replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[str, list[int]]) -> None:
+        expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["race"]
     results: dict[str, list[int]] = {}
 
@@ -166,7 +195,7 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
     for t in threads:
         t.join(600)
 
-    assert results == {"a": expected["race"], "b": expected["race"]}
+    assert results == {"a": expected["race", 0], "b": expected["race", 0]}
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files)
     for f in files:
@@ -175,35 +204,37 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
     # and the block a third party reads back is intact: replica A reloads it after eviction
     for evictor in EVICTORS:
         complete(replica_a, evictor, max_tokens=1)
-    assert complete(replica_a, tokens) == expected["race"]
+    assert complete(replica_a, tokens) == expected["race", HITS["race"][1]]
 
 
-def test_cache_salt_splits_the_cache(replica_a: ServerProcess, replica_b: ServerProcess,
-                                     l2_dir: Path, expected: dict[str, list[int]]) -> None:
+def test_cache_salt_splits_the_cache(
+        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
+        expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["salted"]
-    assert complete(replica_a, tokens, cache_salt="tenant-a") == expected["salted"]
+    assert complete(replica_a, tokens, cache_salt="tenant-a") == expected["salted", 0]
     _wait_for_files(_block_files(l2_dir, tokens, salt="tenant-a"))
     assert not any(p.exists() for p in _block_files(l2_dir, tokens))
     external_before = metric(replica_b, EXTERNAL_HITS)
 
-    assert complete(replica_b, tokens, cache_salt="tenant-b") == expected["salted"]
+    assert complete(replica_b, tokens, cache_salt="tenant-b") == expected["salted", 0]
     assert metric(replica_b, EXTERNAL_HITS) == external_before  # another tenant: no hit
 
     reset_l0(replica_b)
-    assert complete(replica_b, tokens, cache_salt="tenant-a") == expected["salted"]
+    hit = expected["salted", HITS["salted"][1]]
+    assert complete(replica_b, tokens, cache_salt="tenant-a") == hit
     assert metric(replica_b, EXTERNAL_HITS) > external_before  # the same tenant: L2 hit
 
 
 def test_unusable_l2_path_runs_l1_only_and_is_counted(
-        tmp_path: Path, expected: dict[str, list[int]]) -> None:
+        tmp_path: Path, expected: dict[tuple[str, int], list[int]]) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("L2 cannot live under a regular file")
     with start(tmp_path, "no-l2", connector=kv_transfer_config(
             l2_path=str(not_a_dir / "l2"), l1_bytes=1 << 30)) as server:
         tokens = PROMPTS["no_l2"]
-        assert complete(server, tokens) == expected["no_l2"]
+        assert complete(server, tokens) == expected["no_l2", 0]
         reset_l0(server)
-        assert complete(server, tokens) == expected["no_l2"]
-        assert metric(server, "kvtier:load_blocks_l1_total") == _usable_blocks(tokens)
+        assert complete(server, tokens) == expected["no_l2", HITS["no_l2"][1]]
+        assert metric(server, "kvtier:load_blocks_l1_total") == _usable(tokens) // BLOCK
         assert metric(server, "kvtier:l2_unavailable_total") == 1
     assert not (not_a_dir / "l2").exists()

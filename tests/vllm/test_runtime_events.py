@@ -44,21 +44,20 @@ def test_stored_and_evicted_blocks_are_published_as_engine_block_hashes(tmp_path
     payload = bytes(600_000)
     config = ConnectorConfig(l1_bytes=1_000_000, events_endpoint=endpoint, replica_id="r1")
     rt = runtime.acquire(config, _identity(), publish=True)
-    tokens = list(range(512))
-    kvtier_hashes = block_hashes(tokens, 256)
-    engine_hashes = block_hashes(tokens, 128)
+    # Two unrelated one-block prompts: L1 fits one, so the second evicts the first.
+    prompts = [list(range(256)), list(range(1000, 1256))]
+    kvtier_hashes = [block_hashes(p, 256)[0] for p in prompts]
+    engine_hashes = [h for p in prompts for h in block_hashes(p, 128)]
     try:
         assert rt.publisher is not None
         with EventSubscriber([endpoint]) as sub:
             for i, h in enumerate(kvtier_hashes):
                 rt.aliases.add(h, engine_hashes[2 * i:2 * i + 2])
             time.sleep(0.5)  # let the subscription reach the publisher
-            meta0 = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
-                              parent=root_hash())
-            rt.store.save(kvtier_hashes[0], meta0, payload)
-            meta1 = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
-                              parent=kvtier_hashes[0])
-            rt.store.save(kvtier_hashes[1], meta1, payload)  # L1 holds one: evicts block 0
+            meta = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
+                             parent=root_hash())
+            rt.store.save(kvtier_hashes[0], meta, payload)
+            rt.store.save(kvtier_hashes[1], meta, payload)
             events = []
             deadline = time.monotonic() + 10
             while len(events) < 3 and time.monotonic() < deadline:

@@ -3,7 +3,7 @@
     kvtier bench router --json bench_router.json
 
 Workload: `prefixes` distinct `prefix_tokens`-token documents x `suffixes` short questions,
-interleaved (p0 s0, p1 s0, ..., p7 s0, p0 s1, ...), streamed with `concurrency` requests in
+interleaved in rounds (every prefix once per round, each round in a fresh seeded order), streamed with `concurrency` requests in
 flight, against 2 vLLM replicas (1 thread each, cores 0 and 1). Each router gets fresh prefixes,
 so none profits from another's warm cache. Per router (one row):
 
@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -113,7 +114,7 @@ class RouterProcess:
                                            timeout=aiohttp.ClientTimeout(total=2)) as resp:
                         if resp.status == 200:
                             return
-                except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                except (TimeoutError, aiohttp.ClientError, OSError):
                     pass
                 await asyncio.sleep(0.3)
         raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s: "
@@ -169,11 +170,10 @@ def _fake_replica_main(port: int) -> None:
 
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _free_port()
-    log = open(log_dir / f"fake-{port}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.router", "--fake-replica",
-                             str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    log.close()
+    with open(log_dir / f"fake-{port}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.router", "--fake-replica",
+                                 str(port)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -185,7 +185,7 @@ async def _scrape(session: Any, url: str) -> dict[str, float]:
     out = {}
     for name in ("vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         out[name] = sum(float(v) for v in re.findall(
-            rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M))
+            rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.MULTILINE))
     return out
 
 
@@ -202,12 +202,22 @@ def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixe
     docs = []
     for p in range(prefixes):
         head = f"Document {tag}-{p}.\n"
-        body_ids = corpus.encode(corpus.document(prefix_tokens, seed=zlib.crc32(f"{tag}-{p}".encode())))
+        seed = zlib.crc32(f"{tag}-{p}".encode())
+        body_ids = corpus.encode(corpus.document(prefix_tokens, seed=seed))
         ids = corpus.encode(head) + body_ids
         docs.append(corpus.decode(ids[:prefix_tokens]))
     prompts, ideal = [], 0
+    rng = random.Random(zlib.crc32(tag.encode()))
+    half = prefixes // 2
+    order = list(range(prefixes))
     for s in range(suffixes):
-        for p, doc in enumerate(docs):
+        # Each round visits every prefix once in a fresh order (a fixed order would let round
+        # robin map prefix p to replica p mod 2 and look perfectly affine by accident); halves
+        # are shuffled separately so a prefix recurs no sooner than half a round later, after
+        # its previous request's prefill.
+        order = rng.sample(order[:half], half) + rng.sample(order[half:], prefixes - half)
+        for p in order:
+            doc = docs[p]
             prompt = f"{doc}\nQuestion {s}: what does document {p} say about item {s * 7 + p}?"
             prompts.append(prompt)
             if s > 0:

@@ -19,6 +19,7 @@ test leaves no mount behind. Needs root and `/dev/fuse`.
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import signal
@@ -78,6 +79,19 @@ def force_unmount(path: str, binary: str | None = None, timeout_s: float = 10.0)
         except subprocess.TimeoutExpired:
             continue
     return path not in mounted_under(path)
+
+
+def unmount_dead(prefix: str) -> list[str]:
+    """Detach mounts under `prefix` whose FUSE daemon died (ENOTCONN), e.g. left by a test run
+    that was SIGKILLed; live mounts are left alone. Returns what was detached."""
+    detached = []
+    for point in mounted_under(prefix):
+        try:
+            os.statvfs(point)  # never answered from the kernel's attribute cache
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN and force_unmount(point):
+                detached.append(point)
+    return detached
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,7 +40,13 @@ def _run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        asyncio.run(serve(Router(config)))
+        import uvloop  # a faster event loop when present (a vLLM dependency)
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(Router(config)))
     except KeyboardInterrupt:
         pass
     return 0

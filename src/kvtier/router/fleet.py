@@ -46,7 +46,7 @@ class Replica:
 class Lease:
     """One request's claim on a replica's load counters; `release` is idempotent."""
 
-    __slots__ = ("replica", "_prefill", "_done")
+    __slots__ = ("_done", "_prefill", "replica")
 
     def __init__(self, replica: Replica, prefill_tokens: int) -> None:
         self.replica = replica

@@ -58,7 +58,7 @@ class HealthChecker:
             async with self._session.get(url, timeout=self._timeout) as resp:
                 await resp.read()
                 return resp.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def _learn_models(self, replica: Replica) -> None:
@@ -66,7 +66,7 @@ class HealthChecker:
             async with self._session.get(replica.config.url + "/v1/models",
                                          timeout=self._timeout) as resp:
                 doc = await resp.json(content_type=None)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):

@@ -92,8 +92,11 @@ class CostWeights:
     """... when the replica's host-memory tier holds it (a copy in, no compute)."""
     l2_credit: float = 0.5
     """... when the shared pool holds it (a network read)."""
-    queue_weight: float = 1.0
-    """Cost per uncached prompt token already queued on the replica."""
+    queue_weight: float = 0.25
+    """Cost per uncached prompt token already queued on the replica. Below 1 on purpose: a
+    queue only delays a request, a miss also recomputes its prefix (fleet compute) and caches
+    it twice; at 0.25 affinity yields once the cached replica's backlog exceeds about four
+    times the prefill the cache saves."""
     running_penalty: float = 128.0
     """Cost per request in flight on the replica (one block of prefill)."""
     history_weight: float = 0.1

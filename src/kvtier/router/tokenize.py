@@ -9,19 +9,35 @@ Mirrors vLLM's OpenAI server: completions add special tokens (`add_special_token
 chat renders the template with `add_generation_prompt` (default true) and encodes the text
 without special tokens; content given as parts is joined text.
 
-Called once per request on the router's event loop (a fast tokenizer takes about a millisecond
-for 2k tokens).
+Called once per request on the router's event loop. A fast tokenizer needs about a millisecond
+per thousand tokens, the whole routing budget, so text is encoded in chunks cut where a
+pre-token always ends (a non-space character followed by a space or newline) and each chunk's
+ids are cached (LRU): a long shared prefix (a system prompt, a document, a conversation so far)
+is encoded once and only the new tail costs anything. For byte-level BPE tokenizers (GPT-2,
+Llama 3, SmolLM) chunked encoding equals whole encoding; `ChunkedEncoder` checks that on sample
+texts at load time and encodes whole prompts when a tokenizer does not pass.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.keys import BlockHash, block_hashes, extra_key
 
-__all__ = ["PromptError", "Tokenized", "Tokenizer"]
+__all__ = ["ChunkedEncoder", "PromptError", "Tokenized", "Tokenizer"]
+
+# A non-space followed by whitespace: byte-level BPE pre-tokens never span it.
+_BOUNDARY = re.compile(r"(?<=\S)(?=\s)")
+_SELF_CHECK = (
+    "Hello world.\n\nThis is  a test\twith tabs\n   indented line\n\n\nend 12345 x",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n",
+    "Ünïcödé — dashes, ‘quotes’, emoji 🙂 and 中文字符 mixed;  done.\r\n next\u00a0line",
+    "def f(x):\n    return x ** 2  # comment\n\nprint(f(3))\n",
+)
 
 
 class PromptError(ValueError):
@@ -76,6 +92,49 @@ def _is_tokens(value: object) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
+class ChunkedEncoder:
+    """Encodes text chunk by chunk with an LRU cache of chunk ids (see the module docstring).
+
+    `encode` is the tokenizer's own encode without special tokens; chunks are at least
+    `min_chars` long, cut at the first pre-token boundary after that, so two prompts sharing a
+    prefix cut it identically.
+    """
+
+    def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 128,
+                 max_chunks: int = 4096) -> None:
+        self._encode = encode
+        self.min_chars = min_chars
+        self.max_chunks = max_chunks
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self.exact = all(self._chunked(t, 1) == encode(t) for t in _SELF_CHECK)
+        self._cache.clear()
+
+    def __call__(self, text: str) -> list[int]:
+        if not self.exact or len(text) < 2 * self.min_chars:
+            return self._encode(text)
+        return self._chunked(text, self.min_chars)
+
+    def _chunked(self, text: str, min_chars: int) -> list[int]:
+        ids: list[int] = []
+        start = 0
+        while (cut := _BOUNDARY.search(text, start + min_chars)) is not None:
+            ids += self._chunk(text[start:cut.start()])
+            start = cut.start()
+        ids += self._encode(text[start:])  # the tail is usually new: not worth caching
+        return ids
+
+    def _chunk(self, chunk: str) -> list[int]:
+        hit = self._cache.get(chunk)
+        if hit is not None:
+            self._cache.move_to_end(chunk)
+            return hit
+        ids = self._encode(chunk)
+        self._cache[chunk] = ids
+        if len(self._cache) > self.max_chunks:
+            self._cache.popitem(last=False)
+        return ids
+
+
 class Tokenizer:
     """The model's tokenizer plus block hashing at `block_tokens` (the engine's block size)."""
 
@@ -84,13 +143,28 @@ class Tokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(model_dir)
         self.block_tokens = block_tokens
+        self._encode = ChunkedEncoder(
+            lambda text: list(self._tok.encode(text, add_special_tokens=False)))
+        # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
+        self._specials = list(self._tok.encode("", add_special_tokens=True))
+        probe = _SELF_CHECK[0]
+        self._specials_lead = list(self._tok.encode(probe, add_special_tokens=True)) == \
+            self._specials + self._encode(probe)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text` as the engine computes them."""
+        if not add_special_tokens:
+            return self._encode(text)
+        if self._specials_lead:
+            return self._specials + self._encode(text)
+        return list(self._tok.encode(text, add_special_tokens=True))
 
     def completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of a completions request's (first) prompt."""
         prompt = body.get("prompt")
         add_special = body.get("add_special_tokens", True)
         if isinstance(prompt, str):
-            return list(self._tok.encode(prompt, add_special_tokens=bool(add_special)))
+            return self.encode(prompt, bool(add_special))
         if _is_tokens(prompt):
             return list(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list) and prompt and (
@@ -118,8 +192,10 @@ class Tokenizer:
                 **kwargs)
         except Exception as exc:  # jinja raises many types; any is a bad request
             raise PromptError(f"chat template failed: {exc}", "messages") from exc
+        if not isinstance(text, str):
+            raise PromptError("chat template did not render text", "messages")
         add_special = bool(body.get("add_special_tokens", False))
-        return list(self._tok.encode(text, add_special_tokens=add_special))
+        return self.encode(text, add_special)
 
     def hash(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Tokenized:
         hashes = block_hashes(token_ids, self.block_tokens, extra_key(cache_salt=cache_salt))

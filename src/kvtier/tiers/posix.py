@@ -13,11 +13,12 @@ that is success. Where hard links are unsupported the temp file is renamed into 
 Readers therefore only ever see complete files; a file that still fails validation (bit rot,
 a foreign writer, another format version) is a miss, is deleted and is counted.
 
-Data moves once: a write streams the payload in 512 KiB chunks, hashing each chunk right before
-writing it (then fills in the header, which holds the checksum); a read takes the header into a
-small buffer, then streams the payload straight into its own uninitialised buffer, hashing each
-chunk right after reading it. The payload is returned read-only (no copy) and adopted as is by
-L1.
+A write is one `writev` of header and payload (the page
+cache then holds the file in large folios, which makes later reads faster than chunked writes
+would). A read goes into a small header buffer and the payload's own uninitialised buffer in
+256 KiB pieces, each hashed right after it is read, while still in the CPU cache, so verifying
+the checksum costs no second pass over memory. The payload is returned read-only (no copy) and
+adopted as is by L1.
 
 Existence answers (`contains`) are cached for `exists_ttl_s`: a batched lookup over a FUSE
 mount then costs one stat per block per TTL, and a fresh miss re-checks after the TTL.
@@ -38,7 +39,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -48,10 +49,8 @@ from kvtier.codec import (
     HEADER_BYTES,
     BlockMeta,
     byte_view,
-    check_payload_length,
     decode_header,
     encode_header,
-    payload_hasher,
     verify_payload,
 )
 from kvtier.errors import CodecError, TierError
@@ -67,9 +66,10 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvt"
 MANIFEST = "manifest.json"
 _EXISTS_CACHE_MAX = 1 << 16
-CHUNK_BYTES = 512 * 1024
-"""I/O and hashing granularity: large enough for sequential throughput, small enough that a
-chunk just read or about to be written is still in the CPU's L2 cache when it is hashed."""
+READ_CHUNK_BYTES = 256 * 1024
+"""Payload read and hash granularity: large sequential reads that still fit the CPU's L2 cache."""
+MAX_PAYLOAD_BYTES = 1 << 30
+"""Files larger than this are not blocks (a 256-token block of a 70B model is ~80 MiB)."""
 # link() errors meaning "this filesystem cannot hard-link", not "the write failed".
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
             errno.EXDEV}
@@ -85,12 +85,13 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][written:]
 
 
-def _read_exact(fd: int, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> int:
-    """Fill `view` from `fd` chunk by chunk, hashing each chunk while it is in cache; returns
-    the bytes read (short only at EOF)."""
+def _read_into(fd: int, view: memoryview, hasher: xxhash.xxh3_64 | None = None) -> int:
+    """Fill `view` from `fd` in `READ_CHUNK_BYTES` pieces, hashing each piece right after it is
+    read, while it is still in the CPU cache (a separate pass would read the whole payload from
+    memory a second time). Returns the bytes read; short only at EOF."""
     done = 0
     while done < view.nbytes:
-        n = os.readv(fd, [view[done:done + CHUNK_BYTES]])
+        n = os.readv(fd, [view[done:done + READ_CHUNK_BYTES]])
         if n == 0:
             break
         if hasher is not None:
@@ -99,27 +100,17 @@ def _read_exact(fd: int, view: memoryview, hasher: xxhash.xxh3_64 | None = None)
     return done
 
 
-def _write_block(fd: int, namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
-                 payload: memoryview) -> None:
-    """Header placeholder, payload chunks (hashed as they go), then the real header: one pass
-    over the payload, appends only apart from the final 4 KiB rewrite."""
-    _write_all(fd, [memoryview(bytes(HEADER_BYTES))])
-    hasher = payload_hasher()
-    for start in range(0, payload.nbytes, CHUNK_BYTES):
-        chunk = payload[start:start + CHUNK_BYTES]
-        hasher.update(chunk)
-        _write_all(fd, [chunk])
-    header = encode_header(namespace, block_hash, meta, payload, checksum=hasher.intdigest())
-    if os.pwrite(fd, header, 0) != HEADER_BYTES:
-        raise OSError(errno.EIO, "short header write")
+def publish(path: str, views: list[memoryview]) -> bool:
+    """Atomically create `path` with the concatenation of `views`.
 
-
-def _publish_with(path: str, write: Callable[[int], None]) -> bool:
+    Returns True if this call created it, False if it already existed (another writer won).
+    Raises OSError on a real I/O failure.
+    """
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         try:
-            write(fd)
+            _write_all(fd, list(views))
         finally:
             os.close(fd)
         try:
@@ -141,19 +132,10 @@ def _publish_with(path: str, write: Callable[[int], None]) -> bool:
             pass
 
 
-def publish(path: str, views: list[memoryview]) -> bool:
-    """Atomically create `path` with the concatenation of `views`.
-
-    Returns True if this call created it, False if it already existed (another writer won).
-    Raises OSError on a real I/O failure.
-    """
-    return _publish_with(path, lambda fd: _write_all(fd, list(views)))
-
-
 class PosixTier:
     """Shared-directory L2 tier for one namespace (see the module docstring)."""
 
-    def __init__(self, root: str, namespace: Namespace, manifest: dict[str, object], *,
+    def __init__(self, root: str, namespace: Namespace, manifest: Mapping[str, object], *,
                  exists_ttl_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not os.path.isdir(root):
@@ -226,10 +208,9 @@ class PosixTier:
                 self._remember(block_hash, True)
                 return PutResult(stored=False)
             view = byte_view(payload)
-            check_payload_length(meta, view.nbytes)
+            header = encode_header(self._namespace, block_hash, meta, view)
             self._ensure_dir(os.path.dirname(path))
-            created = _publish_with(path, lambda fd: _write_block(
-                fd, self._namespace, block_hash, meta, view))
+            created = publish(path, [memoryview(header), view])
         except OSError as exc:
             self._fault("write", exc)
             return PutResult(stored=False)
@@ -261,21 +242,24 @@ class PosixTier:
             self._counters.add(misses=1)
             return None
         try:
-            size = os.fstat(fd).st_size
+            opened = os.fstat(fd)
+            size = opened.st_size
+            if not HEADER_BYTES <= size <= HEADER_BYTES + MAX_PAYLOAD_BYTES:
+                raise CodecError(f"file: {size} bytes is not a plausible block")
             head = memoryview(bytearray(HEADER_BYTES))
-            got = _read_exact(fd, head)
+            got = _read_into(fd, head)
             header = decode_header(head[:got], namespace=self._namespace, block_hash=block_hash)
             if size != HEADER_BYTES + header.payload_bytes:
                 raise CodecError(f"file: {size} bytes, header says "
                                  f"{HEADER_BYTES} + {header.payload_bytes}")
-            # Its own buffer, so L1 holds exactly the payload after promotion; uninitialised,
-            # since the read overwrites every byte (a bytearray would be zeroed first).
+            # The payload gets its own buffer, so L1 holds exactly the payload after promotion;
+            # uninitialised, since the read overwrites every byte (bytearray would zero it).
             payload = np.empty(header.payload_bytes, dtype=np.uint8).data
-            hasher = payload_hasher()
-            got = _read_exact(fd, payload, hasher)
-            verify_payload(header, payload[:got], digest=hasher.intdigest())
+            hasher = xxhash.xxh3_64()
+            got = _read_into(fd, payload, hasher)
+            verify_payload(header, payload[:got], checksum=hasher.intdigest())
         except CodecError as exc:
-            self._discard(path, os.fstat(fd), exc)
+            self._discard(path, opened, exc)
             self._remember(block_hash, False)
             self._counters.add(misses=1, corrupt_removed=1)
             return None

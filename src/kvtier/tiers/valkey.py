@@ -60,8 +60,9 @@ class ValkeyTierConfig:
 
     url: str
     """`redis://host:port[/db]` (also `rediss://`, `unix://`)."""
-    socket_timeout_s: float = 2.0
-    """Per-command timeout; a 5.6 MiB block over loopback takes a few ms."""
+    socket_timeout_s: float = 10.0
+    """Per-command timeout: a hung server costs at most this. A batch of 16 blocks of 5.6 MiB
+    is 90 MiB in one reply (~0.1-0.7 s over loopback here), so keep it well above that."""
     connect_timeout_s: float = 0.5
     """Connect timeout; short, because a down server must not stall a lookup."""
     backoff_initial_s: float = 0.1

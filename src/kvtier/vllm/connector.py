@@ -30,9 +30,10 @@ from kvtier.vllm.compat import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorStats,
+    KVConnectorWorkerMetadata,
 )
 from kvtier.vllm.config import ConnectorConfig
-from kvtier.vllm.metadata import KvtierMetadata
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
 from kvtier.vllm.worker_side import WorkerSide
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["KvtierConnector"]
@@ -87,8 +89,9 @@ class KvtierConnector(KVConnectorBase_V1):
             rank = compat.worker_tp_rank()
             identity = runtime.model_identity(self.config, geometry, model, rank)
             self._runtimes = [runtime.acquire(self.config, identity, publish=rank == 0)]
-            self._worker = WorkerSide(self._runtimes[0], geometry, self.config.block_tokens,
-                                      self.config.load_threads, self.counters)
+            self._worker = WorkerSide(self._runtimes[0], geometry, rank,
+                                      self.config.block_tokens, self.config.load_threads,
+                                      self.counters)
         log.info("kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
                  role.name, [r.namespace for r in self._runtimes], self.config.block_tokens,
                  self.config.l1_bytes, self.config.l2_path)
@@ -124,6 +127,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker_side().worker_meta()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self.counters.take()
@@ -161,6 +167,11 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, KvtierWorkerMeta):
+            self._scheduler_side().apply_worker_meta(meta)
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request), None
@@ -190,7 +201,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def _meta(self) -> KvtierMetadata:
         meta = self._get_connector_metadata()
         if not isinstance(meta, KvtierMetadata):
-            raise RuntimeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
+            raise TypeError(f"kvtier: unexpected connector metadata {type(meta).__name__}")
         return meta
 
     def _worker_side(self) -> WorkerSide:

@@ -1,7 +1,9 @@
-"""What the scheduler-side connector tells the workers each step (pickled across processes).
+"""What the scheduler-side connector and the workers tell each other each step (pickled across
+processes).
 
-Built once per step by `SchedulerSide.build_meta` on the scheduler thread; read by
-`WorkerSide` in every worker. Engine block ids are the request's own blocks in vLLM's paged
+`KvtierMetadata` is built once per step by `SchedulerSide.build_meta` on the scheduler thread
+and read by `WorkerSide` in every worker. `KvtierWorkerMeta` goes back: each worker's L1
+changes, aggregated over workers by vLLM, applied by `SchedulerSide.apply_worker_meta`. Engine block ids are the request's own blocks in vLLM's paged
 cache: they stay allocated to the request until the worker reports the transfer finished.
 """
 
@@ -11,7 +13,8 @@ from dataclasses import dataclass, field
 
 from kvtier.events import Tier
 from kvtier.keys import BlockHash
-from kvtier.vllm.compat import KVConnectorMetadata
+from kvtier.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
+from kvtier.vllm.runtime import L1Change
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +55,15 @@ class KvtierMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
     """Requests preempted this step: their blocks are freed, pending saves must finish first."""
+
+
+@dataclass(slots=True)
+class KvtierWorkerMeta(KVConnectorWorkerMetadata):
+    """L1 changes of the workers since their last report, tagged with the TP rank."""
+
+    changes: list[tuple[int, L1Change]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvtierWorkerMeta:
+        if isinstance(other, KvtierWorkerMeta):
+            self.changes += other.changes
+        return self

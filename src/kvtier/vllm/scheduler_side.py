@@ -11,6 +11,7 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
     after_alloc(request, blocks, n)  once blocks are allocated for an external hit: plans the
                                      load (asynchronous: the request waits in vLLM's
                                      WAITING_FOR_REMOTE_KVS until the worker reports it).
+    apply_worker_meta(meta)          every step: the workers' L1 changes (L1 mirror).
     build_meta(scheduler_output)     every step: the planned loads, plus saves of every full
                                      kvtier block the step completes.
     finished(request)                once per request: True keeps its blocks allocated until
@@ -23,16 +24,17 @@ and never the last prompt token (vLLM must compute at least one token to sample 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.events import Tier
+from kvtier.events import EventKind, Tier
 from kvtier.keys import BlockHash, block_hashes, root_hash
 from kvtier.vllm import compat
-from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.runtime import Runtime
 from kvtier.vllm.stats import ConnectorCounters
 
@@ -86,6 +88,11 @@ class SchedulerSide:
         self._events = events
         self._block_ids_of = block_ids_of
         self._tracked: dict[str, _Tracked] = {}
+        # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
+        # workers may live in other processes). Written on the scheduler thread, read by the
+        # lookup thread.
+        self._l1: list[set[BlockHash]] = [set() for _ in self._runtimes]
+        self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
 
@@ -165,6 +172,14 @@ class SchedulerSide:
                 meta.saves.append(spec)
         return meta
 
+    def apply_worker_meta(self, meta: KvtierWorkerMeta) -> None:
+        with self._l1_lock:
+            for rank, (kind, hashes) in meta.changes:
+                if kind == EventKind.STORED:
+                    self._l1[rank].update(hashes)
+                elif kind == EventKind.REMOVED:
+                    self._l1[rank].difference_update(hashes)
+
     def finished(self, request: Request) -> bool:
         tracked = self._tracked.pop(request.request_id, None)
         return tracked is not None and tracked.has_saves
@@ -208,15 +223,21 @@ class SchedulerSide:
         return lookup
 
     def _lookup(self, hashes: list[BlockHash]) -> list[Tier]:
-        """Longest prefix every TP rank holds; a block's tier is the farthest among ranks."""
-        found: list[Tier] | None = None
-        for runtime in self._runtimes:
-            tiers = runtime.store.lookup(hashes if found is None else hashes[:len(found)])
-            found = tiers if found is None else [max(a, b, key=_TIER_ORDER.__getitem__)
-                                                 for a, b in zip(found, tiers)]
-            if not found:
-                break
-        return found or []
+        """Longest prefix every TP rank holds now; a block's tier is the farthest among ranks
+        (L1 from the mirror of the workers' L1, else whatever the store finds: L2, or L1 when
+        the worker shares this process's store)."""
+        found: list[Tier] = []
+        for h in hashes:
+            tier = Tier.L1
+            for rank, runtime in enumerate(self._runtimes):
+                with self._l1_lock:
+                    in_l1 = h in self._l1[rank]
+                rank_tier = Tier.L1 if in_l1 else runtime.store.contains(h)
+                if rank_tier is None:
+                    return found
+                tier = max(tier, rank_tier, key=_TIER_ORDER.__getitem__)
+            found.append(tier)
+        return found
 
     def _plan_save(self, tracked: _Tracked, n_scheduled: int) -> SaveSpec | None:
         """The kvtier blocks this step completes (KV computed by its forward pass)."""

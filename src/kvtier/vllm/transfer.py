@@ -22,6 +22,7 @@ import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,7 +132,8 @@ def payload_view(payload: memoryview, layout: BlockLayout) -> torch.Tensor:
 
 def host_bytes(buffer: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, as the store's `save` takes them."""
-    return memoryview(buffer.view(torch.uint8).numpy()).cast("B")
+    array: Any = buffer.view(torch.uint8).numpy()
+    return memoryview(array).cast("B")
 
 
 class _CudaStaging:
@@ -139,7 +141,7 @@ class _CudaStaging:
 
     def __init__(self, layout: BlockLayout) -> None:
         self.layout = layout
-        self.stream = torch.cuda.Stream()
+        self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
         self.staging = torch.empty(layout.shape, dtype=layout.dtype, pin_memory=True)
         self._lock = threading.Lock()  # one stream and one staging buffer: one copy at a time
 

@@ -10,6 +10,8 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
     finished(ids)              requests whose loads completed, and finished requests whose
                                saves completed (vLLM holds their blocks until then).
     load_errors()              engine block ids that failed to load (vLLM recomputes them).
+    worker_meta()              blocks that entered or left this rank's L1 (the scheduler may
+                               run in another process and mirrors L1 from these reports).
 
 Background threads (owned here, stopped by `close`):
 - loader: `store.load` (L1 hit, or L2 read + validation + promotion), then `scatter` into the
@@ -33,7 +35,7 @@ from kvtier.errors import ConfigError
 from kvtier.events import Tier
 from kvtier.keys import BlockHash
 from kvtier.vllm.compat import EngineGeometry
-from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.runtime import Runtime
 from kvtier.vllm.stats import ConnectorCounters
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
@@ -44,9 +46,10 @@ PREEMPT_WAIT_S = 30.0
 
 
 class WorkerSide:
-    def __init__(self, runtime: Runtime, geometry: EngineGeometry, block_tokens: int,
-                 load_threads: int, counters: ConnectorCounters) -> None:
+    def __init__(self, runtime: Runtime, geometry: EngineGeometry, tp_rank: int,
+                 block_tokens: int, load_threads: int, counters: ConnectorCounters) -> None:
         self._runtime = runtime
+        self._rank = tp_rank
         self._store = runtime.store
         self._geometry = geometry
         self._block = block_tokens
@@ -109,6 +112,11 @@ class WorkerSide:
                 del self._save_jobs[r]
             recving, self._loads_done = self._loads_done, set()
         return sending or None, recving or None
+
+    def worker_meta(self) -> KvtierWorkerMeta | None:
+        """This worker's L1 changes since the last step, for the scheduler's L1 mirror."""
+        changes = self._runtime.take_l1_changes()
+        return KvtierWorkerMeta([(self._rank, c) for c in changes]) if changes else None
 
     def load_errors(self) -> set[int]:
         with self._lock:

@@ -1,0 +1,58 @@
+"""`kvtier bench store` runs end to end on tiny blocks and writes every promised figure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.store import EMBEDDED, StoreBenchConfig, geometry_of
+from kvtier.cli import main
+from kvtier.errors import ConfigError
+
+FIGURES = ("l1_put_gbps", "l1_get_gbps", "memcpy_gbps", "l2_write_gbps", "l2_read_gbps",
+           "raw_write_gbps", "raw_read_gbps", "l1_put_ratio", "l1_get_ratio", "l2_write_ratio",
+           "l2_read_ratio")
+
+
+def test_cli_writes_all_figures_and_cleans_up(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "store.json"
+    l2_root = tmp_path / "l2"
+    l2_root.mkdir()
+    code = main(["bench", "store", "--json", str(out), "--l2", f"posix:{l2_root}",
+                 "--block-tokens", "4", "--blocks", "16", "--repeats", "2", "--quiet"])
+    assert code == 0
+    result = json.loads(out.read_text())
+    for key in FIGURES:
+        assert result[key] > 0, key
+    assert result["block_bytes"] == EMBEDDED.block_bytes(4) == 30 * 2 * 4 * 3 * 64 * 2
+    assert result["blocks_per_pass"] == 16
+    assert {len(v) for v in result["per_repeat_gbps"].values()} == {2}
+    assert isinstance(result["meets_target"], bool)
+    assert list(l2_root.iterdir()) == []  # the benchmark directory was removed
+    assert "l2_read_ratio" in capsys.readouterr().out
+
+
+def test_embedded_block_is_the_documented_size() -> None:
+    assert EMBEDDED.block_bytes(256) == 5_898_240
+
+
+def test_geometry_is_read_from_a_model_directory(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "hidden_size": 512}))
+    geometry = geometry_of(str(tmp_path))
+    assert (geometry.layers, geometry.kv_heads, geometry.head_dim) == (4, 2, 64)
+    with pytest.raises(ConfigError, match="model"):
+        geometry_of(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"blocks": 12}, "blocks"), ({"block_tokens": 0}, "block_tokens"),
+    ({"repeats": 0}, "repeats"),
+])
+def test_config_rejects_invalid_fields(kwargs: dict[str, int], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        StoreBenchConfig(**kwargs)  # type: ignore[arg-type]

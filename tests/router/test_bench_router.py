@@ -1,0 +1,29 @@
+"""Benchmark S3's workload and peer commands (the run itself needs engines: `kvtier bench
+router`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvtier.bench.corpus import Corpus
+from kvtier.bench.router import ROUTERS, Replica, build_workload, router_command
+from tests.router.router_fixtures import tokenizer
+
+
+def test_workload_interleaves_rounds_and_counts_the_ideal_hits() -> None:
+    tok = tokenizer()._tok
+    workload = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256)
+    assert len(workload.prompts) == 12
+    heads = [p.split(".\n", 1)[0] for p in workload.prompts]
+    for r in range(3):  # every prefix once per round
+        assert Counter(heads[4 * r:4 * r + 4]) == {f"Document t-{p}": 1 for p in range(4)}
+    # each repeat can hit at most its 2 full 128-token prefix blocks
+    assert workload.ideal_hit_tokens == 4 * 2 * 256
+
+
+def test_every_router_has_a_command_on_the_given_port() -> None:
+    replicas = [Replica("http://127.0.0.1:1", "ipc:///a"), Replica("http://127.0.0.1:2")]
+    for name in ROUTERS:
+        cmd = router_command(name, replicas, 4242)
+        assert "4242" in cmd and "http://127.0.0.1:2" in " ".join(cmd)
+    assert "http://127.0.0.1:1=ipc:///a" in router_command("kvtier-kvaware", replicas, 1)

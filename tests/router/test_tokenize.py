@@ -1,0 +1,73 @@
+"""Router-side tokenization: chunked, cached encoding equals the tokenizer's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.corpus import Corpus
+from kvtier.router.tokenize import ChunkedEncoder, PromptError
+from tests.router.router_fixtures import tokenizer
+
+
+def whole(text: str) -> list[int]:
+    return list(tokenizer()._tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_encoding_equals_whole_encoding_on_real_text(seed: int) -> None:
+    corpus = Corpus(tokenizer()._tok)
+    text = corpus.document(1500, seed) + "\n\nQuestion:   what   now?\t\n  "
+    encoder = ChunkedEncoder(whole, min_chars=64)
+    assert encoder.exact
+    assert encoder(text) == whole(text)
+    assert encoder(text) == whole(text)  # again, from the cache
+
+
+def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
+    calls: list[str] = []
+
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return whole(text)
+
+    encoder = ChunkedEncoder(counting, min_chars=100)
+    calls.clear()  # the self-check's calls
+    prefix = Corpus(tokenizer()._tok).document(800, 1)
+    encoder(prefix + " first question?")
+    first_calls = len(calls)
+    calls.clear()
+    assert encoder(prefix + " second question?") == whole(prefix + " second question?")
+    assert len(calls) == 1 and first_calls > 1  # only the tail was encoded
+
+
+def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
+    def marked(text: str) -> list[int]:  # SentencePiece-like: a marker at every start
+        return [1] + [ord(c) for c in text]
+
+    encoder = ChunkedEncoder(marked, min_chars=4)
+    assert not encoder.exact
+    text = "some words here and there " * 20
+    assert encoder(text) == marked(text)
+
+
+def test_chat_tokens_render_tools_and_text_parts() -> None:
+    tok = tokenizer()
+    plain = tok.chat_tokens({"messages": [{"role": "user", "content": "a\nb"}]})
+    parts = tok.chat_tokens({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+        {"type": "text", "text": "b"}]}]})
+    assert parts == plain
+    with pytest.raises(PromptError) as err:
+        tok.chat_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]})
+    assert err.value.param == "messages[0].content"
+
+
+def test_completion_prompt_forms() -> None:
+    tok = tokenizer()
+    assert tok.completion_tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert tok.completion_tokens({"prompt": [[5, 6], [7]]}) == [5, 6]
+    assert tok.completion_tokens({"prompt": ["hello", "x"]}) == \
+        tok.completion_tokens({"prompt": "hello"})
+    for bad in ([], [True], [-1], [[1], "x"], {"a": 1}):
+        with pytest.raises(PromptError):
+            tok.completion_tokens({"prompt": bad})

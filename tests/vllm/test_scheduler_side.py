@@ -1,0 +1,192 @@
+"""The scheduler side's decisions, driven like vLLM's scheduler drives them (no engine): lookups
+answer None until done, count only full blocks short of the last token, and plans name exact
+block hashes and engine block ids."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvtier.codec import BlockMeta
+from kvtier.events import EventKind, Tier
+from kvtier.keys import ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.vllm import runtime
+from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.metadata import KvtierWorkerMeta
+from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.stats import ConnectorCounters
+
+BLOCK, ENGINE = 256, 128
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    cache_salt: str | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class FakeSchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: set[str] | None = None
+
+
+@pytest.fixture
+def rt() -> Iterator[runtime.Runtime]:
+    identity = ModelIdentity(model="unit", kv_layout="test", block_tokens=BLOCK)
+    shared = runtime.acquire(ConnectorConfig(l1_bytes=1 << 20), identity, publish=False)
+    yield shared
+    runtime.release(shared)
+
+
+def _side(rt: runtime.Runtime, block_ids: dict[str, list[int]] | None = None) -> SchedulerSide:
+    return SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
+                         events=False, block_ids_of=lambda r: (block_ids or {})[r])
+
+
+def _store_blocks(rt: runtime.Runtime, tokens: list[int], n: int, salt: str | None = None) -> None:
+    extra = extra_key(cache_salt=salt) if salt else b""
+    parent = root_hash(extra)
+    for h in block_hashes(tokens, BLOCK, extra)[:n]:
+        rt.store.save(h, BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,), parent=parent),
+                      bytes(8))
+        parent = h
+
+
+def _answer(side: SchedulerSide, request: FakeRequest, local: int) -> tuple[int | None, bool]:
+    """Ask until the lookup has finished, as vLLM re-asks on each step."""
+    first = side.matched_tokens(request, local)  # type: ignore[arg-type]
+    assert first == (None, False)
+    for _ in range(100):
+        answer = side.matched_tokens(request, local)  # type: ignore[arg-type]
+        if answer[0] is not None:
+            return answer
+        time.sleep(0.01)
+    raise AssertionError("lookup never finished")
+
+
+def test_lookup_answers_none_first_then_full_blocks_short_of_the_last_token(
+        rt: runtime.Runtime) -> None:
+    tokens = list(range(1024))
+    _store_blocks(rt, tokens, 4)  # all four blocks are cached...
+    side = _side(rt)
+    try:
+        request = FakeRequest("r1", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        # ...but the last token must be computed: 3 blocks are offered, loaded asynchronously.
+        assert _answer(side, request, 0) == (768, True)
+        assert _answer(side, FakeRequest("r2", tokens), 256) == (512, True)
+    finally:
+        side.close()
+
+
+def test_only_the_contiguous_prefix_counts(rt: runtime.Runtime) -> None:
+    tokens = list(range(1300))
+    hashes = block_hashes(tokens, BLOCK)
+    _store_blocks(rt, tokens, 2)
+    rt.store.save(hashes[3], BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,),
+                                       parent=hashes[2]), bytes(8))  # block 2 is missing
+    side = _side(rt)
+    try:
+        assert _answer(side, FakeRequest("r", tokens), 0) == (512, True)
+    finally:
+        side.close()
+
+
+def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: runtime.Runtime) -> None:
+    side = _side(rt)
+    try:
+        request = FakeRequest("r", list(range(600)))
+        assert side.matched_tokens(request, 512) == (0, False)  # type: ignore[arg-type]
+    finally:
+        side.close()
+
+
+def test_a_salted_request_does_not_hit_unsalted_or_other_salts_blocks(
+        rt: runtime.Runtime) -> None:
+    tokens = list(range(800))
+    _store_blocks(rt, tokens, 3, salt="tenant-a")
+    side = _side(rt)
+    try:
+        assert _answer(side, FakeRequest("plain", tokens), 0) == (0, False)
+        assert _answer(side, FakeRequest("b", tokens, cache_salt="tenant-b"), 0) == (0, False)
+        assert _answer(side, FakeRequest("a", tokens, cache_salt="tenant-a"), 0) == (768, True)
+    finally:
+        side.close()
+
+
+def test_load_plan_skips_engine_blocks_l0_already_holds(rt: runtime.Runtime) -> None:
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 4)
+    side = _side(rt)
+    try:
+        request = FakeRequest("r", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        assert _answer(side, request, 128) == (896, True)  # L0 holds engine block 0
+        blocks = FakeBlocks([10, 11, 12, 13, 14, 15, 16, 17])
+        side.after_alloc(request, blocks, 896)  # type: ignore[arg-type]
+        meta = side.build_meta(FakeSchedulerOutput({}))  # type: ignore[arg-type]
+        (load,) = meta.loads
+        assert load.hashes == tuple(block_hashes(tokens, BLOCK)[:4])
+        assert load.skip == 1
+        assert load.engine_block_ids == (11, 12, 13, 14, 15, 16, 17)
+        assert side.hit_tokens(request) == {Tier.L1: 896}  # type: ignore[arg-type]
+        assert meta.saves == []
+    finally:
+        side.close()
+
+
+def test_saves_are_planned_for_blocks_each_step_completes(rt: runtime.Runtime) -> None:
+    tokens = list(range(700))
+    side = _side(rt, {"r": list(range(20, 26))})
+    try:
+        request = FakeRequest("r", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        meta = side.build_meta(FakeSchedulerOutput({"r": 300}))  # type: ignore[arg-type]
+        (save,) = meta.saves
+        hashes = block_hashes(tokens, BLOCK)
+        assert save.hashes == (hashes[0],)
+        assert save.parents == (root_hash(),)
+        assert save.engine_block_ids == (20, 21)
+        request.num_computed_tokens = 300
+        meta = side.build_meta(FakeSchedulerOutput({"r": 400}))  # type: ignore[arg-type]
+        (save,) = meta.saves
+        assert save.hashes == (hashes[1],)  # the 188 tail tokens are never a block
+        assert save.parents == (hashes[0],)
+        assert save.engine_block_ids == (22, 23)
+        assert side.finished(request) is True  # type: ignore[arg-type]
+    finally:
+        side.close()
+
+
+def test_l1_mirror_makes_a_worker_process_l1_visible(rt: runtime.Runtime) -> None:
+    tokens = list(range(600))
+    hashes = block_hashes(tokens, BLOCK)
+    side = _side(rt)
+    try:
+        side.apply_worker_meta(KvtierWorkerMeta([(0, (EventKind.STORED, tuple(hashes)))]))
+        assert _answer(side, FakeRequest("r1", tokens), 0) == (512, True)
+        side.apply_worker_meta(KvtierWorkerMeta([(0, (EventKind.REMOVED, (hashes[1],)))]))
+        assert _answer(side, FakeRequest("r2", tokens), 0) == (256, True)
+    finally:
+        side.close()
