@@ -14,29 +14,31 @@ from kvtier.cluster.spec import load_spec
 from kvtier.errors import KvtierError
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvtier.cluster.run import Cluster
 
     spec = load_spec(Path(args.config) if args.config else None)
     if args.replicas is not None:
         spec = replace(spec, replicas=args.replicas)
-    stop = {"now": False}
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    with Cluster(spec) as cluster:
-        print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
-        for i, url in enumerate(cluster.replica_urls):
-            print(f"  replica {i}: {url}")
-        print(f"  L2: {cluster.l2_location or 'disabled'}")
-        print(f"  endpoint: {cluster.url}/v1  (model {cluster.model_name!r})")
-        print("kvtier: Ctrl-C or `kvtier down` stops everything", flush=True)
-        while not stop["now"]:
-            time.sleep(0.5)
-        print("kvtier: stopping")
+    # `kvtier down` sends SIGTERM: treat it as Ctrl-C so start-up and serving both unwind
+    # through Cluster.stop() and leave nothing running.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with Cluster(spec) as cluster:
+            print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
+            for i, url in enumerate(cluster.replica_urls):
+                print(f"  replica {i}: {url}")
+            print(f"  L2: {cluster.l2_location or 'disabled'}")
+            print(f"  endpoint: {cluster.url}/v1  (model {cluster.model_name!r})")
+            print("kvtier: Ctrl-C or `kvtier down` stops everything", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kvtier: stopped", flush=True)
     return 0
 
 
