@@ -451,6 +451,15 @@ def test_manifest_is_written_beside_the_blocks(tmp_path: Path) -> None:
     ({"admission_min_tokens": -1}, "admission_min_tokens"),
     ({"write_queue_blocks": 0}, "write_queue_blocks"), ({"io_threads": 0}, "io_threads"),
     ({"l2_exists_ttl_s": -1}, "l2_exists_ttl_s"),
+    ({"l2_url": "http://127.0.0.1:6379"}, "l2_url"),
+    ({"l2_url": "redis://127.0.0.1:6379", "l2_path": "/tmp"}, "l2_url"),
+    ({"l2_url": "redis://127.0.0.1:6379", "l2_capacity_bytes": 1}, "l2_capacity_bytes"),
+    ({"l2_capacity_bytes": 0}, "l2_capacity_bytes"), ({"l2_profile": "zfs"}, "l2_profile"),
+    ({"l2_high_watermark": 1.5}, "l2_high_watermark"),
+    ({"l2_low_watermark": 0.95}, "l2_low_watermark"),
+    ({"l2_low_watermark": 0}, "l2_low_watermark"),
+    ({"l2_janitor_interval_s": 0}, "l2_janitor_interval_s"),
+    ({"l2_touch_interval_s": -1}, "l2_touch_interval_s"),
 ])
 def test_config_rejects_invalid_fields(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):

@@ -14,7 +14,8 @@ its worker threads):
                     asynchronous write-through to L2. The queue is bounded: when it is full the
                     L2 write is dropped and counted, never waited for.
     flush / close   owner: wait for queued L2 writes; close drains or abandons them (counted)
-                    and stops the I/O threads this store started.
+                    and stops the I/O threads this store started, and the L2 capacity
+                    janitor it runs when `l2_capacity_bytes` is set (`kvtier.tiers.shared`).
 
 Tier faults never reach callers: a failed read is a miss, a failed write is counted.
 `on_event(kind, tier, hashes)` reports blocks landing in (STORED) or leaving (REMOVED) a tier;
@@ -41,7 +42,7 @@ from kvtier.events import EventKind, Tier
 from kvtier.keys import BlockHash, ModelIdentity
 from kvtier.tiers.base import BlockTier, PutResult, StoredBlock, TierStats
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.posix import PosixTier
+from kvtier.tiers.shared import SharedL2, open_shared_l2
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -110,8 +111,9 @@ class TieredStore:
     def __init__(self, config: StoreConfig, identity: ModelIdentity,
                  on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`l2_tier` replaces the L2 built from `config.l2_path` (another backend such as
-        `kvtier.tiers.valkey`, or a test double); its creator keeps ownership and closes it.
+        """The store builds the L2 `config` names (`l2_path` or `l2_url`, with the capacity
+        janitor; see `kvtier.tiers.shared`) and closes it. `l2_tier` replaces it (another
+        backend, or a test double); its creator keeps ownership and closes it.
         `clock` times the L2 existence TTLs (tests pass a fake one)."""
         self.config = config
         self.identity = identity
@@ -120,15 +122,16 @@ class TieredStore:
         self._policy = make_policy(config)
         self._l1 = MemoryTier(config.l1_bytes) if config.l1_bytes > 0 else None
         self._l2: BlockTier | None = l2_tier
-        self._owns_l2 = l2_tier is None  # an injected tier is closed by whoever made it
+        self._shared: SharedL2 | None = None  # what this store built, and closes
         self._l2_disabled_reason: str | None = None
-        if self._l2 is None and config.l2_path is not None:
+        if l2_tier is None:
             try:
-                self._l2 = PosixTier(config.l2_path, self.namespace, identity.manifest(),
-                                     exists_ttl_s=config.l2_exists_ttl_s, clock=clock)
+                self._shared = open_shared_l2(config, identity, clock=clock)
             except TierError as exc:
                 self._l2_disabled_reason = str(exc)
                 log.warning("kvtier: L2 disabled, running L1-only: %s", exc)
+            if self._shared is not None:
+                self._l2 = self._shared.tier
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._pending: set[BlockHash] = set()  # queued or being written; guarded by _lock
@@ -241,7 +244,8 @@ class TieredStore:
         already in progress cannot be interrupted: the writer threads are joined until
         `timeout_s` (counted from the call) runs out; they are daemons, so a hung mount cannot
         keep the process alive.
-        An L2 tier the store built is closed; L1 keeps its blocks until the store is dropped.
+        An L2 tier the store built is closed, after its janitor (whose lease is handed over at
+        once); L1 keeps its blocks until the store is dropped.
         """
         with self._lock:
             if self._closed:
@@ -256,8 +260,8 @@ class TieredStore:
                 self._queue.put(None)
             for thread in self._writers:
                 thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self._l2 is not None and self._owns_l2:
-            self._l2.close()
+        if self._shared is not None:
+            self._shared.close()
 
     def __enter__(self) -> Self:
         return self

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -144,6 +145,13 @@ async def fakes(*modes: str) -> AsyncIterator[list[FakeReplica]]:
     finally:
         for r in replicas:
             await r.stop()
+
+
+def free_endpoint() -> str:
+    """A loopback ZMQ endpoint on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def completion(prompt: str = "hello world", **extra: object) -> dict[str, object]:

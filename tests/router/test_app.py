@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from kvtier.events import EventKind, Tier
+from kvtier.events_wire import EventPublisher
 from tests.router.router_fixtures import (
     MAX_MODEL_LEN,
     MODEL,
@@ -15,6 +17,7 @@ from tests.router.router_fixtures import (
     completion,
     dumps,
     fakes,
+    free_endpoint,
     running_router,
     sse_bytes,
 )
@@ -115,6 +118,28 @@ def test_session_strategy_sticks_to_the_header_session() -> None:
                                           headers={"x-session-id": "alice"}) as resp:
                     chosen.add(resp.headers["x-kvtier-replica"])
             assert len(chosen) == 1
+    run(scenario())
+
+
+def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix() -> None:
+    async def scenario() -> None:
+        endpoint = free_endpoint()
+        async with fakes("ok", "ok", "ok") as reps:
+            holder = reps[2]
+            with EventPublisher(endpoint, holder.url, epoch="one") as pub:
+                async with running_router(reps, strategy="kvaware", events=(endpoint,)) as rr:
+                    body = completion(LONG_PROMPT)
+                    hashes = rr.router.tokenizer.hash(
+                        rr.router.tokenizer.completion_tokens(body)).hashes
+                    for _ in range(200):  # PUB/SUB drops until the subscription propagates
+                        pub.publish(EventKind.STORED, Tier.L1, hashes)
+                        await asyncio.sleep(0.02)
+                        if holder.url in rr.router.index.replicas():
+                            break
+                    assert rr.router.index.match(hashes)[holder.url] == [Tier.L1] * len(hashes)
+                    for _ in range(3):
+                        async with rr.client.post(rr.url + "/v1/completions", json=body) as resp:
+                            assert resp.headers["x-kvtier-replica"] == holder.url
     run(scenario())
 
 

@@ -68,6 +68,12 @@ def test_flags_become_a_router_config(tmp_path: Path) -> None:
             config.block_tokens) == ("kvaware", 9000, "k", ("tcp://a:1",), 16)
 
 
+def test_events_flag_accumulates_when_repeated_or_listed() -> None:
+    args = build_parser().parse_args(["router", "--replica", "http://a:1", "--events", "tcp://e:1",
+                                      "--events", "tcp://e:2", "tcp://e:3"])
+    assert config_from_args(args).events == ("tcp://e:1", "tcp://e:2", "tcp://e:3")
+
+
 def test_no_replica_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="replica"):
         config_from_args(build_parser().parse_args(["router"]))

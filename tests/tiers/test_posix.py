@@ -19,6 +19,7 @@ from kvtier.codec import HEADER_BYTES
 from kvtier.errors import TierError
 from kvtier.keys import BlockHash, Namespace
 from kvtier.tiers import posix
+from kvtier.tiers.janitor import AccessRecorder
 from kvtier.tiers.posix import PosixTier
 from tests.tiers.tier_fixtures import NAMESPACE, hash_of, meta_for, payload_for, variant_payload
 
@@ -257,3 +258,19 @@ def test_concurrent_processes_never_read_torn_blocks(tmp_path: Path) -> None:
         assert block is not None, f"block {i} unreadable"
         assert bytes(block.payload) in {variant_payload(h, w, nbytes) for w in range(writers)}
     assert files(tmp_path, "*.tmp") == []
+
+
+def test_a_read_hit_refreshes_a_stale_access_record_and_a_bad_read_does_not(
+        tmp_path: Path) -> None:
+    recorder = AccessRecorder(touch_interval_s=60.0)
+    tier = PosixTier(str(tmp_path), NAMESPACE, MANIFEST, exists_ttl_s=0, access=recorder)
+    good, bad = put(tier, "read-often"), put(tier, "bit-rot")
+    for h in (good, bad):
+        os.utime(tier.path(h), (1000.0, 1000.0))  # last used long ago
+    with open(tier.path(bad), "r+b") as f:
+        f.seek(HEADER_BYTES + 7)
+        f.write(b"\xff")
+    assert tier.get(good) is not None
+    assert os.stat(tier.path(good)).st_mtime > 1000.0 and recorder.touches == 1
+    assert tier.get(good) is not None and recorder.touches == 1  # fresh now: no second touch
+    assert tier.get(bad) is None and recorder.touches == 1

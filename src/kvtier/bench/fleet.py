@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,26 +62,28 @@ def run_scenario(args: argparse.Namespace) -> list[Run]:
     from transformers import AutoTokenizer
 
     from kvtier.bench.workload import Runner
-    from kvtier.cluster.run import Cluster, free_port
+    from kvtier.cluster.run import Cluster, free_port, free_port_range
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     base = ClusterSpec(model=args.model, replicas=args.replicas,
                        engine_kv_cache_blocks=args.engine_blocks,
-                       router_port=free_port(), replica_base_port=args.base_port)
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
+                       router_port=free_port(),
+                       replica_base_port=args.base_port or free_port_range(args.replicas))
+    # Logs stay under the report directory; each fleet's L2 data is removed after its run.
+    work = Path(args.report_dir).resolve() / "fleets"
     runs = []
-    try:
-        for name in names:
-            spec = config_spec(base, name, work)
+    for name in names:
+        spec = config_spec(base, name, work)
+        try:
             with Cluster(spec) as cluster:
                 tokenizer = AutoTokenizer.from_pretrained(cluster.model)
                 sessions = _sessions(args, tokenizer)
                 runner = Runner(cluster.url, cluster.model_name, tokenizer,
                                 deadline_s=args.deadline)
                 records = asyncio.run(runner.run(sessions, label=f"{args.scenario_name} {name}"))
-            runs.append(Run(args.scenario_name, name, tuple(records), {}))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        finally:
+            shutil.rmtree(spec.work_dir / "l2", ignore_errors=True)
+        runs.append(Run(args.scenario_name, name, tuple(records), {}))
     return runs
 
 
@@ -108,10 +109,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_CONFIGS}; known: {', '.join(CONFIGS)})")
     p.add_argument("--replicas", type=int, default=2, help="replicas per fleet (default 2)")
     p.add_argument("--model", help="local HF model directory (default: the embedded model)")
-    p.add_argument("--engine-blocks", type=int, default=64,
+    p.add_argument("--engine-blocks", type=int, default=32,
                    help="engine (L0) cache size in 128-token blocks per replica, small as on a "
-                        "small GPU (default 64 = 8,192 tokens)")
-    p.add_argument("--base-port", type=int, default=8100, help="first replica port")
+                        "small GPU (default 32 = 4,096 tokens)")
+    p.add_argument("--base-port", type=int, help="first replica port (default: any free ones)")
     p.add_argument("--deadline", type=float, default=900.0,
                    help="seconds after which a configuration stops sending (default 900)")
     p.add_argument("--json", metavar="FILE", help="write one JSON row per configuration")

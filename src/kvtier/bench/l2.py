@@ -1,50 +1,54 @@
-"""Distributed L2 targets for the store benchmark, and their raw baselines.
+"""L2 targets of `kvtier bench store --l2 posix:PATH|juicefs|valkey`, with their raw baselines.
 
-`kvtier bench store --l2 posix:PATH|juicefs|valkey` needs (a) something to benchmark against,
-started and torn down around the run, and (b) the raw operation the tier wraps, on the same
-target and the same bytes:
+A target is an L2 to benchmark, started before the run and torn down after it, together with
+the raw operation the tier wraps, on the same target and the same bytes:
 
-    posix:PATH  the directory as is; raw = open/write/close and open/read of plain files.
-    juicefs     a fresh JuiceFS volume (Valkey metadata, local object dir) mounted twice:
-                writes go through mount A, reads through mount B (another "node", so reads
-                really cross the FUSE daemons, not one page cache); raw = the same plain-file
-                I/O, written through A and read through B.
-    valkey      a fresh loopback Valkey server (maxmemory sized to the run, allkeys-lru);
+    posix:PATH  a fresh subdirectory of PATH, removed afterwards; raw = open/write/close and
+                open/read of plain files in it.
+    juicefs     a fresh JuiceFS volume (Valkey metadata, objects in a local directory) mounted
+                twice: writes go through mount A, reads through mount B (another "node", so
+                reads really cross the FUSE daemons, not one page cache); raw = the same
+                plain-file I/O, written through A and read through B.
+    valkey      a fresh loopback Valkey server (allkeys-lru, maxmemory sized by the caller);
                 raw = SET and GET of the same bytes, one key per block.
 
     with l2_target("juicefs") as target:
-        tier = target.open_tier(identity)            # writer side
-        reader = target.open_tier(identity, reader=True)
-        target.raw_write(names, payloads); target.raw_read(names); target.raw_clear(names)
+        writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
+        target.raw_write(name, payload)
+        target.settle()                   # until the reader side sees what was written
+        target.raw_read(name)
 
-`measure(...)` runs tier and raw side by side (alternating which goes first) and returns medians
-and ratios; `python -m kvtier.bench.l2 --l2 juicefs --json FILE` prints them.
+The measuring loop is `kvtier.bench.store`'s, the same for every target.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, cast
+from typing import cast
 
-import numpy as np
 import valkey
 
-from kvtier.codec import HEADER_BYTES, BlockMeta
-from kvtier.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.errors import ConfigError
+from kvtier.keys import ModelIdentity
 from kvtier.tiers.base import BlockTier
 
+KINDS = ("posix", "juicefs", "valkey")
 _RAW_PREFIX = "kvtier-bench-raw:"
+_RAW_DIR = "raw"
+
+
+def parse_l2_spec(spec: str) -> tuple[str, str]:
+    """(kind, path) of `posix:PATH`, `juicefs` or `valkey` (path empty for the latter two)."""
+    kind, _, where = spec.partition(":")
+    if kind not in KINDS or (kind == "posix") != bool(where):
+        raise ConfigError(f"l2: expected posix:PATH, juicefs or valkey, got {spec!r}")
+    return kind, where
 
 
 @dataclass(slots=True)
@@ -59,6 +63,8 @@ class L2Target:
     """The same directory as another node sees it (juicefs: the second mount)."""
     url: str | None = None
     """Valkey URL (valkey)."""
+    settle_s: float = 0.0
+    """How long a file written on one side may stay invisible on the other (attribute cache)."""
     _client: valkey.Valkey | None = field(default=None, repr=False)
 
     def open_tier(self, identity: ModelIdentity, *, reader: bool = False) -> BlockTier:
@@ -68,14 +74,16 @@ class L2Target:
             return ValkeyTier(ValkeyTierConfig(self.url, socket_timeout_s=30.0),
                               identity.namespace(), identity.manifest())
         from kvtier.tiers.posix import PosixTier
+        return PosixTier(self._root(reader), identity.namespace(), identity.manifest(),
+                         exists_ttl_s=0)
+
+    def _root(self, reader: bool) -> str:
         root = self.read_root if reader else self.write_root
-        assert root is not None
-        return PosixTier(root, identity.namespace(), identity.manifest(), exists_ttl_s=0)
+        assert root is not None, "a directory target has both roots"
+        return root
 
     def _raw_path(self, name: str, reader: bool) -> str:
-        root = self.read_root if reader else self.write_root
-        assert root is not None
-        return os.path.join(root, "raw", name)
+        return os.path.join(self._root(reader), _RAW_DIR, name)
 
     def _valkey(self) -> valkey.Valkey:
         if self._client is None:
@@ -83,39 +91,32 @@ class L2Target:
             self._client = valkey.Valkey.from_url(self.url, socket_timeout=30.0)
         return self._client
 
-    def raw_write(self, names: Sequence[str], sources: Sequence[memoryview]) -> None:
-        """The plain operation a tier put wraps, on the same bytes."""
+    def raw_write(self, name: str, source: memoryview) -> None:
+        """The plain operation a tier put wraps, on the same bytes (writer side)."""
         if self.url is not None:
-            client = self._valkey()
-            for name, src in zip(names, sources, strict=True):
-                client.set(_RAW_PREFIX + name, src)
+            self._valkey().set(_RAW_PREFIX + name, source)
             return
-        os.makedirs(self._raw_path("", False), exist_ok=True)
-        for name, src in zip(names, sources, strict=True):
-            with open(self._raw_path(name, False), "wb", buffering=0) as f:
-                f.write(src)
+        with open(self._raw_path(name, False), "wb", buffering=0) as f:
+            f.write(source)
 
-    def raw_read(self, names: Sequence[str]) -> int:
-        """The plain operation a tier get wraps (reader side); bytes read."""
-        total = 0
+    def raw_read(self, name: str) -> int:
+        """The plain operation a tier get wraps, into a fresh buffer (reader side); bytes read."""
         if self.url is not None:
-            client = self._valkey()
-            for name in names:
-                total += len(cast("bytes | None", client.get(_RAW_PREFIX + name)) or b"")
-            return total
-        for name in names:
-            with open(self._raw_path(name, True), "rb", buffering=0) as f:
-                total += len(f.read())
-        return total
+            return len(cast("bytes | None", self._valkey().get(_RAW_PREFIX + name)) or b"")
+        with open(self._raw_path(name, True), "rb", buffering=0) as f:
+            return len(f.read())
 
-    def raw_clear(self, names: Sequence[str]) -> None:
+    def raw_remove(self, name: str) -> None:
         if self.url is not None:
-            if names:
-                self._valkey().delete(*[_RAW_PREFIX + n for n in names])
+            self._valkey().delete(_RAW_PREFIX + name)
             return
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._raw_path(name, False))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._raw_path(name, False))
+
+    def settle(self) -> None:
+        """Wait until the reader side sees what the writer side just wrote."""
+        if self.settle_s:
+            time.sleep(self.settle_s)
 
     def close(self) -> None:
         if self._client is not None:
@@ -124,128 +125,44 @@ class L2Target:
 
 
 @contextlib.contextmanager
+def _opened(target: L2Target) -> Iterator[L2Target]:
+    if target.write_root is not None:
+        os.makedirs(os.path.join(target.write_root, _RAW_DIR), exist_ok=True)
+    try:
+        yield target
+    finally:
+        target.close()
+
+
+@contextlib.contextmanager
 def l2_target(spec: str, *, workdir: str | None = None,
               valkey_maxmemory_bytes: int = 2 * 1024**3) -> Iterator[L2Target]:
-    """Start (and afterwards stop) the L2 named by `spec`: posix:PATH, juicefs or valkey."""
-    kind, _, where = spec.partition(":")
-    if kind == "posix" and where:
-        target = L2Target("posix", write_root=where, read_root=where)
-        try:
-            yield target
-        finally:
-            target.close()
-        return
-    from kvtier.l2.valkey_server import ValkeyServerSpec, start_valkey
-    if kind not in ("juicefs", "valkey") or where:
-        raise ValueError(f"l2: expected posix:PATH, juicefs or valkey, got {spec!r}")
-    scratch = tempfile.mkdtemp(prefix=f"kvtier-bench-{kind}-", dir=workdir)
-    server = start_valkey(ValkeyServerSpec(
-        maxmemory_bytes=valkey_maxmemory_bytes if kind == "valkey" else 256 * 1024**2))
+    """Start (and afterwards stop and remove) the L2 named by `spec` (see the module docstring).
+
+    `workdir` holds a JuiceFS volume's objects, caches and mount points (default: /tmp).
+    """
+    kind, where = parse_l2_spec(spec)
+    scratch = tempfile.mkdtemp(prefix=f"kvtier-bench-{kind}-", dir=where or workdir)
     try:
-        if kind == "valkey":
-            target = L2Target("valkey", url=server.url)
-            try:
+        if kind == "posix":
+            with _opened(L2Target("posix", write_root=scratch, read_root=scratch)) as target:
                 yield target
-            finally:
-                target.close()
             return
-        from kvtier.l2.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
-        with JuiceFSVolume(JuiceFSVolumeSpec(root=scratch, meta_url=server.url + "/1")) as vol:
-            a, b = vol.mount(), vol.mount()
-            target = L2Target("juicefs", write_root=a.path, read_root=b.path)
-            try:
-                yield target
-            finally:
-                target.close()
+        from kvtier.l2.valkey_server import ValkeyServerSpec, start_valkey
+        with start_valkey(ValkeyServerSpec(
+                maxmemory_bytes=valkey_maxmemory_bytes if kind == "valkey" else 256 * 1024**2,
+                data_dir=os.path.join(scratch, "valkey"))) as server:
+            if kind == "valkey":
+                with _opened(L2Target("valkey", url=server.url)) as target:
+                    yield target
+                return
+            from kvtier.l2.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
+            volume_spec = JuiceFSVolumeSpec(root=os.path.join(scratch, "juicefs"),
+                                      meta_url=server.url + "/1")
+            with JuiceFSVolume(volume_spec) as volume:
+                a, b = volume.mount(), volume.mount()
+                with _opened(L2Target("juicefs", write_root=a.path, read_root=b.path,
+                                      settle_s=volume_spec.attr_cache_s + 0.2)) as target:
+                    yield target
     finally:
-        server.stop()
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _blocks(tag: str, n: int, tokens: int, nbytes: int) -> tuple[list[BlockHash],
-                                                                  list[BlockMeta]]:
-    extra = extra_key(cache_salt=tag)
-    hashes = block_hashes([3] * (tokens * n), tokens, extra)
-    metas = [BlockMeta(num_tokens=tokens, dtype="uint8", shape=(nbytes,),
-                       parent=hashes[i - 1] if i else root_hash(extra)) for i in range(n)]
-    return hashes, metas
-
-
-def _put_all(tier: BlockTier, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
-             sources: Sequence[memoryview]) -> None:
-    for h, m, s in zip(hashes, metas, sources, strict=True):
-        tier.put(h, m, s)
-
-
-def _get_all(tier: BlockTier, hashes: Sequence[BlockHash]) -> None:
-    for h in hashes:
-        tier.get(h)
-
-
-def measure(target: L2Target, *, block_bytes: int = 5_898_240, blocks: int = 16,
-            repeats: int = 3, tokens: int = 256) -> dict[str, Any]:
-    """Tier put/get next to raw write/read of the same bytes on `target`; GB/s medians."""
-    identity = ModelIdentity(model=f"kvtier-bench-l2-{time.time_ns()}", block_tokens=tokens)
-    writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
-    rng = np.random.default_rng(20261202)
-    sources = [rng.integers(0, 256, block_bytes, dtype=np.uint8).data for _ in range(blocks)]
-    times: dict[str, list[float]] = {"l2_write": [], "raw_write": [], "l2_read": [],
-                                     "raw_read": []}
-    for r in range(repeats):
-        hashes, metas = _blocks(f"{identity.model}/{r}", blocks, tokens, block_bytes)
-        names = [f"{r}-{i}" for i in range(blocks)]
-        ops: dict[str, Callable[[], object]] = {
-            "l2_write": partial(_put_all, writer, hashes, metas, sources),
-            "raw_write": partial(target.raw_write, names, sources),
-            "l2_read": partial(_get_all, reader, hashes),
-            "raw_read": partial(target.raw_read, names),
-        }
-        order = [("l2_write", "raw_write"), ("l2_read", "raw_read")]
-        for pair in order:
-            for name in (pair if r % 2 == 0 else pair[::-1]):
-                if name.endswith("read") and target.kind == "juicefs":
-                    time.sleep(1.2)  # let the other mount's attribute cache see new files
-                start = time.perf_counter()
-                ops[name]()
-                times[name].append(time.perf_counter() - start)
-        for h in hashes:
-            writer.remove(h)
-        target.raw_clear(names)
-    hits = reader.stats().hits
-    for tier in (writer, reader):
-        tier.close()
-    if hits != blocks * repeats:
-        raise RuntimeError(f"L2 read back {hits} of {blocks * repeats} blocks")
-    gbps = {k: [round(blocks * block_bytes / t / 1e9, 3) for t in v] for k, v in times.items()}
-    med = {f"{k}_gbps": statistics.median(v) for k, v in gbps.items()}
-    return {
-        **med,
-        "l2_write_ratio": round(med["l2_write_gbps"] / med["raw_write_gbps"], 3),
-        "l2_read_ratio": round(med["l2_read_gbps"] / med["raw_read_gbps"], 3),
-        "target": target.kind, "block_bytes": block_bytes, "object_bytes":
-        block_bytes + HEADER_BYTES, "blocks_per_pass": blocks, "repeats": repeats,
-        "per_repeat_gbps": gbps,
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.l2", description=__doc__)
-    parser.add_argument("--l2", default="juicefs", help="posix:PATH, juicefs or valkey")
-    parser.add_argument("--blocks", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--block-bytes", type=int, default=5_898_240)
-    parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args(argv)
-    with l2_target(args.l2) as target:
-        result = measure(target, block_bytes=args.block_bytes, blocks=args.blocks,
-                         repeats=args.repeats)
-    result["command"] = " ".join(["python -m kvtier.bench.l2", *(argv or sys.argv[1:])])
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_repeat_gbps"}, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

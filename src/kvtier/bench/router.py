@@ -400,8 +400,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--routers", nargs="+", choices=ROUTERS, default=list(ROUTERS),
                    help="routers to compare (default: all)")
     p.add_argument("--prefixes", type=int, default=8, help="distinct prefixes (default 8)")
-    p.add_argument("--suffixes", type=int, default=4,
-                   help="questions per prefix (default 4)")
+    p.add_argument("--suffixes", type=int, default=6,
+                   help="questions per prefix (default 6)")
     p.add_argument("--prefix-tokens", type=int, default=1024,
                    help="tokens per prefix (default 1024)")
     p.add_argument("--concurrency", type=int, default=4,

@@ -25,7 +25,7 @@ class ChatShape:
     users: int = 8
     rounds: int = 8
     system_tokens: int = 500
-    user_tokens: int = 150
+    user_tokens: int = 80
     answer_tokens: int = 20
     arrival_rate_per_s: float = 1.0
     think_s: float = 0.5

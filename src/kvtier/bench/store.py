@@ -12,22 +12,29 @@ moments of a shared, noisy machine:
                    case any copy can reach; L1 needs one copy per saved block).
     l1_get_gbps    TieredStore.load of chains held in L1, plus copying each payload out into a
                    pre-allocated buffer (what a consumer does with a zero-copy view).
-    l2_write_gbps  PosixTier.put: encode + xxh3 checksum + unique temp file + link into the
-                   fan-out layout, one thread.
-    raw_write_gbps open(), write() and close() of the same bytes as plain files, same directory.
-    l2_read_gbps   PosixTier.get: open, header read + validation, payload read into a fresh
-                   buffer, checksum verification.
-    raw_read_gbps  open() + read() of the plain files into a fresh buffer (Python's `f.read()`).
+    l2_write_gbps  the L2 tier's put: encode + xxh3 checksum + publish (a directory: unique temp
+                   file + link into the fan-out layout; Valkey: SET NX), one thread.
+    raw_write_gbps the plain write of the same bytes on the same target: open(), write() and
+                   close() of plain files in the same directory (Valkey: SET).
+    l2_read_gbps   the L2 tier's get: header validation, payload into a fresh buffer, checksum
+                   verification.
+    raw_read_gbps  the plain read: open() + read() of the plain files into a fresh buffer
+                   (Python's `f.read()`; Valkey: GET).
+
+`--l2` picks the target (`kvtier.bench.l2`, which starts and removes it): `posix:PATH` (default:
+the temp directory) benchmarks a fresh subdirectory of PATH; `juicefs` a fresh JuiceFS volume
+mounted twice, written through one mount and read through the other (another "node"); `valkey`
+a fresh loopback Valkey server.
 
 Each figure is computed twice: from wall-clock time (the headline figures) and from the
 benchmark thread's CPU time (`cpu` in the JSON), which stays meaningful when other processes
-oversubscribe the machine; `load_average` (before and after) records how busy it was.
+oversubscribe the machine; `load_average` (before and after) records how busy it was. For
+JuiceFS and Valkey much of the work happens in other processes (the FUSE daemons, the server),
+so read their wall-clock figures.
 
 Page cache: warm for both by default (files were just written); `--cold` syncs and drops the
-page cache before every read pass (needs root). Dirty data is synced before each timed pass,
-untimed, so one writer never pays for the other's writeback. The L2 directory defaults to a
-temporary directory under /tmp; `--l2 posix:PATH` benchmarks a mount (a fresh subdirectory of
-PATH is used and removed afterwards).
+page cache before every read pass (needs root; directory targets only). Dirty data is synced
+before each timed pass, untimed, so one writer never pays for the other's writeback.
 """
 
 from __future__ import annotations
@@ -35,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -48,12 +54,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.codec import BlockMeta
+from kvtier.bench.l2 import L2Target, l2_target, parse_l2_spec
+from kvtier.codec import HEADER_BYTES, BlockMeta
 from kvtier.config import StoreConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
 from kvtier.store import TieredStore
-from kvtier.tiers.posix import PosixTier
+from kvtier.tiers.base import BlockTier
 
 TARGET_RATIO = 0.7
 CHAIN_BLOCKS = 8
@@ -103,10 +110,11 @@ class StoreBenchConfig:
     """Distinct blocks per pass (64 x 5.6 MiB = 360 MiB)."""
     repeats: int = 7
     """Timed passes per figure; medians are reported."""
-    l2_root: str | None = None
-    """Directory under which the L2 benchmark directory is created; None = a /tmp temp dir."""
+    l2: str | None = None
+    """L2 target: `posix:PATH` (a fresh subdirectory of PATH), `juicefs` or `valkey`; None: a
+    directory under the temp directory."""
     cold: bool = False
-    """Drop the page cache before each read pass (root only)."""
+    """Drop the page cache before each read pass (root only; directory targets only)."""
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0:
@@ -116,6 +124,12 @@ class StoreBenchConfig:
                               f"{2 * CHAIN_BLOCKS}, got {self.blocks}")
         if self.repeats <= 0:
             raise ConfigError(f"repeats: must be positive, got {self.repeats}")
+        if parse_l2_spec(self.l2_spec)[0] == "valkey" and self.cold:
+            raise ConfigError("cold: applies to directory targets, not valkey")
+
+    @property
+    def l2_spec(self) -> str:
+        return self.l2 or f"posix:{tempfile.gettempdir()}"
 
 
 # ---- timed steps -------------------------------------------------------------------------------
@@ -150,14 +164,13 @@ def _figures(seconds: dict[str, list[float]], moved: dict[str, int]) -> dict[str
             "per_repeat_gbps": gbps}
 
 
-def _raw_write(paths: Sequence[str], sources: Sequence[memoryview], i: int) -> None:
-    with open(paths[i], "wb", buffering=0) as f:
-        f.write(sources[i])
+def _raw_write(target: L2Target, names: Sequence[str], sources: Sequence[memoryview],
+               i: int) -> None:
+    target.raw_write(names[i], sources[i])
 
 
-def _raw_read(paths: Sequence[str], i: int) -> None:
-    with open(paths[i], "rb", buffering=0) as f:
-        f.read()
+def _raw_read(target: L2Target, names: Sequence[str], i: int) -> None:
+    target.raw_read(names[i])
 
 
 def _save(store: TieredStore, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
@@ -171,21 +184,13 @@ def _load_one(store: TieredStore, hashes: Sequence[BlockHash], dests: Sequence[m
     dests[i][:] = block.payload
 
 
-def _put(tier: PosixTier, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
+def _put(tier: BlockTier, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
          sources: Sequence[memoryview], i: int) -> None:
     tier.put(hashes[i], metas[i], sources[i])
 
 
-def _get(tier: PosixTier, hashes: Sequence[BlockHash], i: int) -> None:
+def _get(tier: BlockTier, hashes: Sequence[BlockHash], i: int) -> None:
     tier.get(hashes[i])
-
-
-def _clear(paths: Sequence[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _drop_page_cache() -> None:
@@ -215,6 +220,77 @@ def _chains(tag: str, n_chains: int, tokens: int, geometry: Geometry
 
 # ---- the run -----------------------------------------------------------------------------------
 
+Seconds = dict[str, list[tuple[float, float]]]
+"""Per measurement, (wall, thread CPU) seconds of each repeat."""
+
+
+def _measure_l1(config: StoreBenchConfig, geometry: Geometry, identity: ModelIdentity,
+                sources: Sequence[memoryview], dests: Sequence[memoryview], seconds: Seconds,
+                step: Callable[[], object]) -> float:
+    """L1 put/get next to memcpy (every repeat); returns the seconds of the first fill."""
+    tokens, n, half = config.block_tokens, config.blocks, config.blocks // 2
+    n_chains = n // CHAIN_BLOCKS
+
+    def memcpy(i: int) -> None:
+        dests[i % half][:] = sources[i]
+
+    # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
+    with TieredStore(StoreConfig(l1_bytes=half * geometry.block_bytes(tokens)),
+                     identity) as store:
+        hashes, metas = _chains("fill", n_chains, tokens, geometry)
+        start = time.perf_counter()
+        for i in range(n):
+            store.save(hashes[i], metas[i], sources[i])
+        fill_s = time.perf_counter() - start
+        step()
+        for r in range(config.repeats):
+            hashes, metas = _chains(f"l1/{r}", n_chains, tokens, geometry)
+            t_copy, t_put = _paired(n, memcpy, partial(_save, store, hashes, metas, sources))
+            held = hashes[-half:]  # the newest chains, which L1 holds now
+            t_copy2, t_get = _paired(half, memcpy, partial(_load_one, store, held, dests))
+            for name, t in (("memcpy", t_copy), ("l1_put", t_put),
+                            ("memcpy_get_pair", t_copy2), ("l1_get", t_get)):
+                seconds[name].append(t)
+            step()
+    return fill_s
+
+
+def _measure_l2(config: StoreBenchConfig, geometry: Geometry, identity: ModelIdentity,
+                target: L2Target, sources: Sequence[memoryview], seconds: Seconds,
+                step: Callable[[], object]) -> None:
+    """The L2 tier next to the raw operations, on the same target and bytes (every repeat)."""
+    tokens, n = config.block_tokens, config.blocks
+    writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
+    names = [f"{i:04d}.bin" for i in range(n)]
+    # The same keys every repeat (removed in between, fan-out directories stay): the steady
+    # state of a long-running L2.
+    hashes, metas = _chains("l2", n // CHAIN_BLOCKS, tokens, geometry)
+    try:
+        for r in range(config.repeats):
+            os.sync()
+            t_raw_w, t_l2_w = _paired(n, partial(_raw_write, target, names, sources),
+                                      partial(_put, writer, hashes, metas, sources))
+            target.settle()
+            if config.cold:
+                _drop_page_cache()
+            else:
+                os.sync()
+            t_raw_r, t_l2_r = _paired(n, partial(_raw_read, target, names),
+                                      partial(_get, reader, hashes))
+            if reader.stats().hits != (r + 1) * n:
+                raise RuntimeError("L2 read back fewer blocks than were written")
+            for name, t in (("raw_write", t_raw_w), ("l2_write", t_l2_w),
+                            ("raw_read", t_raw_r), ("l2_read", t_l2_r)):
+                seconds[name].append(t)
+            for h, name in zip(hashes, names, strict=True):
+                writer.remove(h)
+                target.raw_remove(name)
+            step()
+    finally:
+        writer.close()
+        reader.close()
+
+
 def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
         progress: bool = True) -> dict[str, Any]:
     """Measure every figure of the module docstring; returns the JSON document."""
@@ -226,69 +302,19 @@ def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
     rng = np.random.default_rng(20261202)
     sources = [rng.integers(0, 256, size, dtype=np.uint8).data for _ in range(n)]
     dests = [np.ones(size, dtype=np.uint8).data for _ in range(half)]  # pre-faulted
-
-    def memcpy(i: int) -> None:
-        dests[i % half][:] = sources[i]
-
     identity = ModelIdentity(model=geometry.name, kv_dtype=geometry.dtype, block_tokens=tokens)
-    n_chains = n // CHAIN_BLOCKS
     load_before = os.getloadavg()
-    seconds: dict[str, list[tuple[float, float]]] = {k: [] for k in (
+    seconds: Seconds = {k: [] for k in (
         "memcpy", "l1_put", "memcpy_get_pair", "l1_get", "raw_write", "l2_write", "raw_read",
         "l2_read")}
-    bench_dir = Path(tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=config.l2_root))
-    bar = tqdm(total=2 * config.repeats + 1, desc="bench store", unit="pass",
-               disable=not progress, file=sys.stderr)
-    try:
-        # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
-        store = TieredStore(StoreConfig(l1_bytes=half * size, l2_path=None), identity)
-        hashes, metas = _chains("fill", n_chains, tokens, geometry)
-        start = time.perf_counter()
-        for i in range(n):
-            store.save(hashes[i], metas[i], sources[i])
-        fill_s = time.perf_counter() - start
-        bar.update()
-        for r in range(config.repeats):
-            hashes, metas = _chains(f"l1/{r}", n_chains, tokens, geometry)
-            t_copy, t_put = _paired(n, memcpy, partial(_save, store, hashes, metas, sources))
-            held = hashes[-half:]  # the newest chains, which L1 holds now
-            t_copy2, t_get = _paired(half, memcpy, partial(_load_one, store, held, dests))
-            for name, t in (("memcpy", t_copy), ("l1_put", t_put),
-                            ("memcpy_get_pair", t_copy2), ("l1_get", t_get)):
-                seconds[name].append(t)
-            bar.update()
-        store.close()
-
-        # L2: the tier itself next to plain files, in the same directory tree.
-        tier = PosixTier(str(bench_dir), identity.namespace(), identity.manifest(),
-                         exists_ttl_s=0)
-        raw_dir = bench_dir / "raw"
-        raw_dir.mkdir()
-        raw_paths = [str(raw_dir / f"{i:04d}.bin") for i in range(n)]
-        # The same keys every repeat (files are deleted in between, directories stay): the
-        # steady state of a long-running L2, whose fan-out directories already exist.
-        hashes, metas = _chains("l2", n_chains, tokens, geometry)
-        for r in range(config.repeats):
-            os.sync()
-            t_raw_w, t_l2_w = _paired(n, partial(_raw_write, raw_paths, sources),
-                                      partial(_put, tier, hashes, metas, sources))
-            if config.cold:
-                _drop_page_cache()
-            else:
-                os.sync()
-            t_raw_r, t_l2_r = _paired(n, partial(_raw_read, raw_paths),
-                                      partial(_get, tier, hashes))
-            if tier.stats().hits != (r + 1) * n:
-                raise RuntimeError("L2 read back fewer blocks than were written")
-            for name, t in (("raw_write", t_raw_w), ("l2_write", t_l2_w),
-                            ("raw_read", t_raw_r), ("l2_read", t_l2_r)):
-                seconds[name].append(t)
-            _clear([tier.path(h) for h in hashes])
-            _clear(raw_paths)
-            bar.update()
-    finally:
-        bar.close()
-        shutil.rmtree(bench_dir, ignore_errors=True)
+    with tqdm(total=2 * config.repeats + 1, desc="bench store", unit="pass",
+              disable=not progress, file=sys.stderr) as bar:
+        fill_s = _measure_l1(config, geometry, identity, sources, dests, seconds, bar.update)
+        # A Valkey target holds the tier's and the raw copy of every block at once: room for
+        # both with headroom, so the server never evicts mid-pass.
+        maxmemory = 3 * n * (size + HEADER_BYTES) + 256 * 1024**2
+        with l2_target(config.l2_spec, valkey_maxmemory_bytes=maxmemory) as target:
+            _measure_l2(config, geometry, identity, target, sources, seconds, bar.update)
 
     moved = {name: (half if name in ("memcpy_get_pair", "l1_get") else n) * size
              for name in seconds}
@@ -304,25 +330,26 @@ def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
         "blocks_per_pass": n,
         "repeats": config.repeats,
         "page_cache": "cold" if config.cold else "warm",
-        "l2_root": config.l2_root or tempfile.gettempdir(),
+        "l2": config.l2_spec,
         "geometry": asdict(geometry),
     }
 
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
-def _l2_root(value: str) -> str:
-    kind, _, path = value.partition(":")
-    if kind != "posix" or not path:
-        raise argparse.ArgumentTypeError(f"expected posix:PATH, got {value!r}")
-    return path
+def _l2_spec(value: str) -> str:
+    try:
+        kind, where = parse_l2_spec(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if kind == "posix" and not os.path.isdir(where):
+        raise argparse.ArgumentTypeError(f"{where!r} is not a directory")
+    return value
 
 
 def _cmd(args: argparse.Namespace) -> int:
     config = StoreBenchConfig(block_tokens=args.block_tokens, blocks=args.blocks,
-                              repeats=args.repeats, l2_root=args.l2, cold=args.cold)
-    if args.l2 is not None and not os.path.isdir(args.l2):
-        raise ConfigError(f"l2: {args.l2!r} is not a directory")
+                              repeats=args.repeats, l2=args.l2, cold=args.cold)
     result = run(config, geometry_of(args.model), progress=not args.quiet)
     text = json.dumps(result, indent=2)
     if args.json:
@@ -344,12 +371,14 @@ def _cmd(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     defaults = StoreBenchConfig()
     p = subparsers.add_parser(
-        "store", help="L1/L2 block throughput next to memcpy and plain file I/O",
+        "store", help="L1/L2 block throughput next to memcpy and plain file I/O (or SET/GET)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", metavar="FILE", help="write all figures as JSON to FILE")
-    p.add_argument("--l2", metavar="posix:PATH", type=_l2_root, default=None,
-                   help="benchmark L2 in a fresh subdirectory of PATH (default: under /tmp)")
+    p.add_argument("--l2", metavar="posix:PATH|juicefs|valkey", type=_l2_spec, default=None,
+                   help="L2 target: a fresh subdirectory of PATH (default: under the temp "
+                        "directory), a fresh JuiceFS volume mounted twice (write through one "
+                        "mount, read through the other), or a fresh loopback Valkey server")
     p.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
                    help=f"tokens per block (default {defaults.block_tokens})")
     p.add_argument("--blocks", type=int, default=defaults.blocks,

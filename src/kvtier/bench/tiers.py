@@ -112,10 +112,11 @@ def wait_for_l2(l2_dir: Path, tokens: Sequence[int], block_tokens: int,
 
 
 def failure_reason(log_path: Path) -> str:
-    """The last error line of a server that did not start."""
+    """The root-cause exception line of a server that did not start (its first one)."""
     lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
-    errors = [ln.strip() for ln in lines if re.search(r"(Error|Exception|error:)", ln)]
-    return (errors or lines or ["no output"])[-1][:500]
+    errors = [re.sub(r"^.*?\] ", "", ln).strip() for ln in lines
+              if re.search(r"\b\w*(Error|Exception): ", ln) and "WARNING" not in ln]
+    return (errors or lines[-1:] or ["no output"])[0][:500]
 
 
 class Bench:

@@ -28,12 +28,31 @@ from kvtier.model import resolve_model
 from kvtier.vllm.server import ServerProcess, ServerSpec
 
 STATE_FILE = "cluster.json"
+ENGINE_BLOCK_TOKENS = 128
+"""vLLM's KV block size on CPU; the router hashes prompts at this granularity."""
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_range(count: int, attempts: int = 50) -> int:
+    """First of `count` consecutive loopback ports that are free now."""
+    for _ in range(attempts):
+        base = free_port()
+        if base + count > 65535:
+            continue
+        try:
+            with ExitStack() as held:
+                for port in range(base, base + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise KvtierError(f"no {count} consecutive free ports found")
 
 
 def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -140,7 +159,7 @@ class Cluster:
                 kv_transfer_config=self.connector_config(i, endpoint),
                 kv_cache_gib=self.spec.engine_kv_cache_gib, threads=threads,
                 cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
-                extra_args=self._engine_args(),
+                max_model_len=self._max_model_len(), extra_args=self._engine_args(),
                 log_path=self.work_dir / "logs" / f"replica-{i}.log"))
             self.replicas.append(server)
             self.event_endpoints.append(endpoint)
@@ -149,6 +168,11 @@ class Cluster:
             for server in self.replicas:
                 server.wait_healthy(timeout_s=600)
                 bar.update()
+
+    def _max_model_len(self) -> int:
+        """8,192 tokens, less where a capped engine cache could not hold one such request."""
+        blocks = self.spec.engine_kv_cache_blocks
+        return 8192 if blocks is None else min(8192, (blocks - 1) * ENGINE_BLOCK_TOKENS)
 
     def _engine_args(self) -> list[str]:
         args = ["--enable-prompt-tokens-details"]
@@ -159,7 +183,7 @@ class Cluster:
     def _start_router(self) -> None:
         cmd = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(self.spec.router_port),
                "--strategy", self.spec.strategy, "--model", self.model,
-               "--block-tokens", "128"]
+               "--block-tokens", str(ENGINE_BLOCK_TOKENS)]
         for url in self.replica_urls:
             cmd += ["--replica", url]
         if self.spec.cache.connector_enabled:

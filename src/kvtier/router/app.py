@@ -232,7 +232,8 @@ class Router:
         session = request.headers.get(self.config.session_header) or body.get("user")
         route = RouteRequest(tokenized.hashes, self.config.block_tokens,
                              tokenized.prompt_tokens, session)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json",
+                   "Accept-Encoding": request.headers.get("Accept-Encoding", "identity")}
         if not self.config.api_key and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the replicas' own key
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)

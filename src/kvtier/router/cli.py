@@ -81,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "vLLM CPU)")
     p.add_argument("--max-model-len", type=int,
                    help="reject longer prompts with 400 (default: from the replicas' /v1/models)")
-    p.add_argument("--events", nargs="+", metavar="ENDPOINT",
+    p.add_argument("--events", nargs="+", action="extend", metavar="ENDPOINT",
                    help="ZMQ endpoints of kvtier connector KV events (kvaware)")
     p.add_argument("--session-header", default="x-session-id",
                    help="header naming a sticky session (session strategy)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.router.config import ReplicaConfig
 from kvtier.router.policies import ReplicaView
@@ -31,8 +31,6 @@ class Replica:
     models: tuple[str, ...] = ()
     """Model ids its /v1/models lists (learned by the health checker)."""
     max_model_len: int | None = None
-    routed: int = field(default=0)
-    """Requests routed to it since the router started."""
 
     @property
     def name(self) -> str:
@@ -54,7 +52,6 @@ class Lease:
         self._done = False
         replica.in_flight += 1
         replica.queued_prefill_tokens += self._prefill
-        replica.routed += 1
 
     def first_byte(self) -> None:
         """The replica answered: its prefill of this prompt is no longer queued."""

@@ -9,6 +9,7 @@
     kvtier_router_queued_prefill_tokens{replica}       uncached prompt tokens awaiting first byte
     kvtier_router_replica_healthy{replica}             1 up, 0 down or suspect
     kvtier_router_decisions_total{strategy,reason}     routing decisions by reason
+    kvtier_router_routed_total{replica}                attempts sent to each replica
     kvtier_router_failovers_total{replica}             attempts that failed over off a replica
     kvtier_router_stream_errors_total{cause}           streams cut: "upstream" or "client"
     kvtier_router_index_blocks{index}                  entries in a prefix index
@@ -59,6 +60,8 @@ class RouterMetrics:
                              ["replica"], registry=r)
         self.decisions = Counter("kvtier_router_decisions", "Routing decisions.",
                                  ["strategy", "reason"], registry=r)
+        self.routed = Counter("kvtier_router_routed", "Attempts sent to each replica.",
+                              ["replica"], registry=r)
         self.failovers = Counter("kvtier_router_failovers",
                                  "Attempts that failed over off a replica.", ["replica"],
                                  registry=r)

@@ -143,13 +143,28 @@ class Tokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(model_dir)
         self.block_tokens = block_tokens
-        self._encode = ChunkedEncoder(
-            lambda text: list(self._tok.encode(text, add_special_tokens=False)))
+        self._encode = ChunkedEncoder(self._plain_encoder())
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
         self._specials = list(self._tok.encode("", add_special_tokens=True))
         probe = _SELF_CHECK[0]
         self._specials_lead = list(self._tok.encode(probe, add_special_tokens=True)) == \
             self._specials + self._encode(probe)
+
+    def _plain_encoder(self) -> Callable[[str], list[int]]:
+        """Encoding without special tokens; the Rust backend's own `encode` when it agrees with
+        the wrapper: the wrapper goes through `encode_batch`, whose thread pool spins after
+        every call and costs the router more CPU than the encoding itself."""
+        def wrapped(text: str) -> list[int]:
+            return list(self._tok.encode(text, add_special_tokens=False))
+
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        if backend is None:
+            return wrapped
+
+        def direct(text: str) -> list[int]:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+
+        return direct if all(direct(t) == wrapped(t) for t in _SELF_CHECK) else wrapped
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` as the engine computes them."""

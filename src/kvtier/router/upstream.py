@@ -87,6 +87,7 @@ class Upstream:
             self._policy.observe_routed(fwd.route, decision, now)
             self._metrics.decisions.labels(self._metrics.strategy, decision.reason).inc()
             replica = self._fleet[decision.replica]
+            self._metrics.routed.labels(replica.name).inc()
             uncached = fwd.route.prompt_tokens - decision.cached_tokens
             with self._fleet.lease(replica, uncached) as lease:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
@@ -156,8 +157,9 @@ class _Retry(Exception):
     """This attempt failed before any byte reached the client."""
 
 
+# The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
-                         "content-encoding", "date", "server"})
+                         "date", "server"})
 
 
 def _passthrough(resp: aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:

@@ -232,6 +232,7 @@ class AccessRecorder:
     `record(fd, st_mtime)` is called by the POSIX tier after a read hit, with the open file
     and the mtime its `fstat` returned; it touches the block's mtime when that is older than
     `touch_interval_s`. Never raises (a failed touch only makes the block look older).
+    Thread-safe: the tier's readers share one recorder.
     """
 
     def __init__(self, touch_interval_s: float = 60.0,
@@ -240,6 +241,7 @@ class AccessRecorder:
             raise ConfigError(f"touch_interval_s: must be >= 0, got {touch_interval_s}")
         self._interval = touch_interval_s
         self._clock = clock
+        self._lock = threading.Lock()
         self.touches = 0
         self.failures = 0
 
@@ -250,10 +252,15 @@ class AccessRecorder:
         try:
             os.utime(fd)
         except OSError:
-            self.failures += 1
-            return False
-        self.touches += 1
-        return True
+            touched = False
+        else:
+            touched = True
+        with self._lock:
+            if touched:
+                self.touches += 1
+            else:
+                self.failures += 1
+        return touched
 
 
 class Janitor:

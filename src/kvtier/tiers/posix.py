@@ -27,6 +27,9 @@ Faults (EIO, ENOSPC, a vanished mount) never raise: they are counted as errors, 
 per kind, and turned into misses or failed puts. Construction raises `TierError` when the root
 is missing or unwritable, so the store can fall back to L1-only with a clear warning.
 
+A read hit is reported to the optional `AccessRecorder`, which refreshes the block's mtime (the
+cluster-wide recency the capacity janitor evicts by; atime is not kept on FUSE).
+
 Thread-safe; called by the store's I/O threads (puts) and by the engine's threads (gets).
 """
 
@@ -60,6 +63,8 @@ from kvtier.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+    from kvtier.tiers.janitor import AccessRecorder
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +141,10 @@ class PosixTier:
     """Shared-directory L2 tier for one namespace (see the module docstring)."""
 
     def __init__(self, root: str, namespace: Namespace, manifest: Mapping[str, object], *,
-                 exists_ttl_s: float = 1.0,
+                 exists_ttl_s: float = 1.0, access: AccessRecorder | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        """`access` records read hits in the shared access record the capacity janitor evicts
+        by (`kvtier.tiers.janitor`); None records nothing."""
         if not os.path.isdir(root):
             raise TierError(f"L2 directory {root!r} does not exist (or is not a directory); "
                             "it is not created automatically, so a missing mount is not "
@@ -145,6 +152,7 @@ class PosixTier:
         self._namespace = namespace
         self._dir = os.path.join(root, namespace)
         self._ttl = exists_ttl_s
+        self._access = access
         self._clock = clock
         self._lock = threading.Lock()
         self._exists: dict[BlockHash, tuple[bool, float]] = {}
@@ -258,6 +266,8 @@ class PosixTier:
             hasher = xxhash.xxh3_64()
             got = _read_into(fd, payload, hasher)
             verify_payload(header, payload[:got], checksum=hasher.intdigest())
+            if self._access is not None:  # on the open fd: the very inode that was read
+                self._access.record(fd, opened.st_mtime)
         except CodecError as exc:
             self._discard(path, opened, exc)
             self._remember(block_hash, False)

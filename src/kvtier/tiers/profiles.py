@@ -53,11 +53,16 @@ class L2Profile:
     """Mount/format options that matter for a KV L2."""
 
     def janitor_config(self, capacity_bytes: int, **overrides: object) -> JanitorConfig:
-        """A `JanitorConfig` whose staleness, lease and grace suit this file system."""
+        """A `JanitorConfig` whose staleness, lease and grace suit this file system.
+
+        The lease outlives a few passes (`interval_s` in `overrides`) and the staleness."""
+        lease_ttl_s = max(30.0, 10 * self.attr_cache_s)
+        if "interval_s" in overrides:
+            lease_ttl_s = max(lease_ttl_s, 3 * float(overrides["interval_s"]))  # type: ignore[arg-type]
         settings: dict[str, object] = {
             "capacity_bytes": capacity_bytes,
             "stale_s": self.attr_cache_s,
-            "lease_ttl_s": max(30.0, 10 * self.attr_cache_s),
+            "lease_ttl_s": lease_ttl_s,
             "grace_s": 0.0 if self.unlink_safe_across_nodes else 60.0,
         }
         settings.update(overrides)

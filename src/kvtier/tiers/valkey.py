@@ -43,6 +43,7 @@ from kvtier.codec import (
     encode_header,
     verify_payload,
 )
+from kvtier.config import L2_URL_SCHEMES
 from kvtier.errors import CodecError, ConfigError
 from kvtier.events import Tier
 from kvtier.keys import BlockHash, Namespace
@@ -71,8 +72,7 @@ class ValkeyTierConfig:
     """Longest pause between attempts while the server stays unreachable."""
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("redis://", "rediss://", "valkey://", "valkeys://",
-                                    "unix://")):
+        if not self.url.startswith(L2_URL_SCHEMES):
             raise ConfigError(f"url: expected redis://host:port[/db], got {self.url!r}")
         for name in ("socket_timeout_s", "connect_timeout_s", "backoff_initial_s"):
             if getattr(self, name) <= 0:

@@ -56,6 +56,11 @@ class ConnectorConfig:
     """How long a finished scheduler-side lookup answer is trusted (KVTIER_LOOKUP_TTL_S)."""
     load_threads: int = 1
     """Worker threads moving blocks from the store into vLLM's KV cache (KVTIER_LOAD_THREADS)."""
+    load_async: bool = True
+    """Load hits while the engine keeps stepping (the request waits in WAITING_FOR_REMOTE_KVS);
+    False loads them inside the step that computes the rest of the prompt, before its forward
+    pass: one step less for the hit, but that step's whole batch waits for the load
+    (KVTIER_LOAD_ASYNC)."""
 
     def __post_init__(self) -> None:
         if self.l1_bytes < 0:

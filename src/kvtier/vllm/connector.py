@@ -84,7 +84,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 self._runtimes, self.config.block_tokens, geometry.engine_block_tokens,
                 self.config.lookup_ttl_s, self.counters,
                 events=self.config.events_endpoint is not None,
-                block_ids_of=self._block_ids_of)
+                block_ids_of=self._block_ids_of, load_async=self.config.load_async)
         else:
             rank = compat.worker_tp_rank()
             identity = runtime.model_identity(self.config, geometry, model, rank)

@@ -31,6 +31,9 @@ class LoadSpec:
     """Where the lookup found each block (stats only; the load may find it elsewhere)."""
     engine_hashes: tuple[BlockHash, ...] = ()
     """Engine-block hashes of the loaded blocks, `per_block` per block (events; may be empty)."""
+    asynchronous: bool = True
+    """True: vLLM waits for `get_finished`; False: the load must finish before this step's
+    forward pass."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,9 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
                                      a later call answers from the finished lookup while it is
                                      younger than `lookup_ttl_s`. No side effects on the store.
     after_alloc(request, blocks, n)  once blocks are allocated for an external hit: plans the
-                                     load (asynchronous: the request waits in vLLM's
-                                     WAITING_FOR_REMOTE_KVS until the worker reports it).
+                                     load (asynchronous by default: the request waits in vLLM's
+                                     WAITING_FOR_REMOTE_KVS until the worker reports it; with
+                                     `load_async=False` the worker loads before the forward).
     apply_worker_meta(meta)          every step: the workers' L1 changes (L1 mirror).
     build_meta(scheduler_output)     every step: the planned loads, plus saves of every full
                                      kvtier block the step completes.
@@ -76,7 +77,7 @@ class _Tracked:
 class SchedulerSide:
     def __init__(self, runtimes: Sequence[Runtime], block_tokens: int, engine_block_tokens: int,
                  lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
-                 block_ids_of: Callable[[str], list[int]]) -> None:
+                 block_ids_of: Callable[[str], list[int]], load_async: bool = True) -> None:
         """`runtimes`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
         self._runtimes = list(runtimes)
@@ -87,6 +88,7 @@ class SchedulerSide:
         self._counters = counters
         self._events = events
         self._block_ids_of = block_ids_of
+        self._load_async = load_async
         self._tracked: dict[str, _Tracked] = {}
         # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
         # workers may live in other processes). Written on the scheduler thread, read by the
@@ -125,7 +127,7 @@ class SchedulerSide:
             return 0, False
         tracked.local_tokens = local_tokens
         tracked.found = found
-        return matched - local_tokens, True
+        return matched - local_tokens, self._load_async
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         if num_external == 0:
@@ -140,7 +142,8 @@ class SchedulerSide:
         self._loads.append(LoadSpec(
             req_id=request.request_id, hashes=tuple(tracked.hashes[first:last]),
             engine_block_ids=tuple(ids[first * p + skip:last * p]), skip=skip, tiers=tiers,
-            engine_hashes=tuple(tracked.engine_hashes[first * p:last * p])))
+            engine_hashes=tuple(tracked.engine_hashes[first * p:last * p]),
+            asynchronous=self._load_async))
         hit_tokens: dict[Tier, int] = {}
         for i, tier in enumerate(tiers):
             n = self._block - (skip * self._engine_block if i == 0 else 0)

@@ -4,7 +4,8 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
 
     handle_preemptions(meta)   before the step: waits for pending saves of preempted requests
                                (their blocks are about to be reused).
-    start_loads(meta)          queues this step's loads on the loader thread(s) and returns.
+    start_loads(meta)          queues this step's loads on the loader thread(s) and returns
+                               (synchronous loads, if configured, are waited for here).
     submit_saves(meta)         after the forward (`wait_for_save`): queues this step's saves on
                                the saver thread and returns; the forward pass never waits.
     finished(ids)              requests whose loads completed, and finished requests whose
@@ -93,8 +94,14 @@ class WorkerSide:
             wait(jobs, timeout=PREEMPT_WAIT_S)
 
     def start_loads(self, meta: KvtierMetadata) -> None:
+        """Queue asynchronous loads; run synchronous ones to completion (this step's forward
+        pass reads them)."""
+        sync = [self._loader.submit(self._load, spec) for spec in meta.loads
+                if not spec.asynchronous]
         for spec in meta.loads:
-            self._loader.submit(self._load, spec)
+            if spec.asynchronous:
+                self._loader.submit(self._load, spec)
+        wait(sync)
 
     def submit_saves(self, meta: KvtierMetadata) -> None:
         for spec in meta.saves:
@@ -163,7 +170,8 @@ class WorkerSide:
                         "recomputes them", spec.req_id, len(failed), len(spec.engine_block_ids))
         with self._lock:  # errors and completion become visible together
             self._load_errors.update(failed)
-            self._loads_done.add(spec.req_id)
+            if spec.asynchronous:
+                self._loads_done.add(spec.req_id)
 
     def _save(self, spec: SaveSpec) -> None:
         """Saver thread: copy out and offer every block of `spec` the store does not hold."""
