@@ -82,7 +82,7 @@ class Cluster:
         self.replicas: list[ServerProcess] = []
         self.event_endpoints: list[str] = []
         self.router: subprocess.Popen[bytes] | None = None
-        self.l2_location: str | None = None
+        self.l2_locations: list[str] = []
         self._stack = ExitStack()
 
     @property
@@ -108,26 +108,36 @@ class Cluster:
         return self
 
     def _start_l2(self) -> None:
+        """Make the shared L2 reachable; one location per replica (a JuiceFS mount each)."""
         cache = self.spec.cache
         if not cache.l2_enabled:
             return
         if cache.l2_backend == "posix":
             path = Path(cache.l2_path) if cache.l2_path else self.work_dir / "l2"
             path.mkdir(parents=True, exist_ok=True)
-            self.l2_location = str(path)
+            self.l2_locations = [str(path)] * self.spec.replicas
         elif cache.l2_backend == "valkey":
-            if cache.l2_url:
-                self.l2_location = cache.l2_url
-            else:
-                from kvtier.l2.valkey_server import ValkeyServer
+            url = cache.l2_url
+            if url is None:
+                from kvtier.l2.valkey_server import ValkeyServer, ValkeyServerSpec
 
-                server = self._stack.enter_context(ValkeyServer(self.work_dir / "valkey"))
-                self.l2_location = server.url
-        else:  # juicefs
-            from kvtier.l2.juicefs import JuiceFSVolume
+                server = ValkeyServer(ValkeyServerSpec(
+                    data_dir=str(self.work_dir / "valkey"),
+                    maxmemory_bytes=int(cache.l2_gib * 1024**3)))
+                (self.work_dir / "valkey").mkdir(exist_ok=True)
+                url = self._stack.enter_context(server).url
+            self.l2_locations = [url] * self.spec.replicas
+        else:  # juicefs: each replica mounts the one volume, as separate nodes would
+            from kvtier.l2.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
 
-            volume = self._stack.enter_context(JuiceFSVolume(self.work_dir / "juicefs"))
-            self.l2_location = str(volume.mount(0))
+            volume = self._stack.enter_context(
+                JuiceFSVolume(JuiceFSVolumeSpec(root=str(self.work_dir / "juicefs"))))
+            self.l2_locations = [volume.mount().path for _ in range(self.spec.replicas)]
+
+    @property
+    def l2_location(self) -> str | None:
+        """What `kvtier up` prints: the L2 every replica shares."""
+        return ", ".join(dict.fromkeys(self.l2_locations)) or None
 
     def connector_config(self, index: int, events_endpoint: str) -> dict[str, Any] | None:
         """`--kv-transfer-config` of replica `index` (None: no connector)."""
@@ -140,9 +150,9 @@ class Cluster:
             "replica_id": f"http://127.0.0.1:{self.spec.replica_base_port + index}",
             "events_endpoint": events_endpoint,
         }
-        if self.l2_location is not None:
+        if self.l2_locations:
             key = "l2_url" if cache.l2_backend == "valkey" else "l2_path"
-            extra[key] = self.l2_location
+            extra[key] = self.l2_locations[index]
         return {"kv_connector": "KvtierConnector",
                 "kv_connector_module_path": "kvtier.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

@@ -16,6 +16,7 @@ reads it without a manual; `kvtier:` holds what HyperPod has no name for.
         l2CacheBackend: posix      # posix | tieredstorage (= posix) | juicefs | valkey | redis
         l2CachePath: null          # posix: shared directory (default: under workDir)
         l2CacheLocalUrl: null      # valkey/redis: redis://127.0.0.1:PORT (default: start one)
+        l2CacheSizeGiB: 8          # capacity of the shared L2 (directory janitor / maxmemory)
     kvtier:
       routerPort: 8000
       replicaBasePort: 8100
@@ -62,6 +63,8 @@ class CacheSpec:
     """Normalized: posix | juicefs | valkey."""
     l2_path: str | None = None
     l2_url: str | None = None
+    l2_gib: float = 8.0
+    """Capacity of the shared L2: enforced by the janitor (directory) or maxmemory (Valkey)."""
 
     @property
     def connector_enabled(self) -> bool:
@@ -166,7 +169,9 @@ def parse_spec(data: object) -> ClusterSpec:
     cache = CacheSpec(l1_enabled=cache_r.get("enableL1Cache", bool, True), l1_gib=l1_gib,
                       l2_enabled=cache_r.get("enableL2Cache", bool, True),
                       l2_backend=L2_BACKENDS[backend.lower()],
-                      l2_path=l2_r.get("l2CachePath", str, None), l2_url=url)
+                      l2_path=l2_r.get("l2CachePath", str, None), l2_url=url,
+                      l2_gib=float(l2_r.get("l2CacheSizeGiB", (int, float), 8.0)))
+    _positive("kvCacheSpec.l2CacheSpec.l2CacheSizeGiB", cache.l2_gib)
     l2_r.done()
     cache_r.done()
 
