@@ -37,6 +37,11 @@ async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def metric(text: str, sample: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(sample + " "))
+
+
 def in_flight(rr) -> dict[str, int]:
     return {r.name: r.in_flight for r in rr.router.fleet}
 
@@ -159,7 +164,9 @@ def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str) -
             assert in_flight(rr) == {bad.url: 0, good.url: 0}
             assert queued(rr) == {bad.url: 0, good.url: 0}
             text = rr.router.metrics.render().decode()
-            assert f'kvtier_router_failovers_total{{replica="{bad.url}"}} 1.0' in text
+            failovers = metric(text, f'kvtier_router_failovers_total{{replica="{bad.url}"}}')
+            routed = metric(text, f'kvtier_router_routed_total{{replica="{bad.url}"}}')
+            assert failovers == routed >= 1  # every attempt on the bad replica failed over
     run(scenario())
 
 
@@ -172,6 +179,8 @@ def test_every_replica_failing_is_a_502_with_an_openai_error() -> None:
                 assert error["code"] == "upstream_failed" and error["type"] == "upstream_error"
             assert sorted(len(r.received) for r in reps) == [1, 1]  # each tried exactly once
             assert in_flight(rr) == {r.url: 0 for r in reps}
+            # they answered, so they stay candidates: one bad request does not empty the fleet
+            assert all(r.healthy for r in rr.router.fleet)
     run(scenario())
 
 

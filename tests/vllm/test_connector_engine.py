@@ -23,10 +23,20 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.events import EventKind, Tier
+from kvtier.events_wire import EventSubscriber
 from kvtier.keys import block_hashes, extra_key
 from kvtier.vllm.server import ServerProcess
 
-from .engine_fixtures import complete, kv_transfer_config, metric, prompt_ids, reset_l0, start
+from .engine_fixtures import (
+    complete,
+    free_port,
+    kv_transfer_config,
+    metric,
+    prompt_ids,
+    reset_l0,
+    start,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -34,31 +44,35 @@ BLOCK = 256
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 
-PROMPTS = {
-    "l1": prompt_ids(1100, seed=101),
-    "l2": prompt_ids(2100, seed=102),
-    "corrupt": prompt_ids(1400, seed=103),
-    "race": prompt_ids(1300, seed=104),
-    "salted": prompt_ids(1200, seed=105),
-    "no_l2": prompt_ids(900, seed=106),
-}
-EVICTORS = [prompt_ids(1900, seed=200 + i) for i in range(3)]
-"""Three prompts of 15 engine blocks each: together they overflow the 40-block L0."""
+LENGTHS = {"l1": 1100, "l2": 2100, "corrupt": 1400, "race": 1300, "salted": 1200, "no_l2": 900,
+           "events": 1000}
 
 
-def _usable(tokens: list[int]) -> int:
+class _Prompts(dict[str, list[int]]):
+    """Token ids of each test's prompt, drawn (tokenizer loaded) on first use, not at import."""
+
+    def __missing__(self, name: str) -> list[int]:
+        seed = 101 + list(LENGTHS).index(name)
+        tokens = self[name] = prompt_ids(LENGTHS[name], seed=seed)
+        return tokens
+
+
+PROMPTS = _Prompts()
+
+
+def evictors() -> list[list[int]]:
+    """Three prompts of 15 engine blocks each: together they overflow the 40-block L0."""
+    return [prompt_ids(1900, seed=200 + i) for i in range(3)]
+
+
+def _usable(tokens: list[int] | int) -> int:
     """Tokens a kvtier hit covers: full blocks, never including the last token."""
-    return (len(tokens) - 1) // BLOCK * BLOCK
+    n = tokens if isinstance(tokens, int) else len(tokens)
+    return (n - 1) // BLOCK * BLOCK
 
 
-HITS = {
-    "l1": [0, _usable(PROMPTS["l1"])],
-    "l2": [0, _usable(PROMPTS["l2"])],
-    "corrupt": [0, 2 * BLOCK],  # blocks 0 and 1 load, block 2 is corrupt
-    "race": [0, _usable(PROMPTS["race"])],
-    "salted": [0, _usable(PROMPTS["salted"])],
-    "no_l2": [0, _usable(PROMPTS["no_l2"])],
-}
+HITS = {name: [0, _usable(n)] for name, n in LENGTHS.items()}
+HITS["corrupt"] = [0, 2 * BLOCK]  # blocks 0 and 1 load, block 2 is corrupt
 """Leading tokens served from a cache in each test's requests (0: computed cold)."""
 
 
@@ -85,11 +99,18 @@ def l2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def replica_a(expected: dict[tuple[str, int], list[int]], l2_dir: Path,
+def events_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture(scope="module")
+def replica_a(expected: dict[tuple[str, int], list[int]], l2_dir: Path, events_endpoint: str,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-a")
     with start(logs, "replica-a", tiny_cache=True,
-               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30)) as server:
+               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30,
+                                            events_endpoint=events_endpoint,
+                                            replica_id="replica-a")) as server:
         yield server
 
 
@@ -122,7 +143,7 @@ def test_l1_hit_after_l0_eviction_gives_identical_tokens(
         replica_a: ServerProcess, expected: dict[tuple[str, int], list[int]]) -> None:
     tokens = PROMPTS["l1"]
     assert complete(replica_a, tokens) == expected["l1", 0]
-    for evictor in EVICTORS:  # push the prompt's blocks out of the 40-block L0
+    for evictor in evictors():  # push the prompt's blocks out of the 40-block L0
         complete(replica_a, evictor, max_tokens=1)
     local_before = metric(replica_a, LOCAL_HITS)
     external_before = metric(replica_a, EXTERNAL_HITS)
@@ -202,7 +223,7 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
         siblings = sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem))
         assert siblings == [f.name]  # one published file, no temp files left behind
     # and the block a third party reads back is intact: replica A reloads it after eviction
-    for evictor in EVICTORS:
+    for evictor in evictors():
         complete(replica_a, evictor, max_tokens=1)
     assert complete(replica_a, tokens) == expected["race", HITS["race"][1]]
 
@@ -238,3 +259,22 @@ def test_unusable_l2_path_runs_l1_only_and_is_counted(
         assert metric(server, "kvtier:load_blocks_l1_total") == _usable(tokens) // BLOCK
         assert metric(server, "kvtier:l2_unavailable_total") == 1
     assert not (not_a_dir / "l2").exists()
+
+
+def test_saved_blocks_are_announced_with_the_routers_engine_block_hashes(
+        replica_a: ServerProcess, events_endpoint: str) -> None:
+    tokens = PROMPTS["events"]
+    engine_hashes = block_hashes(tokens, 128)[:_usable(tokens) // 128]
+    with EventSubscriber([events_endpoint]) as sub:
+        time.sleep(1.0)  # let the subscription reach the publisher
+        complete(replica_a, tokens, max_tokens=1)
+        stored: dict[Tier, list[bytes]] = {Tier.L1: [], Tier.L2: []}
+        deadline = time.monotonic() + 60
+        while (len(stored[Tier.L1]) < len(engine_hashes) or len(stored[Tier.L2]) <
+               len(engine_hashes)) and time.monotonic() < deadline:
+            for event in sub.drain(timeout_s=0.5):
+                assert event.replica == "replica-a"
+                if event.kind == EventKind.STORED and event.tier in stored:
+                    stored[event.tier] += [h for h in event.hashes if h in engine_hashes]
+    assert stored[Tier.L1] == engine_hashes
+    assert sorted(stored[Tier.L2]) == sorted(engine_hashes)  # L2 writes finish in any order

@@ -63,6 +63,19 @@ def test_scatter_with_skip_keeps_locally_computed_leading_blocks() -> None:
         assert not t[:7].any()
 
 
+def test_scatter_of_fewer_ids_writes_only_the_leading_engine_blocks() -> None:
+    source = PagedKV(_caches(), per_block=2)
+    buffer = source.new_host_buffer()
+    source.gather([3, 4], buffer)
+    target = PagedKV({n: torch.zeros_like(t) for n, t in _caches().items()}, per_block=2)
+    target.scatter(buffer, [5])  # a hit vLLM trimmed to the block's first half
+    for layer, t in enumerate(target.layers):
+        assert torch.equal(t[5], source.layers[layer][3])
+        assert not t[:5].any() and not t[6:].any()
+    with pytest.raises(ValueError, match="at most 1"):
+        target.scatter(buffer, [5, 6], skip=1)
+
+
 def test_block_ids_are_checked() -> None:
     kv = PagedKV(_caches(), per_block=2)
     out = kv.new_host_buffer()

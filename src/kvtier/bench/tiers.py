@@ -4,7 +4,8 @@ replica's L2, for kvtier and its peers, side by side in one run.
     kvtier bench tiers --lengths 512,1024,2500,4000 --runs 3 --json s1.json
 
 Servers (all `vllm serve` on the same model, pinned to the same cores with the same thread
-count, started through `kvtier.vllm.server`):
+count, started through `kvtier.vllm.server`, one at a time: an idle engine still polls and
+would steal the core of the one being measured):
 - `kvtier` A and B: the connector, one shared L2 directory;
 - `vllm-prefix`: plain vLLM (its prefix cache is the L0 baseline);
 - peers, each tried and recorded with the exact error when it cannot run here:
@@ -13,9 +14,9 @@ count, started through `kvtier.vllm.server`):
 
 For every length and run a fresh document of exactly that many tokens (real text, see
 `kvtier.bench.corpus`) is sent with max_tokens=1 and streamed; TTFT is the time to the first
-token. Per run: cold on A, again on A (L0 hit), after emptying A's L0 through vLLM's
-`/reset_prefix_cache` (L1 hit), then on B, which never saw it (L2 hit). Rows carry the median
-and every run.
+token. Per prompt: cold on A, again on A (L0 hit), after emptying A's L0 through vLLM's
+`/reset_prefix_cache` (L1 hit); then, A stopped, on B, which never saw it (L2 hit). Rows carry
+the median and every run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import json
 import random
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -136,7 +138,7 @@ class Bench:
         self.l2_dir = Path(args.l2_path) if args.l2_path else self.work / "l2"
         self.l2_dir.mkdir(parents=True, exist_ok=True)
         self.servers: list[Any] = []
-        self.rows: list[Row] = []
+        self.rows: dict[tuple[str, int, str], Row] = {}
 
     def start(self, label: str, transfer: dict[str, Any] | None,
               extra: Sequence[str] = ()) -> Any:
@@ -164,24 +166,22 @@ class Bench:
         return [prompt_ids(self.corpus, length, seed=length * 1000 + i)
                 for i in range(self.args.runs)]
 
-    def measure(self, system: str, scenarios: dict[str, Callable[[list[int]], float]],
-                before: Callable[[list[int]], None] | None = None) -> None:
-        """Run each scenario in order on every run's prompt of every length."""
+    def measure(self, system: str, scenarios: dict[str, Callable[[list[int]], float]]) -> None:
+        """Run the scenarios in order on every run's prompt of every length."""
         for length in self.args.lengths:
-            rows = {s: Row(system, length, s) for s in scenarios}
             for tokens in self.prompts(length):
-                if before is not None:
-                    before(tokens)
                 for scenario, fn in scenarios.items():
-                    rows[scenario].runs.append(fn(tokens))
-            self.rows += rows.values()
-            for row in rows.values():
-                print(json.dumps(row.as_dict()), flush=True)
+                    key = (system, length, scenario)
+                    self.rows.setdefault(key, Row(system, length, scenario)).runs.append(
+                        fn(tokens))
+            for scenario in scenarios:
+                print(json.dumps(self.rows[system, length, scenario].as_dict()), flush=True)
 
     def errors(self, system: str, scenarios: Sequence[str], reason: str) -> None:
         print(f"kvtier bench tiers: {system} cannot run here: {reason}", flush=True)
-        self.rows += [Row(system, length, s, error=reason)
-                      for length in self.args.lengths for s in scenarios]
+        for length in self.args.lengths:
+            for s in scenarios:
+                self.rows[system, length, s] = Row(system, length, s, error=reason)
 
     def close(self) -> None:
         for server in self.servers:
@@ -203,21 +203,21 @@ def _kvtier(bench: Bench) -> None:
     config = ConnectorConfig(l1_bytes=int(bench.args.l1_gib * GIB), l2_path=str(bench.l2_dir),
                              block_tokens=bench.args.block_tokens)
     transfer = kv_transfer_config(config)
-    a = bench.start("kvtier-a", transfer)
-    b = bench.start("kvtier-b", transfer)
     name = bench.name
+    a = bench.start("kvtier-a", transfer)
 
     def l1(tokens: list[int]) -> float:
         reset_l0(a.url)
         return ttft_ms(a.url, name, tokens)
 
-    def l2_cross(tokens: list[int]) -> float:
-        wait_for_l2(bench.l2_dir, tokens, config.block_tokens)
-        return ttft_ms(b.url, name, tokens)
-
     bench.measure("kvtier", {"cold": lambda t: ttft_ms(a.url, name, t),
-                             "l0": lambda t: ttft_ms(a.url, name, t),
-                             "l1": l1, "l2_cross": l2_cross})
+                             "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
+    for length in bench.args.lengths:
+        for tokens in bench.prompts(length):
+            wait_for_l2(bench.l2_dir, tokens, config.block_tokens)
+    bench.close()  # one server at a time: an idle engine still polls and steals the core
+    b = bench.start("kvtier-b", transfer)
+    bench.measure("kvtier", {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
 
 
 def _vllm_prefix(bench: Bench) -> None:
@@ -231,11 +231,8 @@ def _peer(bench: Bench, system: str, transfer: dict[str, Any] | None,
     """A peer with an L1 (and, with `two_servers`, a shared tier): measured, or its error."""
     scenarios = ["cold", "l0", "l1"] + (["l2_cross"] if two_servers else [])
     a, reason = bench.try_start(f"{system}-a", transfer, extra)
-    b = None
-    if a is not None and two_servers:
-        b, reason = bench.try_start(f"{system}-b", transfer, extra)
-    if reason is not None:
-        bench.errors(system, scenarios, reason)
+    if a is None:
+        bench.errors(system, scenarios, reason or "did not start")
         return
     name = bench.name
 
@@ -243,12 +240,16 @@ def _peer(bench: Bench, system: str, transfer: dict[str, Any] | None,
         reset_l0(a.url)
         return ttft_ms(a.url, name, tokens)
 
-    fns: dict[str, Callable[[list[int]], float]] = {
-        "cold": lambda t: ttft_ms(a.url, name, t), "l0": lambda t: ttft_ms(a.url, name, t),
-        "l1": l1}
-    if b is not None:
-        fns["l2_cross"] = lambda t: ttft_ms(b.url, name, t)
-    bench.measure(system, fns)
+    bench.measure(system, {"cold": lambda t: ttft_ms(a.url, name, t),
+                           "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
+    bench.close()
+    if two_servers:
+        b, reason = bench.try_start(f"{system}-b", transfer, extra)
+        if b is None:
+            bench.errors(system, ["l2_cross"], reason or "did not start")
+            return
+        bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
+        bench.close()
 
 
 def _peers(bench: Bench) -> None:
@@ -279,7 +280,9 @@ def _run(args: argparse.Namespace) -> int:
             _peers(bench)
     finally:
         bench.close()
-    rows = [r.as_dict() for r in bench.rows]
+        if not args.l2_path:
+            shutil.rmtree(bench.l2_dir, ignore_errors=True)  # GBs of blocks; logs are kept
+    rows = [r.as_dict() for r in bench.rows.values()]
     Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(f"kvtier bench tiers: {len(rows)} rows -> {args.json} (server logs: {bench.work})")
     return 0

@@ -15,18 +15,21 @@ broken at random among replicas sorted by name, never "first wins" (a hot spot).
 
 Cost of sending a request to replica r (lower is better), in prefill tokens:
 
-    cost(r) = max(0, prompt_tokens - Σ_blocks credit(tier) · block_tokens)   uncached prefill
-            + queue_weight    · queued_prefill_tokens(r)                       work ahead of it
-            + running_penalty · in_flight(r)                                   decode slots taken
-            + history_weight  · recent_work(r, now)                            recent placements
+    cost(r) = u(r) = max(0, prompt_tokens - Σ_blocks credit(tier) · block_tokens)   uncached
+            + queue_weight    · queued_prefill_tokens(r)                   work ahead of it
+            + running_penalty · in_flight(r)                               decode slots taken
+            + history_weight  · u(r) · max(0, recent(r) / mean_recent - 1)   over its share
 
 credit: L0 1.0, L1 0.8, L2 0.5 over the replica's longest contiguous cached prefix (a block in
-the shared L2 counts for every replica). `recent_work` is the uncached prefill this policy sent
-to r, halved every `history_half_life_s`: it spreads cold prefixes when nothing is in flight
-(sequential clients), where the other load terms are all zero. When every request shares one
-first block (a system prompt), the load terms outweigh that block's credit as soon as its
-replica has a request queued, so the prefix spreads instead of hot-spotting; the speculative
-insert then makes the second replica equally attractive.
+the shared L2 counts for every replica). `recent(r)` is the uncached prefill this policy sent to
+r, halved every `history_half_life_s`; a replica that got more than the mean pays extra for new
+uncached work in proportion to its excess. That spreads cold prefixes by the future load they
+bring (instantaneous load alone places them by whoever happens to be idle that instant, and
+affinity then locks in a lopsided split), while a warm request, whose uncached part is small,
+still goes to its cache. When every request shares one first block (a system prompt), the
+load terms outweigh that block's credit as soon as its replica has a request queued, so the
+prefix spreads instead of hot-spotting; the speculative insert then makes the second replica
+equally attractive.
 """
 
 from __future__ import annotations
@@ -99,8 +102,9 @@ class CostWeights:
     times the prefill the cache saves."""
     running_penalty: float = 128.0
     """Cost per request in flight on the replica (one block of prefill)."""
-    history_weight: float = 0.1
-    """Cost per token of recent uncached prefill sent there (spreads cold prefixes)."""
+    history_weight: float = 2.0
+    """Extra cost per uncached token per unit of the replica's excess share of recent uncached
+    prefill (spreads cold prefixes by the load they bring)."""
     history_half_life_s: float = 10.0
     """Half-life of the recent-work history."""
     tie_tokens: float = 1.0
@@ -193,13 +197,16 @@ class CostPolicy:
         w = self.weights
         healthy = _healthy(replicas)
         matches = self._match(request, [r.name for r in healthy])
+        recent = {r.name: self._history.value(r.name, now) for r in healthy}
+        mean_recent = sum(recent.values()) / len(healthy)
         costs: dict[str, float] = {}
         for r in healthy:
             credit = sum(w.credit(t) for t in matches.get(r.name, ())) * request.block_tokens
-            costs[r.name] = (max(0.0, request.prompt_tokens - credit)
+            uncached = max(0.0, request.prompt_tokens - credit)
+            excess = max(0.0, recent[r.name] / mean_recent - 1.0) if mean_recent > 0 else 0.0
+            costs[r.name] = (uncached * (1.0 + w.history_weight * excess)
                              + w.queue_weight * r.queued_prefill_tokens
-                             + w.running_penalty * r.in_flight
-                             + w.history_weight * self._history.value(r.name, now))
+                             + w.running_penalty * r.in_flight)
         chosen = _pick_min(costs, w.tie_tokens, rng)
         cached = {name: _cached_tokens(matches.get(name, ()), request) for name in costs}
         best = max(cached.values())

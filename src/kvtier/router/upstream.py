@@ -5,7 +5,8 @@ request (affinity is never re-applied to a dead replica), the decision is record
 holds the replica's load counters, and the original body is POSTed. An attempt fails over when
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
 before the first body byte: nothing has reached the client yet, so another replica can serve it.
-The failing replica is marked suspect at once.
+A replica that did not answer at all is marked suspect at once (other requests avoid it until
+its next good health check); one that answered 5xx is only excluded for this request.
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
@@ -95,8 +96,9 @@ class Upstream:
                     return await self._attempt(request, fwd, replica, lease)
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
+                    if retry.unreachable:
+                        replica.healthy = False  # suspect until its next good health check
             log.warning("failing over off %s", last_error)
-            replica.healthy = False  # suspect until its next good health check
             excluded.add(replica.name)
             self._metrics.failovers.labels(replica.name).inc()
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
@@ -106,8 +108,8 @@ class Upstream:
         url = replica.config.url + fwd.endpoint
         try:
             async with self._session.post(url, data=fwd.body, headers=fwd.headers) as resp:
-                if resp.status in RETRY_STATUSES:
-                    raise _Retry(f"HTTP {resp.status}")
+                if resp.status in RETRY_STATUSES:  # it answers: fail over, but keep it
+                    raise _Retry(f"HTTP {resp.status}", unreachable=False)
                 first = await resp.content.readany()
                 if not first and resp.content.at_eof() and resp.content_length != 0:
                     raise _Retry("closed before the first byte")
@@ -155,6 +157,11 @@ class Upstream:
 
 class _Retry(Exception):
     """This attempt failed before any byte reached the client."""
+
+    def __init__(self, message: str, unreachable: bool = True) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+        """The replica did not answer (connect, reset, timeout): other requests avoid it too."""
 
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.

@@ -134,19 +134,22 @@ class SchedulerSide:
             return
         tracked = self._tracked[request.request_id]
         local = tracked.local_tokens
-        first, last = local // self._block, (local + num_external) // self._block
+        end = local + num_external  # vLLM may trim our answer: it can end inside a block
+        first, last = local // self._block, -(-end // self._block)
         skip = (local % self._block) // self._engine_block
         ids = compat.block_ids(blocks)
         p = self._per_block
         tiers = tuple(tracked.found[first:last])
         self._loads.append(LoadSpec(
             req_id=request.request_id, hashes=tuple(tracked.hashes[first:last]),
-            engine_block_ids=tuple(ids[first * p + skip:last * p]), skip=skip, tiers=tiers,
+            engine_block_ids=tuple(ids[first * p + skip:end // self._engine_block]), skip=skip,
+            tiers=tiers,
             engine_hashes=tuple(tracked.engine_hashes[first * p:last * p]),
             asynchronous=self._load_async))
         hit_tokens: dict[Tier, int] = {}
         for i, tier in enumerate(tiers):
-            n = self._block - (skip * self._engine_block if i == 0 else 0)
+            start = max(local, (first + i) * self._block)
+            n = min(end, (first + i + 1) * self._block) - start
             hit_tokens[tier] = hit_tokens.get(tier, 0) + n
         tracked.hit_tokens = hit_tokens
         self._counters.add(hit_tokens_l1=hit_tokens.get(Tier.L1, 0),

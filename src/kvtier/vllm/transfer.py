@@ -99,17 +99,24 @@ class PagedKV:
             torch.index_select(t, 0, idx, out=out[layer])
 
     def scatter(self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0) -> None:
-        """Write a payload into the engine blocks; the first `skip` engine blocks of the kvtier
-        block are left alone (they already hold locally computed KV)."""
-        self._check_ids(engine_block_ids, self.layout.per_block - skip)
+        """Write engine blocks `skip`, `skip + 1`, ... of a payload into `engine_block_ids`.
+
+        The first `skip` engine blocks of the kvtier block are left alone (they already hold
+        locally computed KV); fewer ids than the rest of the block write only a leading part.
+        """
+        if len(engine_block_ids) > self.layout.per_block - skip:
+            raise ValueError(f"at most {self.layout.per_block - skip} engine block ids, got "
+                             f"{len(engine_block_ids)}")
+        self._check_ids(engine_block_ids, len(engine_block_ids))
         if not engine_block_ids:
             return
+        end = skip + len(engine_block_ids)
         if self._cuda is not None:
-            self._cuda.scatter(self.layers, src, engine_block_ids, skip)
+            self._cuda.scatter(self.layers, src[:, skip:end], engine_block_ids)
             return
         idx = torch.tensor(engine_block_ids, dtype=torch.long)
         for layer, t in enumerate(self.layers):
-            t.index_copy_(0, idx, src[layer, skip:])
+            t.index_copy_(0, idx, src[layer, skip:end])
 
     def _check_ids(self, ids: Sequence[int], expected: int) -> None:
         if len(ids) != expected:
@@ -156,13 +163,15 @@ class _CudaStaging:
                 out[layer].copy_(torch.index_select(t, 0, idx), non_blocking=True)
             self.stream.synchronize()
 
-    def scatter(self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int],
-                skip: int) -> None:
+    def scatter(self, layers: Sequence[torch.Tensor], src: torch.Tensor,
+                ids: Sequence[int]) -> None:
+        """`src`: (layers, len(ids), *engine block) on the host."""
         device = layers[0].device
+        n = len(ids)
         with self._lock, torch.cuda.stream(self.stream):
-            self.staging.copy_(src)
+            self.staging[:, :n].copy_(src)
             idx = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
             for layer, t in enumerate(layers):
-                block = self.staging[layer, skip:].to(device, non_blocking=True)
+                block = self.staging[layer, :n].to(device, non_blocking=True)
                 t.index_copy_(0, idx, block)
             self.stream.synchronize()
