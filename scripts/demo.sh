@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 mkdir -p out
-exec .venv/bin/kvtier bench store --json out/bench_store.json "$@"
+exec .venv/bin/kvtier demo "$@"

@@ -15,6 +15,7 @@ from kvtier.errors import KvtierError
 
 # Top-level commands, in the order `--help` lists them.
 COMMAND_MODULES = (
+    "kvtier.bench.demo",
     "kvtier.model",
     "kvtier.vllm.serve",
     "kvtier.router.cli",

@@ -10,7 +10,7 @@ from kvtier.vllm.config import ConnectorConfig, kv_transfer_config
 
 def test_defaults_without_extra_config_or_environment() -> None:
     assert ConnectorConfig.from_sources(None, {}) == ConnectorConfig()
-    assert ConnectorConfig().block_tokens == 256
+    assert ConnectorConfig().block_tokens == 128
 
 
 def test_environment_fills_what_the_extra_config_leaves_out() -> None:

@@ -26,6 +26,7 @@ import pytest
 from kvtier.events import EventKind, Tier
 from kvtier.events_wire import EventSubscriber
 from kvtier.keys import block_hashes, extra_key
+from kvtier.vllm.config import ConnectorConfig
 from kvtier.vllm.server import ServerProcess
 
 from .engine_fixtures import (
@@ -40,7 +41,7 @@ from .engine_fixtures import (
 
 pytestmark = pytest.mark.engine
 
-BLOCK = 256
+BLOCK = ConnectorConfig().block_tokens
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.vllm.config import ConnectorConfig
 
 GIB = 1024**3
 SCENARIOS = ("cold", "l0", "l1", "l2_cross")
@@ -304,7 +305,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--l2-path", help="shared L2 directory (default: a fresh temp directory)")
     p.add_argument("--l1-gib", type=float, default=2.0,
                    help="L1 budget of kvtier and of the offloading peers (default: 2)")
-    p.add_argument("--block-tokens", type=int, default=256, help="kvtier block size")
+    p.add_argument("--block-tokens", type=int, default=ConnectorConfig().block_tokens,
+                   help="kvtier block size in tokens (default: %(default)s)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's own KV cache (L0)")
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")
     p.add_argument("--cpu-ids", default="1",

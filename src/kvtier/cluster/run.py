@@ -150,9 +150,12 @@ class Cluster:
             "replica_id": f"http://127.0.0.1:{self.spec.replica_base_port + index}",
             "events_endpoint": events_endpoint,
         }
-        if self.l2_locations:
-            key = "l2_url" if cache.l2_backend == "valkey" else "l2_path"
-            extra[key] = self.l2_locations[index]
+        if self.l2_locations and cache.l2_backend == "valkey":
+            extra["l2_url"] = self.l2_locations[index]
+        elif self.l2_locations:
+            extra["l2_path"] = self.l2_locations[index]
+            extra["l2_capacity_bytes"] = int(cache.l2_gib * 1024**3)
+            extra["l2_profile"] = "juicefs" if cache.l2_backend == "juicefs" else "local"
         return {"kv_connector": "KvtierConnector",
                 "kv_connector_module_path": "kvtier.vllm.connector",
                 "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

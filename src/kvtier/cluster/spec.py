@@ -23,7 +23,7 @@ reads it without a manual; `kvtier:` holds what HyperPod has no name for.
       engineKvCacheGiB: 1          # each engine's own cache (L0) ...
       engineKvCacheBlocks: null    # ... or exactly this many engine blocks (small-HBM setups)
       threadsPerReplica: 1
-      blockTokens: 256
+      blockTokens: 128             # tokens per kvtier block (a multiple of the engine's)
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
 
 `load_spec` validates every key and raises `ConfigError` naming its full path
@@ -83,7 +83,7 @@ class ClusterSpec:
     engine_kv_cache_blocks: int | None = None
     """Caps the engine's own cache (L0) at this many engine blocks, as on a small GPU."""
     threads_per_replica: int = 1
-    block_tokens: int = 256
+    block_tokens: int = 128
     work_dir: Path = Path(".kvtier/cluster")
 
     @property
@@ -183,7 +183,7 @@ def parse_spec(data: object) -> ClusterSpec:
         engine_kv_cache_gib=own.get("engineKvCacheGiB", int, 1),
         engine_kv_cache_blocks=own.get("engineKvCacheBlocks", int, None),
         threads_per_replica=own.get("threadsPerReplica", int, 1),
-        block_tokens=own.get("blockTokens", int, 256),
+        block_tokens=own.get("blockTokens", int, 128),
         work_dir=Path(own.get("workDir", str, ".kvtier/cluster")))
     own.done()
     top.done()

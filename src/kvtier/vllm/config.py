@@ -33,12 +33,22 @@ class ConnectorConfig:
     """L1 host-memory budget per TP rank in bytes; 0 disables L1 (KVTIER_L1_BYTES)."""
     l2_path: str | None = None
     """Shared L2 directory; unset disables L2 (KVTIER_L2_PATH)."""
+    l2_url: str | None = None
+    """Valkey/Redis L2 instead of a directory, e.g. redis://127.0.0.1:6379 (KVTIER_L2_URL)."""
+    l2_capacity_bytes: int = 0
+    """Cluster-wide capacity of a directory L2, enforced by the janitor; 0: unbounded
+    (KVTIER_L2_CAPACITY_BYTES)."""
+    l2_profile: str = "local"
+    """File-system profile of a directory L2: local, juicefs, curvine, nfs, efs
+    (KVTIER_L2_PROFILE)."""
     admission: str = "always"
     """Admission policy name of the store (KVTIER_ADMISSION)."""
     admission_min_tokens: int = 0
     """Prefix length a block needs for the "min-tokens" policy (KVTIER_ADMISSION_MIN_TOKENS)."""
-    block_tokens: int = 256
-    """Tokens per kvtier block; a multiple of the engine's block size (KVTIER_BLOCK_TOKENS)."""
+    block_tokens: int = 128
+    """Tokens per kvtier block; a multiple of the engine's block size (KVTIER_BLOCK_TOKENS).
+    128 matches vLLM's CPU block: a hit never leaves a partly covered engine block to recompute,
+    and 2.8 MiB objects (embedded model) are still large enough for FUSE and network I/O."""
     write_queue_blocks: int = 64
     """Bounded asynchronous L2 write queue, in blocks (KVTIER_WRITE_QUEUE_BLOCKS)."""
     io_threads: int = 2
@@ -102,7 +112,9 @@ class ConnectorConfig:
         return cls(**values)
 
     def store_config(self) -> StoreConfig:
-        return StoreConfig(l1_bytes=self.l1_bytes, l2_path=self.l2_path,
+        return StoreConfig(l1_bytes=self.l1_bytes, l2_path=self.l2_path, l2_url=self.l2_url,
+                           l2_capacity_bytes=self.l2_capacity_bytes or None,
+                           l2_profile=self.l2_profile,
                            admission=self.admission,
                            admission_min_tokens=self.admission_min_tokens,
                            write_queue_blocks=self.write_queue_blocks,
