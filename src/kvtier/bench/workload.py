@@ -20,6 +20,7 @@ import aiohttp
 from tqdm import tqdm
 
 from kvtier.bench.client import stream_request
+from kvtier.errors import KvtierError
 from kvtier.keys import block_hashes
 
 
@@ -112,7 +113,8 @@ class Runner:
             started = time.perf_counter() - t0
             try:
                 result = await stream_request(http, self.url, body)
-            except Exception as exc:  # recorded, the run goes on
+            except (TimeoutError, aiohttp.ClientError, KvtierError, ValueError) as exc:
+                # recorded, the run goes on
                 out.append(Record(session.name, index, started, 0.0, 0.0, len(ids), 0, reusable,
                                   error=str(exc)[:300]))
                 bar()

@@ -18,7 +18,7 @@ import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from tqdm import tqdm
 
@@ -94,7 +94,7 @@ class Cluster:
         return [r.url for r in self.replicas]
 
     # ----------------------------------------------------------------------------- start-up
-    def start(self) -> Cluster:
+    def start(self) -> Self:
         try:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             (self.work_dir / "logs").mkdir(exist_ok=True)
@@ -202,10 +202,9 @@ class Cluster:
         if self.spec.cache.connector_enabled:
             for endpoint in self.event_endpoints:
                 cmd += ["--events", endpoint]
-        log = open(self.work_dir / "logs" / "router.log", "ab")
-        self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                       start_new_session=True)
-        log.close()
+        with open(self.work_dir / "logs" / "router.log", "ab") as log:
+            self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
         wait_http_ok(self.url + "/health", 120, self.router)
 
     def _write_state(self) -> None:
@@ -229,7 +228,7 @@ class Cluster:
         self._stack.close()
         (self.work_dir / STATE_FILE).unlink(missing_ok=True)
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

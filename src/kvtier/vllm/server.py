@@ -16,9 +16,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 from kvtier.errors import KvtierError
 
@@ -72,11 +74,11 @@ class ServerProcess:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self.url = f"http://127.0.0.1:{spec.port}"
-        log = open(spec.log_path, "ab") if spec.log_path else subprocess.DEVNULL
-        self._proc = subprocess.Popen(spec.command(), env=spec.environment(), stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
-        if spec.log_path:
-            log.close()  # type: ignore[union-attr]
+        with ExitStack() as stack:
+            log = (stack.enter_context(open(spec.log_path, "ab")) if spec.log_path
+                   else subprocess.DEVNULL)
+            self._proc = subprocess.Popen(spec.command(), env=spec.environment(), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -125,7 +127,7 @@ class ServerProcess:
         except ProcessLookupError:
             pass
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
