@@ -27,8 +27,9 @@ class ChatShape:
     system_tokens: int = 500
     user_tokens: int = 80
     answer_tokens: int = 20
-    arrival_rate_per_s: float = 1.0
-    think_s: float = 0.5
+    arrival_rate_per_s: float = 0.5
+    think_s: float = 2.0
+    """A user reads the answer before the next round (keeps 2 one-core replicas unsaturated)."""
 
 
 def chat_sessions(corpus: Corpus, shape: ChatShape, seed: int = 0) -> list[Session]:
