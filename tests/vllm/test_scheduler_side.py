@@ -190,3 +190,13 @@ def test_l1_mirror_makes_a_worker_process_l1_visible(rt: runtime.Runtime) -> Non
         assert _answer(side, FakeRequest("r2", tokens), 0) == (256, True)
     finally:
         side.close()
+
+
+def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
+        rt: runtime.Runtime) -> None:
+    tokens = list(range(5 * BLOCK))
+    _store_blocks(rt, tokens, 3)
+    side = SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
+                         events=False, block_ids_of=lambda r: [], lookup_wait_s=5.0)
+    assert side.matched_tokens(FakeRequest("r1", tokens), 0) == (3 * BLOCK, True)  # type: ignore[arg-type]
+    side.close()

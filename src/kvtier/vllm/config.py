@@ -62,11 +62,16 @@ class ConnectorConfig:
     model_id: str | None = None
     """Model name in the namespace; default: the model directory's name (KVTIER_MODEL_ID).
     Replicas that should share blocks need the same value and the same weights."""
+    lookup_wait_ms: float = 2.0
+    """How long the scheduler waits for a lookup it just started before answering "still
+    looking" (None). Lookups in L1 and a local L2 finish well within it, so a hit is scheduled
+    in the same step instead of a step later (a whole forward pass under load); a slow mount
+    never delays the scheduler by more than this (KVTIER_LOOKUP_WAIT_MS)."""
     lookup_ttl_s: float = 1.0
     """How long a finished scheduler-side lookup answer is trusted (KVTIER_LOOKUP_TTL_S)."""
     load_threads: int = 1
     """Worker threads moving blocks from the store into vLLM's KV cache (KVTIER_LOAD_THREADS)."""
-    load_async: bool = True
+    load_async: bool = False
     """Load hits while the engine keeps stepping (the request waits in WAITING_FOR_REMOTE_KVS);
     False loads them inside the step that computes the rest of the prompt, before its forward
     pass: one step less for the hit, but that step's whole batch waits for the load
@@ -83,6 +88,8 @@ class ConnectorConfig:
             raise ConfigError(
                 f"events_endpoint: expected a ZMQ endpoint like tcp://127.0.0.1:5601, "
                 f"got {self.events_endpoint!r}")
+        if self.lookup_wait_ms < 0:
+            raise ConfigError(f"lookup_wait_ms: must be >= 0, got {self.lookup_wait_ms}")
         if self.lookup_ttl_s < 0:
             raise ConfigError(f"lookup_ttl_s: must be >= 0, got {self.lookup_ttl_s}")
         if self.load_threads <= 0:

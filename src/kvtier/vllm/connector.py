@@ -83,6 +83,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 self._runtimes, self.config.block_tokens, geometry.engine_block_tokens,
                 self.config.lookup_ttl_s, self.counters,
+                lookup_wait_s=self.config.lookup_wait_ms / 1000,
                 events=self.config.events_endpoint is not None,
                 block_ids_of=self._block_ids_of, load_async=self.config.load_async)
         else:

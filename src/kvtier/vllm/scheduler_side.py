@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -77,7 +77,8 @@ class _Tracked:
 class SchedulerSide:
     def __init__(self, runtimes: Sequence[Runtime], block_tokens: int, engine_block_tokens: int,
                  lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
-                 block_ids_of: Callable[[str], list[int]], load_async: bool = True) -> None:
+                 block_ids_of: Callable[[str], list[int]], load_async: bool = True,
+                 lookup_wait_s: float = 0.0) -> None:
         """`runtimes`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
         self._runtimes = list(runtimes)
@@ -89,6 +90,7 @@ class SchedulerSide:
         self._events = events
         self._block_ids_of = block_ids_of
         self._load_async = load_async
+        self._lookup_wait_s = lookup_wait_s
         self._tracked: dict[str, _Tracked] = {}
         # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
         # workers may live in other processes). Written on the scheduler thread, read by the
@@ -117,8 +119,11 @@ class SchedulerSide:
         now = time.monotonic()
         if (lookup is None or lookup.n_hashes < usable
                 or (lookup.done_at is not None and now - lookup.done_at > self._ttl)):
-            tracked.lookup = self._submit(tracked.hashes[:usable])
-            return None, False
+            lookup = tracked.lookup = self._submit(tracked.hashes[:usable])
+            if self._lookup_wait_s <= 0:
+                return None, False
+            # A short, bounded wait: in-memory and local lookups answer within it.
+            wait([lookup.future], timeout=self._lookup_wait_s)
         if not lookup.future.done():
             return None, False
         found = lookup.future.result()[:usable] if lookup.future.exception() is None else []
