@@ -101,40 +101,35 @@ def plot(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
     mine = [r for r in runs if r.scenario == scenario]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.boxplot([[x.ttft_ms for x in r.records if x.error is None] or [0] for r in mine],
-               tick_labels=[r.config for r in mine], showfliers=False)
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title(f"{scenario}: time to first token per configuration")
-    fig.tight_layout()
-    paths.append(out_dir / f"{scenario.lower()}_ttft.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
-    if any(len(ttft_by_round(r)) > 1 for r in mine):
+
+    def figure(name: str, title: str, ylabel: str, draw: Any) -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for r in mine:
-            by_round = ttft_by_round(r)
-            ax.plot([k + 1 for k in by_round], list(by_round.values()), marker="o", label=r.config)
-        ax.set_xlabel("round")
-        ax.set_ylabel("median TTFT (ms)")
-        ax.set_title(f"{scenario}: TTFT by round")
-        ax.legend()
+        draw(ax)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{scenario}: {title}")
         fig.tight_layout()
-        paths.append(out_dir / f"{scenario.lower()}_ttft_by_round.png")
+        paths.append(out_dir / f"{scenario.lower()}_{name}.png")
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
+
+    def by_round(ax: Any) -> None:
+        for r in mine:
+            medians = ttft_by_round(r)
+            ax.plot([k + 1 for k in medians], list(medians.values()), marker="o", label=r.config)
+        ax.set_xlabel("round")
+        ax.legend()
+
     rows = [summarize(r) for r in mine]
-    ax.bar([r["config"] for r in rows], [r["cached_token_share"] for r in rows])
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("prompt tokens served from cache")
-    ax.set_title(f"{scenario}: cache hit share")
-    fig.tight_layout()
-    paths.append(out_dir / f"{scenario.lower()}_hit_share.png")
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    figure("ttft", "time to first token per configuration", "TTFT (ms)", lambda ax: ax.boxplot(
+        [[x.ttft_ms for x in r.records if x.error is None] or [0] for r in mine],
+        tick_labels=[r.config for r in mine], showfliers=False))
+    if any(len(ttft_by_round(r)) > 1 for r in mine):
+        figure("ttft_by_round", "TTFT by round", "median TTFT (ms)", by_round)
+    figure("hit_share", "cache hit share", "prompt tokens served from cache", lambda ax: (
+        ax.bar([r["config"] for r in rows], [r["cached_token_share"] for r in rows]),
+        ax.set_ylim(0, 1)))
     return paths
 
 
