@@ -198,27 +198,47 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _kvtier(bench: Bench) -> None:
+def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,
+            l2_b: Path | None = None) -> None:
+    """Replica A measures cold/L0/L1 with L2 at `l2_a`; replica B, started after A stopped,
+    measures L2 hits reading `l2_b` (the same directory, or another mount of one volume)."""
     from kvtier.vllm.config import ConnectorConfig, kv_transfer_config
 
-    config = ConnectorConfig(l1_bytes=int(bench.args.l1_gib * GIB), l2_path=str(bench.l2_dir),
-                             block_tokens=bench.args.block_tokens)
-    transfer = kv_transfer_config(config)
+    l2_a = l2_a or bench.l2_dir
+    l2_b = l2_b or l2_a
+
+    def transfer_for(l2: Path) -> dict[str, Any]:
+        return kv_transfer_config(ConnectorConfig(
+            l1_bytes=int(bench.args.l1_gib * GIB), l2_path=str(l2),
+            block_tokens=bench.args.block_tokens))
+
     name = bench.name
-    a = bench.start("kvtier-a", transfer)
+    a = bench.start(f"{system}-a", transfer_for(l2_a))
 
     def l1(tokens: list[int]) -> float:
         reset_l0(a.url)
         return ttft_ms(a.url, name, tokens)
 
-    bench.measure("kvtier", {"cold": lambda t: ttft_ms(a.url, name, t),
-                             "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
+    bench.measure(system, {"cold": lambda t: ttft_ms(a.url, name, t),
+                           "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
     for length in bench.args.lengths:
         for tokens in bench.prompts(length):
-            wait_for_l2(bench.l2_dir, tokens, config.block_tokens)
+            wait_for_l2(l2_b, tokens, bench.args.block_tokens)
     bench.close()  # one server at a time: an idle engine still polls and steals the core
-    b = bench.start("kvtier-b", transfer)
-    bench.measure("kvtier", {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
+    b = bench.start(f"{system}-b", transfer_for(l2_b))
+    bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
+
+
+def _kvtier_juicefs(bench: Bench) -> None:
+    """The kvtier rows again with L2 on a JuiceFS volume, A and B on two mounts (two nodes)."""
+    from kvtier.l2.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
+
+    with JuiceFSVolume(JuiceFSVolumeSpec(root=str(bench.work / "juicefs"))) as volume:
+        first, second = volume.mount(), volume.mount()
+        try:
+            _kvtier(bench, "kvtier-juicefs", Path(first.path), Path(second.path))
+        finally:
+            bench.close()  # engines must let go of the mounts before they unmount
 
 
 def _vllm_prefix(bench: Bench) -> None:
@@ -275,6 +295,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         _kvtier(bench)
         bench.close()  # free the cores before the next system
+        if args.juicefs:
+            _kvtier_juicefs(bench)
         _vllm_prefix(bench)
         bench.close()
         if not args.skip_peers:
@@ -311,6 +333,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")
     p.add_argument("--cpu-ids", default="1",
                    help="cores every server is pinned to (default: %(default)s)")
+    p.add_argument("--juicefs", action="store_true",
+                   help="also measure kvtier with L2 on a JuiceFS volume (system "
+                        "'kvtier-juicefs'): replica A writes through one FUSE mount, replica B "
+                        "reads through a second mount of the same volume")
     p.add_argument("--skip-peers", action="store_true",
                    help="measure only kvtier and plain vLLM")
     p.set_defaults(func=_run)
