@@ -132,7 +132,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     trace = subparsers.add_parser(
         "trace", aliases=["s4"], help="S4 Mooncake trace replay across fleet configurations",
         description="S4: replays the first requests of a Mooncake-format trace with its prefix "
-                    "structure (trace blocks scaled to 64 real tokens, time 20x faster).")
+                    "structure (each 512-token trace block becomes 128 real tokens, at most 8 "
+                    "per prompt, half speed).")
     _common(trace)
     trace.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
     trace.add_argument("--requests", type=int, default=120)

@@ -75,12 +75,14 @@ def rag_sessions(corpus: Corpus, shape: RagShape, seed: int = 0) -> list[Session
 @dataclass(frozen=True, slots=True)
 class TraceShape:
     requests: int = 120
-    tokens_per_block: int = 64
-    """Real tokens standing in for one 512-token trace block."""
-    max_blocks: int = 24
-    """Longer prompts are cut to this many trace blocks (CPU budget)."""
-    time_scale: float = 0.05
-    """Trace time is multiplied by this (0.05: 20x faster than real time)."""
+    tokens_per_block: int = 128
+    """Real tokens standing in for one 512-token trace block: one engine block (vLLM CPU), so
+    requests sharing k trace blocks share k full engine blocks."""
+    max_blocks: int = 8
+    """Longer prompts are cut to this many trace blocks (CPU budget: 1,024 tokens)."""
+    time_scale: float = 2.0
+    """Trace time is multiplied by this (2.0: half speed; the first 120 requests span 42 s of
+    trace time, which 2 one-core replicas cannot prefill in real time)."""
     answer_tokens: int = 8
 
 
