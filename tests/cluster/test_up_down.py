@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.cluster.run import free_port
 from kvtier.model import resolve_model
+from kvtier.ports import free_port
 
 pytestmark = pytest.mark.engine
 

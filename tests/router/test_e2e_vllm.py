@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import re
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import pytest
 
 from kvtier.keys import block_hashes
 from kvtier.model import resolve_model
+from kvtier.ports import free_port
 from kvtier.router.config import ReplicaConfig, RouterConfig
 from kvtier.router.tokenize import Tokenizer
 from kvtier.vllm.server import ServerProcess, ServerSpec
@@ -32,10 +32,6 @@ BLOCK = 128
 MAX_LEN = 4096
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -69,7 +65,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
             events = f"ipc://{tmp}/kv-events-{i}"
             config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                       "topic": "kv"}
-            spec = ServerSpec(model=model, port=_free_port(), threads=1, cpu_ids=str(i),
+            spec = ServerSpec(model=model, port=free_port(), threads=1, cpu_ids=str(i),
                               max_model_len=MAX_LEN,
                               extra_args=["--kv-events-config", json.dumps(config)],
                               log_path=Path(tmp, f"vllm-{i}.log"))

@@ -7,7 +7,6 @@ Every engine here is a real `vllm serve` process on the embedded model, started 
 from __future__ import annotations
 
 import re
-import socket
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 
 from kvtier.model import resolve_model
+from kvtier.ports import free_port
 from kvtier.vllm import config
 from kvtier.vllm.server import ServerProcess, ServerSpec, start_server
 
@@ -24,10 +24,6 @@ TINY_CACHE_BLOCKS = 40
 """Engine blocks (128 tokens) of the tiny-L0 engines: 5,120 tokens, so a few prompts evict."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @lru_cache(maxsize=1)

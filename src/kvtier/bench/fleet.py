@@ -62,7 +62,8 @@ def run_scenario(args: argparse.Namespace) -> list[Run]:
     from transformers import AutoTokenizer
 
     from kvtier.bench.workload import Runner
-    from kvtier.cluster.run import Cluster, free_port, free_port_range
+    from kvtier.cluster.run import Cluster
+    from kvtier.ports import free_port, free_port_range
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     base = ClusterSpec(model=args.model, replicas=args.replicas,

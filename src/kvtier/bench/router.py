@@ -30,7 +30,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.ports import free_port
+
 __all__ = ["register"]
 
 ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "sglang-router",
@@ -47,10 +48,6 @@ ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "s
 BLOCK = 128
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ----- the routers under test -----
@@ -90,7 +87,7 @@ class RouterProcess:
 
     def __init__(self, name: str, replicas: Sequence[Replica], log_dir: Path) -> None:
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"router-{name}-{self.port}.log"
         cmd = router_command(name, replicas, self.port)
@@ -169,7 +166,7 @@ def _fake_replica_main(port: int) -> None:
 
 
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     with open(log_dir / f"fake-{port}.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.router", "--fake-replica",
                                  str(port)], stdout=log, stderr=subprocess.STDOUT,
@@ -314,7 +311,7 @@ def start_replicas(model: str, work_dir: Path) -> list[Any]:
         events = f"ipc://{work_dir}/kv-events-{i}"
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                   "topic": "kv"}
-        spec = ServerSpec(model=model, port=_free_port(), threads=1, cpu_ids=str(i),
+        spec = ServerSpec(model=model, port=free_port(), threads=1, cpu_ids=str(i),
                           max_model_len=4096, extra_args=["--kv-events-config",
                                                           json.dumps(config)],
                           log_path=work_dir / f"vllm-{i}.log")

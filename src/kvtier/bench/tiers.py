@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KvtierError
+from kvtier.ports import free_port
 from kvtier.vllm.config import ConnectorConfig
 
 GIB = 1024**3
@@ -145,7 +146,7 @@ class Bench:
               extra: Sequence[str] = ()) -> Any:
         from kvtier.vllm.server import ServerSpec, start_server
 
-        spec = ServerSpec(model=self.model, port=_free_port(), kv_transfer_config=transfer,
+        spec = ServerSpec(model=self.model, port=free_port(), kv_transfer_config=transfer,
                           kv_cache_gib=self.args.kv_cache_gib,
                           max_model_len=max(self.args.lengths) + 64,
                           threads=self.args.threads, cpu_ids=self.args.cpu_ids,
@@ -190,12 +191,6 @@ class Bench:
         self.servers = []
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,34 +24,12 @@ from tqdm import tqdm
 from kvtier.cluster.spec import ClusterSpec
 from kvtier.errors import KvtierError
 from kvtier.model import resolve_model
+from kvtier.ports import free_port
 from kvtier.vllm.server import ServerProcess, ServerSpec
 
 STATE_FILE = "cluster.json"
 ENGINE_BLOCK_TOKENS = 128
 """vLLM's KV block size on CPU; the router hashes prompts at this granularity."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def free_port_range(count: int, attempts: int = 50) -> int:
-    """First of `count` consecutive loopback ports that are free now."""
-    for _ in range(attempts):
-        base = free_port()
-        if base + count > 65535:
-            continue
-        try:
-            with ExitStack() as held:
-                for port in range(base, base + count):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    raise KvtierError(f"no {count} consecutive free ports found")
 
 
 def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:

@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Self
 
 from kvtier.errors import ConfigError, TierError
-from kvtier.l2.valkey_server import free_port
+from kvtier.ports import free_port
 
 
 def find_juicefs_binary() -> str:

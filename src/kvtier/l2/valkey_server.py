@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ from typing import Self
 import valkey
 
 from kvtier.errors import ConfigError, TierError
+from kvtier.ports import free_port
 
 _POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "volatile-lru", "allkeys-random",
                        "noeviction"})
@@ -51,11 +51,6 @@ def find_valkey_binary() -> str:
                     "or apt-get install redis-server")
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True, slots=True)
