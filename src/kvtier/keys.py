@@ -16,6 +16,7 @@ mix. `manifest()` is written beside the data so a person can tell what a directo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import sys
@@ -87,6 +88,7 @@ def _u32le(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+@functools.lru_cache(maxsize=1024)
 def root_hash(extra: bytes = b"") -> BlockHash:
     """Parent of a request's first block; `extra` keeps salted or LoRA chains disjoint."""
     return BlockHash(hashlib.blake2b(_ROOT + extra, digest_size=HASH_BYTES).digest())
@@ -118,8 +120,13 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, extra: bytes = b""
     if block_tokens <= 0:
         raise ConfigError(f"block_tokens: must be positive, got {block_tokens}")
     h = root_hash(extra) if parent is None else parent
+    full = len(token_ids) // block_tokens * block_tokens
+    packed = _u32le(token_ids[:full])  # once: the router hashes on its request path
+    step = 4 * block_tokens
     out: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        h = chain_hash(h, token_ids[start:start + block_tokens])
+    for start in range(0, len(packed), step):
+        digest = hashlib.blake2b(h, digest_size=HASH_BYTES)
+        digest.update(packed[start:start + step])
+        h = BlockHash(digest.digest())
         out.append(h)
     return out

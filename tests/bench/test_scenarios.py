@@ -37,6 +37,17 @@ def test_chat_sessions_share_the_system_prompt_and_differ_per_user(corpus: Corpu
     assert sessions == chat_sessions(corpus, ChatShape(users=3, rounds=2))
 
 
+def test_each_user_opens_with_a_document_of_their_own(corpus: Corpus) -> None:
+    sessions = chat_sessions(corpus, ChatShape(users=2, rounds=2, document_tokens=400))
+    first, later = (len(corpus.encode(s.turns[r].content or "")) for r in (0, 1)
+                    for s in sessions[:1])
+    assert first - later >= 350
+    docs = {(s.turns[0].content or "").split("\n\n")[0] for s in sessions}
+    assert len(docs) == 2
+    plain = chat_sessions(corpus, ChatShape(users=2, rounds=2, document_tokens=0))
+    assert not (plain[0].turns[0].content or "").startswith("My document")
+
+
 def test_rag_questions_reuse_a_few_documents(corpus: Corpus) -> None:
     sessions = rag_sessions(corpus, RagShape(documents=2, document_tokens=300, questions=6))
     docs = {s.turns[0].content.split("\n\nQuestion:")[0] for s in sessions}

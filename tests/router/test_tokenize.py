@@ -40,6 +40,27 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
     assert len(calls) == 1 and first_calls > 1  # only the tail was encoded
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(chat: bool) -> None:
+    tok = tokenizer()
+    text = Corpus(tok._tok).document(1200, 7) + "\nQuestion: which item comes next?"
+    body = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    exact = tok.chat_tokens(body) if chat else tok.completion_tokens(body)
+    prompt = tok.prompt(body, chat)
+    assert 0 < len(prompt.tail) <= 2 * 256 and exact[:len(prompt.ids)] == prompt.ids
+    assert tok.count(prompt) == len(exact) <= prompt.max_tokens
+    assert abs(prompt.estimated_tokens - len(exact)) <= 20
+    full, routed = tok.hash(exact), tok.hash(prompt.ids)
+    assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // tok.block_tokens
+
+
+def test_text_with_nowhere_to_cut_is_encoded_whole_for_routing() -> None:
+    tok = tokenizer()
+    body = {"prompt": "word " + "x" * 3000}
+    prompt = tok.prompt(body, chat=False)
+    assert prompt.tail == "" and prompt.ids == tok.completion_tokens(body)
+
+
 def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
     def marked(text: str) -> list[int]:  # SentencePiece-like: a marker at every start
         return [1] + [ord(c) for c in text]

@@ -36,7 +36,7 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     print("kvtier demo 1/2: S2 multi-round chat on a 2-replica fleet", flush=True)
-    code = main(["bench", "chat", "--users", "4", "--rounds", "4", "--engine-blocks", "16",
+    code = main(["bench", "chat", "--users", "3", "--rounds", "3",
                  "--configs", "roundrobin-l0,kvtier-l1l2-kvaware", "--report-dir", str(out),
                  "--json", str(out / "s2.json")])
     if code:

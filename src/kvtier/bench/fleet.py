@@ -52,7 +52,9 @@ def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
     corpus = Corpus(tokenizer)
     if args.scenario_name == "S2":
-        return chat_sessions(corpus, ChatShape(users=args.users, rounds=args.rounds))
+        return chat_sessions(corpus, ChatShape(
+            users=args.users, rounds=args.rounds, document_tokens=args.document_tokens,
+            user_tokens=args.user_tokens, think_s=args.think))
     if args.scenario_name == "S5":
         return rag_sessions(corpus, RagShape(questions=args.questions))
     return trace_sessions(corpus, Path(args.trace), TraceShape(requests=args.requests))
@@ -124,11 +126,20 @@ def _common(p: argparse.ArgumentParser) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chat = subparsers.add_parser(
         "chat", aliases=["s2"], help="S2 multi-round chat across fleet configurations",
-        description="S2: users share a system prompt and chat for several rounds (growing "
-                    "history, short answers, Poisson arrivals). " + __doc__.split("\n\n")[1])
+        description="S2: users share a system prompt, each opens with a document of their "
+                    "own, then chats for several rounds (growing history, short answers, "
+                    "Poisson arrivals). " + __doc__.split("\n\n")[1])
     _common(chat)
-    chat.add_argument("--users", type=int, default=8)
-    chat.add_argument("--rounds", type=int, default=8)
+    shape = ChatShape()
+    chat.add_argument("--users", type=int, default=shape.users)
+    chat.add_argument("--rounds", type=int, default=shape.rounds)
+    chat.add_argument("--document-tokens", type=int, default=shape.document_tokens,
+                      help="tokens of each user's own document, sent in round 1 (default "
+                           "%(default)s; 0: none)")
+    chat.add_argument("--user-tokens", type=int, default=shape.user_tokens,
+                      help="tokens of each round's user message (default %(default)s)")
+    chat.add_argument("--think", type=float, default=shape.think_s,
+                      help="seconds a user waits after an answer (default %(default)s)")
     chat.set_defaults(func=_cmd, scenario_name="S2", help_title="multi-round chat")
     trace = subparsers.add_parser(
         "trace", aliases=["s4"], help="S4 Mooncake trace replay across fleet configurations",

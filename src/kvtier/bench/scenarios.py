@@ -1,6 +1,9 @@
 """The workloads of DESIGN.md §8, sized for a 2-core machine and the embedded model.
 
-- S2 chat: users share a system prompt; each round adds a user message and a short answer.
+- S2 chat: users share a system prompt; each user opens with a document of their own (a file
+  pasted into the chat), then each round adds a user message and a short answer. The document
+  is what makes history worth caching: without it the growing history stays small next to the
+  always-hot system prompt, and every configuration looks alike.
 - S4 trace: the Mooncake conversation trace, each 512-token trace block scaled down to
   `tokens_per_block` real tokens; a trace block id always maps to the same tokens, so the
   trace's prefix sharing is kept exactly.
@@ -22,14 +25,17 @@ from kvtier.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class ChatShape:
-    users: int = 8
-    rounds: int = 8
+    users: int = 4
+    rounds: int = 6
     system_tokens: int = 500
+    document_tokens: int = 1500
+    """Each user's own document, sent in the first round (0: none)."""
     user_tokens: int = 80
     answer_tokens: int = 20
     arrival_rate_per_s: float = 0.5
-    think_s: float = 2.0
-    """A user reads the answer before the next round (keeps 2 one-core replicas unsaturated)."""
+    think_s: float = 10.0
+    """A user reads the answer before the next round: keeps two one-core replicas from
+    saturating, so TTFT measures the cache rather than a queue."""
 
 
 def chat_sessions(corpus: Corpus, shape: ChatShape, seed: int = 0) -> list[Session]:
@@ -38,8 +44,11 @@ def chat_sessions(corpus: Corpus, shape: ChatShape, seed: int = 0) -> list[Sessi
         shape.system_tokens, seed=10_000 + seed)
     sessions, start = [], 0.0
     for user in range(shape.users):
+        opening = (f"My document:\n{corpus.document(shape.document_tokens, seed=40_000 + user)}"
+                   "\n\n" if shape.document_tokens else "")
         turns = tuple(
-            Turn(content=corpus.document(shape.user_tokens, seed=seed * 1_000_003 + user * 101 + r)
+            Turn(content=(opening if r == 0 else "")
+                 + corpus.document(shape.user_tokens, seed=seed * 1_000_003 + user * 101 + r)
                  + "\nSummarize the above in one sentence.", max_tokens=shape.answer_tokens)
             for r in range(shape.rounds))
         sessions.append(Session(start_s=start, turns=turns, system=system, think_s=shape.think_s,

@@ -37,7 +37,7 @@ from kvtier.router.health import HealthChecker
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
-from kvtier.router.tokenize import PromptError, Tokenizer
+from kvtier.router.tokenize import Prompt, PromptError, Tokenizer
 from kvtier.router.upstream import Forward, Upstream, UpstreamFailed
 
 __all__ = ["Router", "error_response", "serve"]
@@ -224,14 +224,13 @@ class Router:
         arrived = time.perf_counter()
         raw = await request.read()
         body = self._parse(raw)
-        tokens = self._tokens(body, chat)
-        salt = body.get("cache_salt")
+        prompt = self._prompt(body, chat)
         assert self.tokenizer is not None  # set in _start
-        tokenized = self.tokenizer.hash(tokens, salt)
-        self._check_length(body, tokenized.prompt_tokens, chat)
+        hashes = self.tokenizer.hash(prompt.ids, body.get("cache_salt"))
+        self._check_length(body, prompt, chat)
         session = request.headers.get(self.config.session_header) or body.get("user")
-        route = RouteRequest(tokenized.hashes, self.config.block_tokens,
-                             tokenized.prompt_tokens, session)
+        route = RouteRequest(hashes, self.config.block_tokens,
+                             prompt.estimated_tokens, session)
         headers = {"Content-Type": "application/json",
                    "Accept-Encoding": request.headers.get("Accept-Encoding", "identity")}
         if not self.config.api_key and "Authorization" in request.headers:
@@ -257,23 +256,26 @@ class Router:
                                   f"{', '.join(sorted(served))}", "model", "model_not_found")
         return body
 
-    def _tokens(self, body: Mapping[str, Any], chat: bool) -> list[int]:
+    def _prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
         assert self.tokenizer is not None
         field = "messages" if chat else "prompt"
         if field not in body:
             raise BadRequest(400, f"'{field}' is required", field)
         try:
-            return self.tokenizer.chat_tokens(body) if chat else \
-                self.tokenizer.completion_tokens(body)
+            return self.tokenizer.prompt(body, chat)
         except PromptError as exc:
             raise BadRequest(400, str(exc), exc.param) from exc
 
-    def _check_length(self, body: Mapping[str, Any], prompt_tokens: int, chat: bool) -> None:
+    def _check_length(self, body: Mapping[str, Any], prompt: Prompt, chat: bool) -> None:
         limit = self.config.max_model_len or self.fleet.max_model_len()
         if limit is None:
             return
         wanted = body.get("max_completion_tokens") if chat else None
         wanted = wanted or body.get("max_tokens") or 0
+        if prompt.max_tokens < limit and prompt.max_tokens + wanted <= limit:
+            return  # fits even at one byte per token: no need to encode the tail
+        assert self.tokenizer is not None
+        prompt_tokens = self.tokenizer.count(prompt)
         if prompt_tokens >= limit or prompt_tokens + wanted > limit:
             raise BadRequest(400, f"This model's maximum context length is {limit} tokens. "
                                   f"However, you requested {prompt_tokens + wanted} tokens "

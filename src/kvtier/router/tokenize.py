@@ -16,6 +16,13 @@ ids are cached (LRU): a long shared prefix (a system prompt, a document, a conve
 is encoded once and only the new tail costs anything. For byte-level BPE tokenizers (GPT-2,
 Llama 3, SmolLM) chunked encoding equals whole encoding; `ChunkedEncoder` checks that on sample
 texts at load time and encodes whole prompts when a tokenizer does not pass.
+
+Routing does not even encode that tail (`Tokenizer.prompt`): a tail of at most ~2 chunks holds
+a few dozen tokens, which can only complete the prompt's last full block, so the router hashes
+the blocks the cached chunks cover (exact, never a wrong name; usually one block fewer or none)
+and bounds the tail's token count by its UTF-8 length (a byte-level token is at least one byte).
+The tail is encoded only when that bound could break the context-length check, or when it is
+long (text without whitespace to cut at). This halves the router's CPU per request.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from typing import Any
 
 from kvtier.keys import BlockHash, block_hashes, extra_key
 
-__all__ = ["ChunkedEncoder", "PromptError", "Tokenized", "Tokenizer"]
+__all__ = ["ChunkedEncoder", "Prompt", "PromptError", "Tokenizer"]
 
 # A non-space followed by whitespace: byte-level BPE pre-tokens never span it.
 _BOUNDARY = re.compile(r"(?<=\S)(?=\s)")
@@ -49,9 +56,21 @@ class PromptError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Tokenized:
-    prompt_tokens: int
-    hashes: tuple[BlockHash, ...]
+class Prompt:
+    """A prompt encoded as far as routing needs: exact `ids`, then `tail` still as text."""
+
+    ids: list[int]
+    tail: str = ""
+
+    @property
+    def max_tokens(self) -> int:
+        """An upper bound of the prompt's length (byte-level tokens hold at least one byte)."""
+        return len(self.ids) + len(self.tail.encode())
+
+    @property
+    def estimated_tokens(self) -> int:
+        """The length to weigh the prompt by (about four bytes per token in the tail)."""
+        return len(self.ids) + (len(self.tail.encode()) + 3) // 4
 
 
 def _text_content(content: object, where: str) -> str:
@@ -100,28 +119,44 @@ class ChunkedEncoder:
     prefix cut it identically.
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 128,
+    def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 256,
                  max_chunks: int = 4096) -> None:
         self._encode = encode
         self.min_chars = min_chars
         self.max_chunks = max_chunks
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self.exact = all(self._chunked(t, 1) == encode(t) for t in _SELF_CHECK)
+        self.exact = all(self._joined(t, 1) == encode(t) for t in _SELF_CHECK)
         self._cache.clear()
 
     def __call__(self, text: str) -> list[int]:
         if not self.exact or len(text) < 2 * self.min_chars:
             return self._encode(text)
-        return self._chunked(text, self.min_chars)
+        return self._joined(text, self.min_chars)
 
-    def _chunked(self, text: str, min_chars: int) -> list[int]:
+    def _joined(self, text: str, min_chars: int) -> list[int]:
+        ids, tail = self._chunked(text, min_chars)
+        return ids + self.encode_tail(tail)
+
+    def encode_tail(self, tail: str) -> list[int]:
+        """Ids of a tail `split` left unencoded."""
+        return self._encode(tail) if tail else []
+
+    def split(self, text: str) -> tuple[list[int], str]:
+        """Ids of `text` up to its last chunk cut, and the rest (the tail) unencoded."""
+        if not self.exact or len(text) < 2 * self.min_chars:
+            return self._encode(text), ""
+        ids, tail = self._chunked(text, self.min_chars)
+        if len(tail) > 2 * self.min_chars:  # few places to cut: routing needs its blocks
+            return ids + self._encode(tail), ""
+        return ids, tail
+
+    def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
         ids: list[int] = []
         start = 0
         while (cut := _BOUNDARY.search(text, start + min_chars)) is not None:
             ids += self._chunk(text[start:cut.start()])
             start = cut.start()
-        ids += self._encode(text[start:])  # the tail is usually new: not worth caching
-        return ids
+        return ids, text[start:]  # the tail is usually new: not worth caching
 
     def _chunk(self, chunk: str) -> list[int]:
         hit = self._cache.get(chunk)
@@ -168,29 +203,57 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` as the engine computes them."""
+        prompt = self._split(text, add_special_tokens)
+        return prompt.ids + self._encode.encode_tail(prompt.tail)
+
+    def _split(self, text: str, add_special_tokens: bool) -> Prompt:
         if not add_special_tokens:
-            return self._encode(text)
+            return Prompt(*self._encode.split(text))
         if self._specials_lead:
-            return self._specials + self._encode(text)
-        return list(self._tok.encode(text, add_special_tokens=True))
+            ids, tail = self._encode.split(text)
+            return Prompt(self._specials + ids, tail)
+        return Prompt(list(self._tok.encode(text, add_special_tokens=True)))
+
+    def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
+        """A request's prompt encoded as far as routing needs (see the module docstring)."""
+        if chat:
+            return self._split(self.chat_text(body), bool(body.get("add_special_tokens", False)))
+        prompt = self.completion_prompt(body)
+        if isinstance(prompt, list):
+            return Prompt(prompt)
+        return self._split(prompt, bool(body.get("add_special_tokens", True)))
+
+    def count(self, prompt: Prompt) -> int:
+        """The prompt's exact length in tokens (encodes the tail)."""
+        return len(prompt.ids) + len(self._encode.encode_tail(prompt.tail))
 
     def completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of a completions request's (first) prompt."""
+        prompt = self.completion_prompt(body)
+        if isinstance(prompt, list):
+            return prompt
+        return self.encode(prompt, bool(body.get("add_special_tokens", True)))
+
+    def completion_prompt(self, body: Mapping[str, Any]) -> str | list[int]:
+        """A completions request's (first) prompt, as text or token ids."""
         prompt = body.get("prompt")
-        add_special = body.get("add_special_tokens", True)
         if isinstance(prompt, str):
-            return self.encode(prompt, bool(add_special))
+            return prompt
         if _is_tokens(prompt):
             return list(prompt)  # type: ignore[arg-type]
         if isinstance(prompt, list) and prompt and (
                 all(isinstance(p, str) for p in prompt) or all(_is_tokens(p) for p in prompt)):
             # a batch: routed and size-checked by its first prompt (replicas check the rest)
-            return self.completion_tokens({**body, "prompt": prompt[0]})
+            return self.completion_prompt({**body, "prompt": prompt[0]})
         raise PromptError("'prompt' must be a string, a list of strings, a list of token ids or "
                           "a list of token-id lists", "prompt")
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of a chat request rendered with the model's chat template."""
+        return self.encode(self.chat_text(body), bool(body.get("add_special_tokens", False)))
+
+    def chat_text(self, body: Mapping[str, Any]) -> str:
+        """A chat request rendered with the model's chat template."""
         messages = _messages(body.get("messages"))
         tools = body.get("tools")
         if tools is not None and not (isinstance(tools, list)
@@ -209,9 +272,9 @@ class Tokenizer:
             raise PromptError(f"chat template failed: {exc}", "messages") from exc
         if not isinstance(text, str):
             raise PromptError("chat template did not render text", "messages")
-        add_special = bool(body.get("add_special_tokens", False))
-        return self.encode(text, add_special)
+        return text
 
-    def hash(self, token_ids: Sequence[int], cache_salt: str | None = None) -> Tokenized:
-        hashes = block_hashes(token_ids, self.block_tokens, extra_key(cache_salt=cache_salt))
-        return Tokenized(len(token_ids), tuple(hashes))
+    def hash(self, token_ids: Sequence[int], cache_salt: str | None = None) -> tuple[BlockHash, ...]:
+        """Names of the full blocks of `token_ids`, as the replicas' connector names them."""
+        return tuple(block_hashes(token_ids, self.block_tokens,
+                                  extra_key(cache_salt=cache_salt)))
