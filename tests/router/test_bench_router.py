@@ -21,6 +21,16 @@ def test_workload_interleaves_rounds_and_counts_the_ideal_hits() -> None:
     assert workload.ideal_hit_tokens == 4 * 2 * 256
 
 
+def test_unique_contexts_leave_only_the_prefix_shared() -> None:
+    tok = tokenizer()._tok
+    workload = build_workload(tok, Corpus(tok), "t", prefixes=2, suffixes=2, prefix_tokens=256,
+                              suffix_tokens=300)
+    first, repeat = workload.prompts[0], workload.prompts[2]
+    assert first.split(".\n", 1)[0] == repeat.split(".\n", 1)[0]  # the same document
+    assert len(tok.encode(repeat)) > 256 + 300 - 20
+    assert workload.ideal_hit_tokens == 2 * 256  # the contexts differ: only the prefix can hit
+
+
 def test_every_router_has_a_command_on_the_given_port() -> None:
     replicas = [Replica("http://127.0.0.1:1", "ipc:///a"), Replica("http://127.0.0.1:2")]
     for name in ROUTERS:

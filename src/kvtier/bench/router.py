@@ -2,8 +2,9 @@
 
     kvtier bench router --json bench_router.json
 
-Workload: `prefixes` distinct `prefix_tokens`-token documents x `suffixes` short questions,
-interleaved in rounds (every prefix once per round, each round in a fresh seeded order), streamed with `concurrency` requests in
+Workload: `prefixes` distinct `prefix_tokens`-token documents x `suffixes` short questions
+(optionally each after `suffix_tokens` of unique context), interleaved in rounds (every prefix
+once per round, each round in a fresh seeded order), streamed with `concurrency` requests in
 flight, against 2 vLLM replicas (1 thread each, cores 0 and 1). Each router gets fresh prefixes,
 so none profits from another's warm cache. Per router (one row):
 
@@ -195,7 +196,9 @@ class Workload:
 
 
 def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixes: int,
-                   prefix_tokens: int) -> Workload:
+                   prefix_tokens: int, suffix_tokens: int = 0) -> Workload:
+    """`suffix_tokens` > 0 puts a context of its own before each question (retrieved passages,
+    an agent's tool output), so the shared prefix is only part of the prompt."""
     docs = []
     for p in range(prefixes):
         head = f"Document {tag}-{p}.\n"
@@ -215,7 +218,10 @@ def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixe
         order = rng.sample(order[:half], half) + rng.sample(order[half:], prefixes - half)
         for p in order:
             doc = docs[p]
-            prompt = f"{doc}\nQuestion {s}: what does document {p} say about item {s * 7 + p}?"
+            context = (corpus.document(suffix_tokens, seed=zlib.crc32(f"{tag}-{p}-{s}".encode()))
+                       + "\n" if suffix_tokens else "")
+            prompt = (f"{doc}\n{context}Question {s}: what does document {p} say about item "
+                      f"{s * 7 + p}?")
             prompts.append(prompt)
             if s > 0:
                 first = tokenizer.encode(f"{doc}\nQuestion 0: what does document {p} say "
@@ -372,7 +378,7 @@ def _cmd(args: argparse.Namespace) -> int:
         fakes = [Replica(url) for _, url in fake_procs]
         for i, name in enumerate(args.routers):
             workload = build_workload(tokenizer, corpus, f"r{i}", args.prefixes, args.suffixes,
-                                      args.prefix_tokens)
+                                      args.prefix_tokens, args.suffix_tokens)
             rows.append(asyncio.run(bench_one(name, replicas, fakes, model, workload, args,
                                               work_dir)))
     finally:
@@ -401,6 +407,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="questions per prefix (default 6)")
     p.add_argument("--prefix-tokens", type=int, default=1024,
                    help="tokens per prefix (default 1024)")
+    p.add_argument("--suffix-tokens", type=int, default=0,
+                   help="tokens of unique context before each question (default 0: short "
+                        "questions only); e.g. 1300 after 512-token prefixes makes the shared "
+                        "part ~28%% of each prompt, as in RAG or agent traffic")
     p.add_argument("--concurrency", type=int, default=4,
                    help="requests in flight (default 4)")
     p.add_argument("--overhead-pairs", type=int, default=400,
