@@ -131,8 +131,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                     "Poisson arrivals). " + __doc__.split("\n\n")[1])
     _common(chat)
     shape = ChatShape()
-    chat.add_argument("--users", type=int, default=shape.users)
-    chat.add_argument("--rounds", type=int, default=shape.rounds)
+    chat.add_argument("--users", type=int, default=shape.users,
+                      help="concurrent chat users (default %(default)s)")
+    chat.add_argument("--rounds", type=int, default=shape.rounds,
+                      help="rounds per user (default %(default)s)")
     chat.add_argument("--document-tokens", type=int, default=shape.document_tokens,
                       help="tokens of each user's own document, sent in round 1 (default "
                            "%(default)s; 0: none)")
