@@ -1,11 +1,15 @@
 """The kvtier connector inside real vLLM servers: hits from L1 and from a shared L2 give exactly
 the greedy tokens of a server without the connector, and faults only cost a recompute.
 
-"Exactly" means: the same tokens vLLM itself produces when the same number of leading tokens
-come from its own prefix cache. (Greedy decoding is sensitive to how a prompt's prefill was
-split: vLLM alone, with 1,024 of a 1,200-token prompt cached, can pick a different token than
-with nothing cached. So each expectation is computed by a plain vLLM whose prefix cache was
-primed with exactly the prefix the connector serves.)
+"Exactly" means: the same tokens vLLM itself produces when the same leading tokens come from
+its own prefix cache, computed by the same request. (Greedy decoding is sensitive to how a
+prompt's prefill was split: vLLM alone, with 1,024 of a 1,200-token prompt cached, can pick a
+different token than with nothing cached. And CPU matrix kernels are not batch-invariant on
+every CPU: on an AVX-512 EPYC, a block's KV computed inside a 1,100-token prefill differs in its
+last bits from the same block computed inside a 1,024-token one, enough to flip a later greedy
+token. So each expectation is computed by a plain vLLM whose prefix cache was primed by the
+request that computed the blocks the connector serves: the whole prompt, or, for a partial
+hit, exactly the served prefix.)
 
 Engines (each a real `vllm serve` on the embedded model, one pinned thread):
 - `reference`: no connector; computes every expected output once, then stops;
@@ -87,8 +91,9 @@ def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], 
             tokens = PROMPTS[name]
             for hit in hits:
                 reset_l0(server)
-                if hit:
-                    complete(server, tokens[:hit], max_tokens=1)  # L0 holds exactly `hit`
+                if hit:  # L0 then holds exactly `hit` tokens (never the prompt's last one)
+                    primer = tokens if hit == _usable(tokens) else tokens[:hit]
+                    complete(server, primer, max_tokens=1)
                 out[name, hit] = complete(server, tokens)
     return out
 
