@@ -105,8 +105,12 @@ def extra_key(*, lora: str | None = None, cache_salt: str | None = None,
 
 def chain_hash(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
     """Hash of one full block given its parent's hash."""
+    return _chain(parent, _u32le(token_ids))
+
+
+def _chain(parent: BlockHash, packed_ids: bytes) -> BlockHash:
     h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-    h.update(_u32le(token_ids))
+    h.update(packed_ids)
     return BlockHash(h.digest())
 
 
@@ -125,8 +129,6 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, extra: bytes = b""
     step = 4 * block_tokens
     out: list[BlockHash] = []
     for start in range(0, len(packed), step):
-        digest = hashlib.blake2b(h, digest_size=HASH_BYTES)
-        digest.update(packed[start:start + step])
-        h = BlockHash(digest.digest())
+        h = _chain(h, packed[start:start + step])
         out.append(h)
     return out
