@@ -275,7 +275,7 @@ class Router:
         if prompt.max_tokens < limit and prompt.max_tokens + wanted <= limit:
             return  # fits even at one byte per token: no need to encode the tail
         assert self.tokenizer is not None
-        prompt_tokens = self.tokenizer.count(prompt)
+        prompt_tokens = len(self.tokenizer.tokens(prompt))
         if prompt_tokens >= limit or prompt_tokens + wanted > limit:
             raise BadRequest(400, f"This model's maximum context length is {limit} tokens. "
                                   f"However, you requested {prompt_tokens + wanted} tokens "

@@ -201,11 +201,6 @@ class Tokenizer:
 
         return direct if all(direct(t) == wrapped(t) for t in _SELF_CHECK) else wrapped
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text` as the engine computes them."""
-        prompt = self._split(text, add_special_tokens)
-        return prompt.ids + self._encode.encode_tail(prompt.tail)
-
     def _split(self, text: str, add_special_tokens: bool) -> Prompt:
         if not add_special_tokens:
             return Prompt(*self._encode.split(text))
@@ -223,16 +218,13 @@ class Tokenizer:
             return Prompt(prompt)
         return self._split(prompt, bool(body.get("add_special_tokens", True)))
 
-    def count(self, prompt: Prompt) -> int:
-        """The prompt's exact length in tokens (encodes the tail)."""
-        return len(prompt.ids) + len(self._encode.encode_tail(prompt.tail))
+    def tokens(self, prompt: Prompt) -> list[int]:
+        """The prompt's exact token ids, as the engine computes them (encodes the tail)."""
+        return prompt.ids + self._encode.encode_tail(prompt.tail)
 
     def completion_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of a completions request's (first) prompt."""
-        prompt = self.completion_prompt(body)
-        if isinstance(prompt, list):
-            return prompt
-        return self.encode(prompt, bool(body.get("add_special_tokens", True)))
+        return self.tokens(self.prompt(body, chat=False))
 
     def completion_prompt(self, body: Mapping[str, Any]) -> str | list[int]:
         """A completions request's (first) prompt, as text or token ids."""
@@ -250,7 +242,7 @@ class Tokenizer:
 
     def chat_tokens(self, body: Mapping[str, Any]) -> list[int]:
         """Token ids of a chat request rendered with the model's chat template."""
-        return self.encode(self.chat_text(body), bool(body.get("add_special_tokens", False)))
+        return self.tokens(self.prompt(body, chat=True))
 
     def chat_text(self, body: Mapping[str, Any]) -> str:
         """A chat request rendered with the model's chat template."""
