@@ -12,6 +12,7 @@ from kvtier.errors import KvtierError
 
 
 def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

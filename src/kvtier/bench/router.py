@@ -49,8 +49,6 @@ ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "s
 BLOCK = 128
 
 
-
-
 # ----- the routers under test -----
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from typing import Any
 
 from kvtier.errors import KvtierError
 from kvtier.ports import free_port
-from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.config import ConnectorConfig, kv_transfer_config
 
 GIB = 1024**3
 SCENARIOS = ("cold", "l0", "l1", "l2_cross")
@@ -191,14 +191,10 @@ class Bench:
         self.servers = []
 
 
-
-
 def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,
             l2_b: Path | None = None) -> None:
     """Replica A measures cold/L0/L1 with L2 at `l2_a`; replica B, started after A stopped,
     measures L2 hits reading `l2_b` (the same directory, or another mount of one volume)."""
-    from kvtier.vllm.config import ConnectorConfig, kv_transfer_config
-
     l2_a = l2_a or bench.l2_dir
     l2_b = l2_b or l2_a
 

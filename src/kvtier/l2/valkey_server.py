@@ -51,8 +51,6 @@ def find_valkey_binary() -> str:
                     "or apt-get install redis-server")
 
 
-
-
 @dataclass(frozen=True, slots=True)
 class ValkeyServerSpec:
     """How to start one loopback Valkey server."""
