@@ -3,14 +3,15 @@
     kvtier bench router --json bench_router.json
 
 Workload: `prefixes` distinct `prefix_tokens`-token documents x `suffixes` short questions
-(optionally each after `suffix_tokens` of unique context), interleaved in rounds (every prefix
-once per round, each round in a fresh seeded order), streamed with `concurrency` requests in
-flight, against 2 vLLM replicas (1 thread each, cores 0 and 1). Each router gets fresh prefixes,
-so none profits from another's warm cache. Per router (one row):
+(optionally each after `suffix_tokens` of unique context, optionally all after one shared
+`system_tokens` system prompt), interleaved in rounds (every prefix once per round, each round
+in a fresh seeded order), streamed with `concurrency` requests in flight, against 2 vLLM
+replicas (1 thread each, cores 0 and 1; `engine_blocks` caps their own KV caches). Each router
+gets fresh prompts, so none profits from another's warm cache. Per router (one row):
 
 - affinity: prefix-cache hit tokens the replicas report (`vllm:prefix_cache_hits`) over the
-  most they could have (each repeat of a prefix hitting every full block it shares with the
-  prefix's first request): the fraction of repeats that landed where their prefix was cached;
+  most they could have (each request hitting every full block it shares with any earlier
+  request): the fraction of reusable prefill that landed where it was cached;
 - load_max_min: most over fewest requests finished per replica (`vllm:request_success`);
 - ttft_p50_ms: median time to first token through the router;
 - overhead_p50_ms / overhead_p99_ms: the router's added latency, measured in front of two fast
@@ -190,21 +191,39 @@ class Workload:
     prompts: tuple[str, ...]
     """Interleaved request prompts."""
     ideal_hit_tokens: int
-    """Prefix-cache hit tokens if every repeat landed where its prefix was cached."""
+    """Prefix-cache hit tokens if every request landed where its prefix was cached."""
+
+
+def ideal_hit_tokens(prompts_ids: Sequence[Sequence[int]]) -> int:
+    """Prefix-cache hit tokens if every request landed where its longest earlier-seen prefix
+    was cached: per request, the full blocks it shares with any earlier request (the engine
+    always recomputes the last token, so a prompt's last token never counts)."""
+    seen: set[tuple[int, ...]] = set()
+    total = 0
+    for ids in prompts_ids:
+        chain = [tuple(ids[:(k + 1) * BLOCK]) for k in range((len(ids) - 1) // BLOCK)]
+        total += BLOCK * next((k for k, blocks in enumerate(chain) if blocks not in seen),
+                              len(chain))
+        seen.update(chain)
+    return total
 
 
 def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixes: int,
-                   prefix_tokens: int, suffix_tokens: int = 0) -> Workload:
+                   prefix_tokens: int, suffix_tokens: int = 0,
+                   system_tokens: int = 0) -> Workload:
     """`suffix_tokens` > 0 puts a context of its own before each question (retrieved passages,
-    an agent's tool output), so the shared prefix is only part of the prompt."""
-    docs = []
-    for p in range(prefixes):
-        head = f"Document {tag}-{p}.\n"
-        seed = zlib.crc32(f"{tag}-{p}".encode())
-        body_ids = corpus.encode(corpus.document(prefix_tokens, seed=seed))
-        ids = corpus.encode(head) + body_ids
-        docs.append(corpus.decode(ids[:prefix_tokens]))
-    prompts, ideal = [], 0
+    an agent's tool output), so the shared prefix is only part of the prompt; `system_tokens`
+    > 0 opens every prompt with one system prompt shared by all documents (a service's
+    instructions and tool schemas)."""
+    def text(tokens: int, head: str, seed_tag: str) -> str:
+        body = corpus.encode(corpus.document(tokens, seed=zlib.crc32(seed_tag.encode())))
+        return str(corpus.decode((corpus.encode(head) + body)[:tokens]))
+
+    system = text(system_tokens, f"System {tag}.\n", f"{tag}-system") + "\n" \
+        if system_tokens else ""
+    docs = [text(prefix_tokens, f"Document {tag}-{p}.\n", f"{tag}-{p}")
+            for p in range(prefixes)]
+    prompts = []
     rng = random.Random(zlib.crc32(tag.encode()))
     half = prefixes // 2
     order = list(range(prefixes))
@@ -215,20 +234,11 @@ def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixe
         # its previous request's prefill.
         order = rng.sample(order[:half], half) + rng.sample(order[half:], prefixes - half)
         for p in order:
-            doc = docs[p]
             context = (corpus.document(suffix_tokens, seed=zlib.crc32(f"{tag}-{p}-{s}".encode()))
                        + "\n" if suffix_tokens else "")
-            prompt = (f"{doc}\n{context}Question {s}: what does document {p} say about item "
-                      f"{s * 7 + p}?")
-            prompts.append(prompt)
-            if s > 0:
-                first = tokenizer.encode(f"{doc}\nQuestion 0: what does document {p} say "
-                                         f"about item {p}?")
-                mine = tokenizer.encode(prompt)
-                common = next((i for i, (a, b) in enumerate(zip(first, mine)) if a != b),
-                              min(len(first), len(mine)))
-                ideal += min(common, len(mine) - 1) // BLOCK * BLOCK
-    return Workload(tuple(prompts), ideal)
+            prompts.append(f"{system}{docs[p]}\n{context}Question {s}: what does document {p} "
+                           f"say about item {s * 7 + p}?")
+    return Workload(tuple(prompts), ideal_hit_tokens([tokenizer.encode(p) for p in prompts]))
 
 
 async def run_workload(router_url: str, replicas: Sequence[str], model: str,
@@ -307,7 +317,9 @@ async def measure_overhead(router_url: str, direct_url: str, prompts: Sequence[s
 
 # ----- orchestration -----
 
-def start_replicas(model: str, work_dir: Path) -> list[Any]:
+def start_replicas(model: str, work_dir: Path, engine_blocks: int | None = None) -> list[Any]:
+    """Two single-threaded replicas on cores 0 and 1 publishing vLLM KV events; `engine_blocks`
+    caps each one's own KV cache (a small GPU's HBM)."""
     from kvtier.vllm.server import ServerProcess, ServerSpec
 
     servers = []
@@ -315,10 +327,12 @@ def start_replicas(model: str, work_dir: Path) -> list[Any]:
         events = f"ipc://{work_dir}/kv-events-{i}"
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
                   "topic": "kv"}
+        extra = ["--kv-events-config", json.dumps(config)]
+        if engine_blocks:
+            extra += ["--num-gpu-blocks-override", str(engine_blocks)]
         spec = ServerSpec(model=model, port=free_port(), threads=1, cpu_ids=str(i),
-                          max_model_len=4096, extra_args=["--kv-events-config",
-                                                          json.dumps(config)],
-                          log_path=work_dir / f"vllm-{i}.log")
+                          max_model_len=min(4096, ((engine_blocks or 33) - 1) * BLOCK),
+                          extra_args=extra, log_path=work_dir / f"vllm-{i}.log")
         servers.append((ServerProcess(spec), events))
     try:
         for server, _ in servers:
@@ -369,14 +383,15 @@ def _cmd(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = Corpus(tokenizer)
     fake_procs = [start_fake_replica(work_dir) for _ in range(2)]
-    servers = start_replicas(model_dir, work_dir)
+    servers = start_replicas(model_dir, work_dir, args.engine_blocks)
     rows = []
     try:
         replicas = [Replica(s.url, events) for s, events in servers]
         fakes = [Replica(url) for _, url in fake_procs]
         for i, name in enumerate(args.routers):
             workload = build_workload(tokenizer, corpus, f"r{i}", args.prefixes, args.suffixes,
-                                      args.prefix_tokens, args.suffix_tokens)
+                                      args.prefix_tokens, args.suffix_tokens,
+                                      args.system_tokens)
             rows.append(asyncio.run(bench_one(name, replicas, fakes, model, workload, args,
                                               work_dir)))
     finally:
@@ -409,6 +424,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                    help="tokens of unique context before each question (default 0: short "
                         "questions only); e.g. 1300 after 512-token prefixes makes the shared "
                         "part ~28%% of each prompt, as in RAG or agent traffic")
+    p.add_argument("--system-tokens", type=int, default=0,
+                   help="tokens of one system prompt opening every request, before its "
+                        "document (default 0); a shared head makes cache-aware routers that "
+                        "follow the longest match pile every new document onto one replica")
+    p.add_argument("--engine-blocks", type=int, metavar="N",
+                   help="each replica's own KV cache in 128-token blocks (default: 1 GiB, "
+                        "~360 blocks); a small cache makes a replica that takes more than its "
+                        "share of documents evict them")
     p.add_argument("--concurrency", type=int, default=4,
                    help="requests in flight (default 4)")
     p.add_argument("--overhead-pairs", type=int, default=400,
