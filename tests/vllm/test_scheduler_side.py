@@ -61,7 +61,7 @@ def rt() -> Iterator[runtime.Runtime]:
 
 def _side(rt: runtime.Runtime, block_ids: dict[str, list[int]] | None = None) -> SchedulerSide:
     return SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
-                         events=False, block_ids_of=lambda r: (block_ids or {})[r])
+                         events=False, block_ids_of=lambda r: (block_ids or {})[r], load_async=True)
 
 
 def _store_blocks(rt: runtime.Runtime, tokens: list[int], n: int, salt: str | None = None) -> None:
@@ -197,6 +197,7 @@ def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
     tokens = list(range(5 * BLOCK))
     _store_blocks(rt, tokens, 3)
     side = SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
-                         events=False, block_ids_of=lambda r: [], lookup_wait_s=5.0)
+                         events=False, block_ids_of=lambda r: [], load_async=True,
+                         lookup_wait_s=5.0)
     assert side.matched_tokens(FakeRequest("r1", tokens), 0) == (3 * BLOCK, True)  # type: ignore[arg-type]
     side.close()

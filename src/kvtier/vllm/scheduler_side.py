@@ -77,7 +77,7 @@ class _Tracked:
 class SchedulerSide:
     def __init__(self, runtimes: Sequence[Runtime], block_tokens: int, engine_block_tokens: int,
                  lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
-                 block_ids_of: Callable[[str], list[int]], load_async: bool = True,
+                 block_ids_of: Callable[[str], list[int]], load_async: bool,
                  lookup_wait_s: float = 0.0) -> None:
         """`runtimes`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
