@@ -6,7 +6,14 @@ from __future__ import annotations
 from collections import Counter
 
 from kvtier.bench.corpus import Corpus
-from kvtier.bench.router import ROUTERS, Replica, build_workload, router_command
+from kvtier.bench.router import (
+    BLOCK,
+    ROUTERS,
+    Replica,
+    build_workload,
+    ideal_hit_tokens,
+    router_command,
+)
 from tests.router.router_fixtures import tokenizer
 
 
@@ -29,6 +36,28 @@ def test_unique_contexts_leave_only_the_prefix_shared() -> None:
     assert first.split(".\n", 1)[0] == repeat.split(".\n", 1)[0]  # the same document
     assert len(tok.encode(repeat)) > 256 + 300 - 20
     assert workload.ideal_hit_tokens == 2 * 256  # the contexts differ: only the prefix can hit
+
+
+def test_ideal_hits_count_full_blocks_shared_with_any_earlier_request() -> None:
+    a = list(range(3 * BLOCK))
+    b = a[:2 * BLOCK] + [7] * BLOCK  # shares 2 blocks with a
+    c = a[:BLOCK] + [9] * 2 * BLOCK  # shares 1 with a and b
+    assert ideal_hit_tokens([a]) == 0
+    assert ideal_hit_tokens([a, b, c]) == (2 + 1) * BLOCK
+    assert ideal_hit_tokens([a, a]) == 2 * BLOCK  # the last token is always computed
+
+
+def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests() -> None:
+    tok = tokenizer()._tok
+    plain = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256)
+    shared = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
+                            system_tokens=256)
+    system = shared.prompts[0].split("Document t-", 1)[0]
+    assert system.startswith("System t.") and all(p.startswith(system) for p in shared.prompts)
+    assert [p[len(system):] for p in shared.prompts] == list(plain.prompts)
+    # every prompt after the first can hit the system prompt's 2 blocks; repeats also their
+    # document's 2
+    assert shared.ideal_hit_tokens == 7 * 256 + plain.ideal_hit_tokens
 
 
 def test_every_router_has_a_command_on_the_given_port() -> None:
