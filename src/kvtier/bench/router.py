@@ -16,7 +16,9 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
 - ttft_p50_ms: median time to first token through the router;
 - overhead_p50_ms / overhead_p99_ms: the router's added latency, measured in front of two fast
   fake replicas (separate process) as the paired difference router - direct over sequential
-  requests with the same prompts: pure routing cost, free of engine noise.
+  requests with the same prompts: pure routing cost, free of engine noise. Every router runs
+  in front of the fakes at once and they take turns request by request, so background load on
+  the machine weighs on all of them alike.
 
 Peers: the cache-aware modes of `sglang-router` and `vllm-router` (PyPI), when installed; a
 peer that cannot be started records the exact reason in its row's "error".
@@ -36,7 +38,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -286,14 +288,17 @@ async def run_workload(router_url: str, replicas: Sequence[str], model: str,
     return row
 
 
-async def measure_overhead(router_url: str, direct_url: str, prompts: Sequence[str],
-                           pairs: int) -> dict[str, float]:
-    """Paired (router - direct) latency of sequential non-streaming requests."""
+async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
+                           prompts: Sequence[str], pairs: int) -> dict[str, dict[str, float]]:
+    """Per router, paired (router - direct) latency of sequential non-streaming requests.
+
+    The routers take turns request by request (each pair: direct, then through one router), so
+    the machine's drifting background load weighs on every router alike."""
     import aiohttp
 
     from kvtier.bench.report import percentile
 
-    diffs: list[float] = []
+    diffs: dict[str, list[float]] = {name: [] for name in router_urls}
     async with aiohttp.ClientSession() as session:
         async def timed(url: str, prompt: str) -> float:
             start = time.perf_counter()
@@ -307,12 +312,13 @@ async def measure_overhead(router_url: str, direct_url: str, prompts: Sequence[s
         warmup = 30
         for i in range(pairs + warmup):
             prompt = prompts[i % len(prompts)]
-            direct = await timed(direct_url, prompt)
-            routed = await timed(router_url, prompt)
-            if i >= warmup:
-                diffs.append(1000 * (routed - direct))
-    return {"overhead_p50_ms": round(percentile(diffs, 50), 3),
-            "overhead_p99_ms": round(percentile(diffs, 99), 3)}
+            for name, url in router_urls.items():
+                direct = await timed(direct_url, prompt)
+                routed = await timed(url, prompt)
+                if i >= warmup:
+                    diffs[name].append(1000 * (routed - direct))
+    return {name: {"overhead_p50_ms": round(percentile(d, 50), 3),
+                   "overhead_p99_ms": round(percentile(d, 99), 3)} for name, d in diffs.items()}
 
 
 # ----- orchestration -----
@@ -344,9 +350,9 @@ def start_replicas(model: str, work_dir: Path, engine_blocks: int | None = None)
     return servers
 
 
-async def bench_one(name: str, replicas: list[Replica], fakes: list[Replica], model: str,
-                    workload: Workload, args: argparse.Namespace,
-                    work_dir: Path) -> dict[str, Any]:
+async def bench_one(name: str, replicas: list[Replica], model: str, workload: Workload,
+                    args: argparse.Namespace, work_dir: Path) -> dict[str, Any]:
+    """One router's row from the workload on the real replicas."""
     row: dict[str, Any] = {"router": name}
     try:
         router = RouterProcess(name, replicas, work_dir)
@@ -356,17 +362,32 @@ async def bench_one(name: str, replicas: list[Replica], fakes: list[Replica], mo
                                           workload, args.concurrency))
         finally:
             router.stop()
-        router = RouterProcess(name, fakes, work_dir)
-        try:
-            await router.wait_ready()
-            row.update(await measure_overhead(router.url, fakes[0].url, workload.prompts,
-                                              args.overhead_pairs))
-        finally:
-            router.stop()
     except Exception as exc:  # noqa: BLE001 - a peer that cannot run is recorded, not fatal
         row["error"] = f"{type(exc).__name__}: {exc}"[:500]
     print(json.dumps(row), flush=True)
     return row
+
+
+async def bench_overheads(names: Sequence[str], fakes: list[Replica], prompts: Sequence[str],
+                          pairs: int, work_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every router in front of the fake replicas at once, measured in turns."""
+    started: dict[str, RouterProcess] = {}
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        for name in names:
+            try:
+                router = RouterProcess(name, fakes, work_dir)
+                started[name] = router
+                await router.wait_ready()
+            except Exception as exc:  # noqa: BLE001 - recorded in the row, not fatal
+                out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+        ready = {name: r.url for name, r in started.items() if name not in out}
+        if ready:
+            out.update(await measure_overhead(ready, fakes[0].url, prompts, pairs))
+    finally:
+        for router in started.values():
+            router.stop()
+    return out
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -392,8 +413,15 @@ def _cmd(args: argparse.Namespace) -> int:
             workload = build_workload(tokenizer, corpus, f"r{i}", args.prefixes, args.suffixes,
                                       args.prefix_tokens, args.suffix_tokens,
                                       args.system_tokens)
-            rows.append(asyncio.run(bench_one(name, replicas, fakes, model, workload, args,
-                                              work_dir)))
+            rows.append(asyncio.run(bench_one(name, replicas, model, workload, args, work_dir)))
+        overheads = asyncio.run(bench_overheads(args.routers, fakes, workload.prompts,
+                                                args.overhead_pairs, work_dir))
+        for row in rows:
+            extra = overheads.get(row["router"], {})
+            if "error" in row:
+                extra.pop("error", None)
+            row.update(extra)
+            print(json.dumps(row), flush=True)
     finally:
         for server, _ in servers:
             server.stop()
