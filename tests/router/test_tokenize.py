@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
 
 from kvtier.bench.corpus import Corpus
@@ -41,30 +38,6 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
     calls.clear()
     assert encoder(prefix + " second question?") == whole(prefix + " second question?")
     assert len(calls) == 1 and first_calls > 1  # only the tail was encoded
-
-
-def test_long_new_text_is_encoded_off_the_event_loop_thread_and_cached() -> None:
-    threads: list[str] = []
-
-    def recording(text: str) -> list[int]:
-        threads.append(threading.current_thread().name)
-        return whole(text)
-
-    encoder = ChunkedEncoder(recording, min_chars=100, offload_chars=2000)
-    main = threading.current_thread().name
-    document = Corpus(tokenizer()._tok).document(1500, 3)
-    threads.clear()
-    ids, tail = asyncio.run(encoder.split_async(document + " first question?"))
-    assert ids + whole(tail) == whole(document + " first question?")
-    assert threads and main not in threads  # a new document: on a worker thread
-    threads.clear()
-    again = asyncio.run(encoder.split_async(document + " second question?"))
-    assert again == encoder.split(document + " second question?")
-    assert threads == []  # cached: nothing left to encode before the tail
-    short = "A short new question about something else entirely, " * 5
-    threads.clear()
-    asyncio.run(encoder.split_async(short))
-    assert set(threads) == {main}  # below offload_chars: not worth a thread hop
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -224,7 +224,7 @@ class Router:
         arrived = time.perf_counter()
         raw = await request.read()
         body = self._parse(raw)
-        prompt = await self._prompt(body, chat)
+        prompt = self._prompt(body, chat)
         assert self.tokenizer is not None  # set in _start
         hashes = self.tokenizer.hash(prompt.ids, body.get("cache_salt"))
         self._check_length(body, prompt, chat)
@@ -256,13 +256,13 @@ class Router:
                                   f"{', '.join(sorted(served))}", "model", "model_not_found")
         return body
 
-    async def _prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
+    def _prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
         assert self.tokenizer is not None
         field = "messages" if chat else "prompt"
         if field not in body:
             raise BadRequest(400, f"'{field}' is required", field)
         try:
-            return await self.tokenizer.prompt_async(body, chat)
+            return self.tokenizer.prompt(body, chat)
         except PromptError as exc:
             raise BadRequest(400, str(exc), exc.param) from exc
 

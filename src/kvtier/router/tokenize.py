@@ -23,16 +23,10 @@ the blocks the cached chunks cover (exact, never a wrong name; usually one block
 and bounds the tail's token count by its UTF-8 length (a byte-level token is at least one byte).
 The tail is encoded only when that bound could break the context-length check, or when it is
 long (text without whitespace to cut at). This halves the router's CPU per request.
-
-New text the router must encode (a new document, retrieved passages, tool output: about half a
-millisecond per thousand characters here) is encoded on a worker thread when it is long
-(`Tokenizer.prompt_async`), so a RAG prompt never stalls the other requests on the event loop,
-and concurrent long prompts use several cores.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -117,47 +111,31 @@ def _is_tokens(value: object) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
-@dataclass(slots=True)
-class _Plan:
-    """A text cut into chunks: cached ids where known, chunk text still to encode elsewhere."""
-
-    parts: list[list[int] | str]
-    tail: str
-    cache: bool
-    """Whether the encoded chunks go into the cache (not for whole-text encodings)."""
-
-    @property
-    def missing(self) -> list[str]:
-        return [part for part in self.parts if isinstance(part, str)]
-
-
 class ChunkedEncoder:
     """Encodes text chunk by chunk with an LRU cache of chunk ids (see the module docstring).
 
     `encode` is the tokenizer's own encode without special tokens; chunks are at least
     `min_chars` long, cut at the first pre-token boundary after that, so two prompts sharing a
-    prefix cut it identically. New text of at least `offload_chars` is encoded on a worker
-    thread by `split_async` (fast tokenizers release the GIL), so one long new prompt does not
-    stall every other request on the router's event loop.
+    prefix cut it identically.
     """
 
     def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 256,
-                 max_chunks: int = 4096, offload_chars: int = 4096) -> None:
+                 max_chunks: int = 4096) -> None:
         self._encode = encode
         self.min_chars = min_chars
         self.max_chunks = max_chunks
-        self.offload_chars = offload_chars
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
-        self.exact = all(self._by_chunks(t) == encode(t) for t in _SELF_CHECK)
+        self.exact = all(self._joined(t, 1) == encode(t) for t in _SELF_CHECK)
+        self._cache.clear()
 
     def __call__(self, text: str) -> list[int]:
-        ids, tail = self.split(text)
-        return ids + self.encode_tail(tail)
+        if not self.exact or len(text) < 2 * self.min_chars:
+            return self._encode(text)
+        return self._joined(text, self.min_chars)
 
-    def _by_chunks(self, text: str) -> list[int]:
-        """`text` encoded in the smallest chunks (the self-check: does chunking change ids?)."""
-        chunks, tail = _cut(text, 1)
-        return [i for chunk in chunks + [tail] for i in self._encode(chunk)]
+    def _joined(self, text: str, min_chars: int) -> list[int]:
+        ids, tail = self._chunked(text, min_chars)
+        return ids + self.encode_tail(tail)
 
     def encode_tail(self, tail: str) -> list[int]:
         """Ids of a tail `split` left unencoded."""
@@ -165,60 +143,31 @@ class ChunkedEncoder:
 
     def split(self, text: str) -> tuple[list[int], str]:
         """Ids of `text` up to its last chunk cut, and the rest (the tail) unencoded."""
-        plan = self._plan(text)
-        return self._fill(plan, [self._encode(chunk) for chunk in plan.missing]), plan.tail
-
-    async def split_async(self, text: str) -> tuple[list[int], str]:
-        """`split`, with long new text encoded on a worker thread."""
-        plan = self._plan(text)
-        missing = plan.missing
-        if sum(map(len, missing)) < self.offload_chars:
-            encoded = [self._encode(chunk) for chunk in missing]
-        else:
-            encoded = await asyncio.to_thread(lambda: [self._encode(c) for c in missing])
-        return self._fill(plan, encoded), plan.tail
-
-    def _plan(self, text: str) -> _Plan:
         if not self.exact or len(text) < 2 * self.min_chars:
-            return _Plan([text], "", cache=False)
-        chunks, tail = _cut(text, self.min_chars)
+            return self._encode(text), ""
+        ids, tail = self._chunked(text, self.min_chars)
         if len(tail) > 2 * self.min_chars:  # few places to cut: routing needs its blocks
-            chunks, tail = chunks + [tail], ""
-        parts: list[list[int] | str] = []
-        for chunk in chunks:
-            hit = self._cache.get(chunk)
-            if hit is not None:
-                self._cache.move_to_end(chunk)
-            parts.append(chunk if hit is None else hit)
-        return _Plan(parts, tail, cache=True)
+            return ids + self._encode(tail), ""
+        return ids, tail
 
-    def _fill(self, plan: _Plan, encoded: list[list[int]]) -> list[int]:
-        """The plan's ids in order, caching the newly encoded chunks (on the caller's thread)."""
-        new = iter(encoded)
+    def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
         ids: list[int] = []
-        for part in plan.parts:
-            if isinstance(part, str):
-                chunk_ids = next(new)
-                if plan.cache:
-                    self._remember(part, chunk_ids)
-                part = chunk_ids
-            ids += part
-        return ids
+        start = 0
+        while (cut := _BOUNDARY.search(text, start + min_chars)) is not None:
+            ids += self._chunk(text[start:cut.start()])
+            start = cut.start()
+        return ids, text[start:]  # the tail is usually new: not worth caching
 
-    def _remember(self, chunk: str, ids: list[int]) -> None:
+    def _chunk(self, chunk: str) -> list[int]:
+        hit = self._cache.get(chunk)
+        if hit is not None:
+            self._cache.move_to_end(chunk)
+            return hit
+        ids = self._encode(chunk)
         self._cache[chunk] = ids
         if len(self._cache) > self.max_chunks:
             self._cache.popitem(last=False)
-
-
-def _cut(text: str, min_chars: int) -> tuple[list[str], str]:
-    """Chunks of at least `min_chars` cut at pre-token boundaries, and the rest (the tail)."""
-    chunks: list[str] = []
-    start = 0
-    while (cut := _BOUNDARY.search(text, start + min_chars)) is not None:
-        chunks.append(text[start:cut.start()])
-        start = cut.start()
-    return chunks, text[start:]
+        return ids
 
 
 class Tokenizer:
@@ -252,38 +201,22 @@ class Tokenizer:
 
         return direct if all(direct(t) == wrapped(t) for t in _SELF_CHECK) else wrapped
 
-    def _source(self, body: Mapping[str, Any], chat: bool) -> tuple[str, list[int]] | list[int]:
-        """The prompt's text and the special ids that lead its ids, or its final ids."""
-        if chat:
-            text, special = self.chat_text(body), bool(body.get("add_special_tokens", False))
-        else:
-            prompt = self.completion_prompt(body)
-            if isinstance(prompt, list):
-                return prompt
-            text, special = prompt, bool(body.get("add_special_tokens", True))
-        if not special:
-            return text, []
+    def _split(self, text: str, add_special_tokens: bool) -> Prompt:
+        if not add_special_tokens:
+            return Prompt(*self._encode.split(text))
         if self._specials_lead:
-            return text, self._specials
-        return list(self._tok.encode(text, add_special_tokens=True))
+            ids, tail = self._encode.split(text)
+            return Prompt(self._specials + ids, tail)
+        return Prompt(list(self._tok.encode(text, add_special_tokens=True)))
 
     def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
         """A request's prompt encoded as far as routing needs (see the module docstring)."""
-        source = self._source(body, chat)
-        if isinstance(source, list):
-            return Prompt(source)
-        text, lead = source
-        ids, tail = self._encode.split(text)
-        return Prompt(lead + ids, tail)
-
-    async def prompt_async(self, body: Mapping[str, Any], chat: bool) -> Prompt:
-        """`prompt` for the event loop: long new text is encoded on a worker thread."""
-        source = self._source(body, chat)
-        if isinstance(source, list):
-            return Prompt(source)
-        text, lead = source
-        ids, tail = await self._encode.split_async(text)
-        return Prompt(lead + ids, tail)
+        if chat:
+            return self._split(self.chat_text(body), bool(body.get("add_special_tokens", False)))
+        prompt = self.completion_prompt(body)
+        if isinstance(prompt, list):
+            return Prompt(prompt)
+        return self._split(prompt, bool(body.get("add_special_tokens", True)))
 
     def tokens(self, prompt: Prompt) -> list[int]:
         """The prompt's exact token ids, as the engine computes them (encodes the tail)."""
