@@ -1,18 +1,26 @@
-"""Benchmark S3's workload and peer commands (the run itself needs engines: `kvtier bench
-router`)."""
+"""Benchmark S3's workload, peer commands and overhead reference (the run itself needs engines:
+`kvtier bench router`)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections import Counter
+from pathlib import Path
 
 from kvtier.bench.corpus import Corpus
 from kvtier.bench.router import (
     BLOCK,
+    PASSTHROUGH,
     ROUTERS,
     Replica,
+    RouterProcess,
     build_workload,
     ideal_hit_tokens,
+    measure_overhead,
     router_command,
+    start_fake_replica,
 )
 from tests.router.router_fixtures import tokenizer
 
@@ -66,3 +74,28 @@ def test_every_router_has_a_command_on_the_given_port() -> None:
         cmd = router_command(name, replicas, 4242)
         assert "4242" in cmd and "http://127.0.0.1:2" in " ".join(cmd)
     assert "http://127.0.0.1:1=ipc:///a" in router_command("kvtier-kvaware", replicas, 1)
+
+
+def test_rust_routers_get_their_own_loopback_metrics_port() -> None:
+    replicas = [Replica("http://127.0.0.1:1"), Replica("http://127.0.0.1:2")]
+    ports = []
+    for name in ("sglang-router", "vllm-router"):
+        cmd = router_command(name, replicas, 4242)
+        assert cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+        ports.append(cmd[cmd.index("--prometheus-port") + 1])
+    assert len(set(ports)) == 2 and "29000" not in ports
+
+
+def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
+    fake, url = start_fake_replica(tmp_path)
+    passthrough = RouterProcess(PASSTHROUGH, [Replica(url)], tmp_path)
+    try:
+        asyncio.run(passthrough.wait_ready(30))
+        figures = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url}, url,
+                                               ["a b c"], pairs=20))
+    finally:
+        passthrough.stop()
+        os.killpg(fake.pid, signal.SIGKILL)
+        fake.wait()
+    row = figures[PASSTHROUGH]
+    assert 0 < row["overhead_p50_ms"] <= row["overhead_p99_ms"] < 1000

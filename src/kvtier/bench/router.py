@@ -18,7 +18,9 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
   fake replicas (separate process) as the paired difference router - direct over sequential
   requests with the same prompts: pure routing cost, free of engine noise. Every router runs
   in front of the fakes at once and they take turns request by request, so background load on
-  the machine weighs on all of them alike.
+  the machine weighs on all of them alike. A last row, "passthrough", is the same figure for
+  a bare aiohttp proxy (no parsing, no routing): the floor of a Python hop on this machine now,
+  which makes an absolute overhead comparable across machines of different speed.
 
 Peers: the cache-aware modes of `sglang-router` and `vllm-router` (PyPI), when installed; a
 peer that cannot be started records the exact reason in its row's "error".
@@ -50,6 +52,8 @@ __all__ = ["register"]
 ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "sglang-router",
            "vllm-router")
 BLOCK = 128
+PASSTHROUGH = "passthrough"
+"""Overhead reference: the cheapest Python HTTP hop (aiohttp, no parsing or routing)."""
 
 
 # ----- the routers under test -----
@@ -74,13 +78,18 @@ def router_command(name: str, replicas: Sequence[Replica], port: int) -> list[st
     if name in kvtier_strategy:
         return base + ["--strategy", kvtier_strategy[name]] + [
             a for u in urls for a in ("--replica", u)]
+    # Both Rust routers open a Prometheus listener, by default on one fixed port (29000): give
+    # each its own loopback port so several can run at once.
+    rust_args = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(free_port()), "--policy", "cache_aware",
+                 "--worker-urls", *urls]
     if name == "sglang-router":
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                "--port", str(port), "--policy", "cache_aware", "--worker-urls", *urls]
+        return [sys.executable, "-m", "sglang_router.launch_router", *rust_args]
     if name == "vllm-router":
         exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-        return [exe, "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                "--worker-urls", *urls]
+        return [exe, *rust_args]
+    if name == PASSTHROUGH:
+        return [sys.executable, "-m", "kvtier.bench.router", "--passthrough", str(port), urls[0]]
     raise ValueError(f"unknown router {name!r}")
 
 
@@ -165,6 +174,45 @@ def _fake_replica_main(port: int) -> None:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/v1/completions", completions)
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def _passthrough_main(port: int, upstream: str) -> None:
+    """Forward every completion to `upstream` untouched: the floor of any aiohttp proxy on this
+    machine at this moment, next to which the routers' overheads can be read."""
+    import aiohttp
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.read()
+        async with request.app["session"].post(
+                upstream + "/v1/completions", data=body,
+                headers={"Content-Type": "application/json"}) as resp:
+            return web.Response(body=await resp.read(), status=resp.status,
+                                content_type="application/json")
+
+    async def session(app: web.Application) -> Any:
+        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.cleanup_ctx.append(session)
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None,
+                loop=_fast_loop())
+
+
+def _fast_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when present, as the kvtier router uses."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
 
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -414,14 +462,17 @@ def _cmd(args: argparse.Namespace) -> int:
                                       args.prefix_tokens, args.suffix_tokens,
                                       args.system_tokens)
             rows.append(asyncio.run(bench_one(name, replicas, model, workload, args, work_dir)))
-        overheads = asyncio.run(bench_overheads(args.routers, fakes, workload.prompts,
-                                                args.overhead_pairs, work_dir))
+        overheads = asyncio.run(bench_overheads([*args.routers, PASSTHROUGH], fakes,
+                                                workload.prompts, args.overhead_pairs,
+                                                work_dir))
         for row in rows:
-            extra = overheads.get(row["router"], {})
-            if "error" in row:
-                extra.pop("error", None)
+            extra = dict(overheads.get(row["router"], {}))
+            if "error" in extra:
+                row["overhead_error"] = extra.pop("error")
             row.update(extra)
             print(json.dumps(row), flush=True)
+        rows.append({"router": PASSTHROUGH, **overheads[PASSTHROUGH]})
+        print(json.dumps(rows[-1]), flush=True)
     finally:
         for server, _ in servers:
             server.stop()
@@ -473,3 +524,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--fake-replica":
         _fake_replica_main(int(sys.argv[2]))
+    elif len(sys.argv) == 4 and sys.argv[1] == "--passthrough":
+        _passthrough_main(int(sys.argv[2]), sys.argv[3])
