@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.bench.corpus import Corpus
-from kvtier.router.tokenize import ChunkedEncoder, PromptError
+from kvtier.router.tokenize import ChunkedEncoder, Prompt, PromptError
 from tests.router.router_fixtures import tokenizer
 
 
@@ -52,6 +52,38 @@ def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(chat: b
     assert abs(prompt.estimated_tokens - len(exact)) <= 20
     full, routed = tok.hash(exact), tok.hash(prompt.ids)
     assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // tok.block_tokens
+
+
+def test_a_repeated_head_skips_the_chunks_and_names_its_blocks_as_hashing_does() -> None:
+    tok = tokenizer()
+    document = Corpus(tok._tok).document(1200, 8)
+    first = tok.prompt({"prompt": document + "\nQuestion: one?"}, chat=False)
+    lookups = tok._encode._chunks._items.copy()
+    repeat = tok.prompt({"prompt": document + "\nQuestion: two?"}, chat=False)
+    assert repeat.head == first.head and repeat.ids == first.ids
+    assert list(tok._encode._chunks._items) == list(lookups)  # no chunk was looked up again
+    repeat.ids.append(0)  # callers get their own list: the memo is not changed
+    assert tok.prompt({"prompt": document + "\nQuestion: three?"}, chat=False).ids == first.ids
+    for salt in (None, "tenant-a"):
+        assert tok.block_names(first, salt) == tok.hash(first.ids, salt)
+        assert tok.block_names(first, salt) == tok.block_names(
+            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), salt)
+    assert tok.block_names(first) != tok.block_names(first, "tenant-a")
+    # the same head after a leading special token (a BOS; this tokenizer adds none itself)
+    with_bos = Prompt([1] + first.ids, first.tail, first.head)
+    assert tok.block_names(with_bos) == tok.hash(with_bos.ids) != tok.block_names(first)
+
+
+def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:
+    from kvtier.router.tokenize import _Lru
+
+    memo = _Lru[str, int](10, len)
+    memo.put("aaaa", 1)
+    memo.put("bbbb", 2)
+    assert memo.get("aaaa") == 1  # now the most recent
+    memo.put("cccc", 3)  # over budget: the least recent ("bbbb") goes
+    assert memo.get("bbbb") is None and memo.get("aaaa") == 1 and memo.get("cccc") == 3
+    assert memo.put("x" * 11, 4) == 4 and memo.get("x" * 11) is None  # larger than the budget
 
 
 def test_text_with_nowhere_to_cut_is_encoded_whole_for_routing() -> None:

@@ -226,7 +226,7 @@ class Router:
         body = self._parse(raw)
         prompt = self._prompt(body, chat)
         assert self.tokenizer is not None  # set in _start
-        hashes = self.tokenizer.hash(prompt.ids, body.get("cache_salt"))
+        hashes = self.tokenizer.block_names(prompt, body.get("cache_salt"))
         self._check_length(body, prompt, chat)
         session = request.headers.get(self.config.session_header) or body.get("user")
         route = RouteRequest(hashes, self.config.block_tokens,

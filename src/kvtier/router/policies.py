@@ -122,8 +122,8 @@ class CostWeights:
             raise ConfigError(f"history_half_life_s: must be positive, "
                               f"got {self.history_half_life_s}")
 
-    def credit(self, tier: Tier) -> float:
-        return {Tier.L0: self.l0_credit, Tier.L1: self.l1_credit, Tier.L2: self.l2_credit}[tier]
+    def credits(self) -> dict[Tier, float]:
+        return {Tier.L0: self.l0_credit, Tier.L1: self.l1_credit, Tier.L2: self.l2_credit}
 
 
 class Policy(Protocol):
@@ -188,6 +188,7 @@ class CostPolicy:
         self.speculative = PrefixIndex(max_blocks)
         """What this policy routed, inserted as L0 at route time."""
         self._history = _History(self.weights.history_half_life_s)
+        self._credits = self.weights.credits()
 
     def _match(self, request: RouteRequest, names: list[str]) -> dict[str, list[Tier]]:
         return self.speculative.match(request.hashes, replicas=names)
@@ -201,7 +202,8 @@ class CostPolicy:
         mean_recent = sum(recent.values()) / len(healthy)
         costs: dict[str, float] = {}
         for r in healthy:
-            credit = sum(w.credit(t) for t in matches.get(r.name, ())) * request.block_tokens
+            credit = sum(map(self._credits.__getitem__, matches.get(r.name, ()))) \
+                * request.block_tokens
             uncached = max(0.0, request.prompt_tokens - credit)
             excess = max(0.0, recent[r.name] / mean_recent - 1.0) if mean_recent > 0 else 0.0
             costs[r.name] = (uncached * (1.0 + w.history_weight * excess)

@@ -23,6 +23,12 @@ the blocks the cached chunks cover (exact, never a wrong name; usually one block
 and bounds the tail's token count by its UTF-8 length (a byte-level token is at least one byte).
 The tail is encoded only when that bound could break the context-length check, or when it is
 long (text without whitespace to cut at). This halves the router's CPU per request.
+
+The head (the text up to the last cut) of recent prompts is memoized too, with its ids and its
+block names: a request repeating a known document or conversation skips the per-chunk lookups
+and the hashing, the bulk of what is left. The router's work on a request runs with cold CPU
+caches (the cores served the client and the replicas meanwhile), so touching less matters more
+than a tight-loop timing suggests.
 """
 
 from __future__ import annotations
@@ -31,11 +37,18 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from kvtier.keys import BlockHash, block_hashes, extra_key
 
 __all__ = ["ChunkedEncoder", "Prompt", "PromptError", "Tokenizer"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+HEAD_CHARS = 4_000_000
+"""Characters of recent prompt heads memoized with their ids and again with their block names
+(the ids memo takes up to ~11 bytes per character, the names memo ~1)."""
 
 # A non-space followed by whitespace: byte-level BPE pre-tokens never span it.
 _BOUNDARY = re.compile(r"(?<=\S)(?=\s)")
@@ -61,6 +74,9 @@ class Prompt:
 
     ids: list[int]
     tail: str = ""
+    head: str | None = None
+    """The text `ids` encode (after any special tokens), when they came from text: the key of
+    the prompt's memoized block names."""
 
     @property
     def max_tokens(self) -> int:
@@ -111,6 +127,40 @@ def _is_tokens(value: object) -> bool:
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
 
 
+class _Lru(Generic[K, V]):
+    """A dict holding its most recently used entries up to a budget of summed entry costs
+    (1 per entry by default; the key's length for memoized heads, so long prompts cannot pile
+    up memory)."""
+
+    def __init__(self, budget: int, cost: Callable[[K], int] = lambda key: 1) -> None:
+        self.budget = budget
+        self._cost = cost
+        self._spent = 0
+        self._items: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> V:
+        """Store and return `value` (an entry over the whole budget is returned, not stored)."""
+        cost = self._cost(key)
+        if cost > self.budget or key in self._items:
+            return value
+        self._items[key] = value
+        self._spent += cost
+        while self._spent > self.budget:
+            old, _ = self._items.popitem(last=False)
+            self._spent -= self._cost(old)
+        return value
+
+    def clear(self) -> None:
+        self._items.clear()
+        self._spent = 0
+
+
 class ChunkedEncoder:
     """Encodes text chunk by chunk with an LRU cache of chunk ids (see the module docstring).
 
@@ -120,13 +170,14 @@ class ChunkedEncoder:
     """
 
     def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 256,
-                 max_chunks: int = 4096) -> None:
+                 max_chunks: int = 4096, max_head_chars: int = HEAD_CHARS) -> None:
         self._encode = encode
         self.min_chars = min_chars
-        self.max_chunks = max_chunks
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._chunks = _Lru[str, list[int]](max_chunks)
+        self._heads = _Lru[str, list[int]](max_head_chars, len)
+        """Ids of whole heads (text up to the last cut) of recent prompts."""
         self.exact = all(self._joined(t, 1) == encode(t) for t in _SELF_CHECK)
-        self._cache.clear()
+        self._chunks.clear()
 
     def __call__(self, text: str) -> list[int]:
         if not self.exact or len(text) < 2 * self.min_chars:
@@ -145,28 +196,44 @@ class ChunkedEncoder:
         """Ids of `text` up to its last chunk cut, and the rest (the tail) unencoded."""
         if not self.exact or len(text) < 2 * self.min_chars:
             return self._encode(text), ""
-        ids, tail = self._chunked(text, self.min_chars)
+        cuts = self._cuts(text, self.min_chars)
+        end = cuts[-1] if cuts else 0
+        tail = text[end:]
         if len(tail) > 2 * self.min_chars:  # few places to cut: routing needs its blocks
-            return ids + self._encode(tail), ""
-        return ids, tail
+            return self._chunk_ids(text, cuts) + self._encode(tail), ""
+        head = text[:end]
+        ids = self._heads.get(head)
+        if ids is None:
+            ids = self._heads.put(head, self._chunk_ids(head, cuts))
+        return list(ids), tail
 
     def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
-        ids: list[int] = []
+        cuts = self._cuts(text, min_chars)
+        return self._chunk_ids(text, cuts), text[cuts[-1] if cuts else 0:]
+
+    @staticmethod
+    def _cuts(text: str, min_chars: int) -> list[int]:
+        cuts = []
         start = 0
         while (cut := _BOUNDARY.search(text, start + min_chars)) is not None:
-            ids += self._chunk(text[start:cut.start()])
             start = cut.start()
-        return ids, text[start:]  # the tail is usually new: not worth caching
+            cuts.append(start)
+        return cuts
+
+    def _chunk_ids(self, text: str, cuts: list[int]) -> list[int]:
+        """Ids of `text` up to its last cut, chunk by chunk (the tail after it is usually new:
+        not worth caching)."""
+        ids: list[int] = []
+        start = 0
+        for cut in cuts:
+            ids += self._chunk(text[start:cut])
+            start = cut
+        return ids
 
     def _chunk(self, chunk: str) -> list[int]:
-        hit = self._cache.get(chunk)
-        if hit is not None:
-            self._cache.move_to_end(chunk)
-            return hit
-        ids = self._encode(chunk)
-        self._cache[chunk] = ids
-        if len(self._cache) > self.max_chunks:
-            self._cache.popitem(last=False)
+        ids = self._chunks.get(chunk)
+        if ids is None:
+            ids = self._chunks.put(chunk, self._encode(chunk))
         return ids
 
 
@@ -179,6 +246,9 @@ class Tokenizer:
         self._tok = AutoTokenizer.from_pretrained(model_dir)
         self.block_tokens = block_tokens
         self._encode = ChunkedEncoder(self._plain_encoder())
+        self._names = _Lru[tuple[str, str | None, int], tuple[BlockHash, ...]](
+            HEAD_CHARS, lambda key: len(key[0]))
+        """Block names of recent prompt heads, by (head, cache salt, ids count)."""
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
         self._specials = list(self._tok.encode("", add_special_tokens=True))
         probe = _SELF_CHECK[0]
@@ -203,10 +273,11 @@ class Tokenizer:
 
     def _split(self, text: str, add_special_tokens: bool) -> Prompt:
         if not add_special_tokens:
-            return Prompt(*self._encode.split(text))
+            ids, tail = self._encode.split(text)
+            return Prompt(ids, tail, text[:len(text) - len(tail)])
         if self._specials_lead:
             ids, tail = self._encode.split(text)
-            return Prompt(self._specials + ids, tail)
+            return Prompt(self._specials + ids, tail, text[:len(text) - len(tail)])
         return Prompt(list(self._tok.encode(text, add_special_tokens=True)))
 
     def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
@@ -270,3 +341,14 @@ class Tokenizer:
         """Names of the full blocks of `token_ids`, as the replicas' connector names them."""
         return tuple(block_hashes(token_ids, self.block_tokens,
                                   extra_key(cache_salt=cache_salt)))
+
+    def block_names(self, prompt: Prompt, cache_salt: str | None = None) -> tuple[BlockHash, ...]:
+        """`hash(prompt.ids)`, memoized by the prompt's head. The ids count in the key tells a
+        head encoded with leading special tokens from the same head without them."""
+        if prompt.head is None:
+            return self.hash(prompt.ids, cache_salt)
+        key = (prompt.head, cache_salt, len(prompt.ids))
+        names = self._names.get(key)
+        if names is None:
+            names = self._names.put(key, self.hash(prompt.ids, cache_salt))
+        return names
