@@ -26,9 +26,9 @@ long (text without whitespace to cut at). This halves the router's CPU per reque
 
 The head (the text up to the last cut) of recent prompts is memoized too, with its ids and its
 block names: a request repeating a known document or conversation skips the per-chunk lookups
-and the hashing, the bulk of what is left. The router's work on a request runs with cold CPU
-caches (the cores served the client and the replicas meanwhile), so touching less matters more
-than a tight-loop timing suggests.
+and the hashing, the bulk of what is left. In the serving process that work costs several times
+its tight-loop timing (likely cold CPU caches: the cores ran the client and the replicas in
+between), so touching less per request matters.
 """
 
 from __future__ import annotations
@@ -192,20 +192,21 @@ class ChunkedEncoder:
         """Ids of a tail `split` left unencoded."""
         return self._encode(tail) if tail else []
 
-    def split(self, text: str) -> tuple[list[int], str]:
-        """Ids of `text` up to its last chunk cut, and the rest (the tail) unencoded."""
+    def split(self, text: str) -> tuple[list[int], str, str]:
+        """Ids of `text` up to its last chunk cut, that text (the head), and the rest (the
+        tail) unencoded."""
         if not self.exact or len(text) < 2 * self.min_chars:
-            return self._encode(text), ""
+            return self._encode(text), text, ""
         cuts = self._cuts(text, self.min_chars)
         end = cuts[-1] if cuts else 0
         tail = text[end:]
         if len(tail) > 2 * self.min_chars:  # few places to cut: routing needs its blocks
-            return self._chunk_ids(text, cuts) + self._encode(tail), ""
+            return self._chunk_ids(text, cuts) + self._encode(tail), text, ""
         head = text[:end]
         ids = self._heads.get(head)
         if ids is None:
             ids = self._heads.put(head, self._chunk_ids(head, cuts))
-        return list(ids), tail
+        return list(ids), head, tail
 
     def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
         cuts = self._cuts(text, min_chars)
@@ -272,12 +273,9 @@ class Tokenizer:
         return direct if all(direct(t) == wrapped(t) for t in _SELF_CHECK) else wrapped
 
     def _split(self, text: str, add_special_tokens: bool) -> Prompt:
-        if not add_special_tokens:
-            ids, tail = self._encode.split(text)
-            return Prompt(ids, tail, text[:len(text) - len(tail)])
-        if self._specials_lead:
-            ids, tail = self._encode.split(text)
-            return Prompt(self._specials + ids, tail, text[:len(text) - len(tail)])
+        if not add_special_tokens or self._specials_lead:
+            ids, head, tail = self._encode.split(text)
+            return Prompt(self._specials + ids if add_special_tokens else ids, tail, head)
         return Prompt(list(self._tok.encode(text, add_special_tokens=True)))
 
     def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
