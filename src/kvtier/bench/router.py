@@ -202,17 +202,10 @@ def _passthrough_main(port: int, upstream: str) -> None:
     app.cleanup_ctx.append(session)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
+    from kvtier.router.cli import fast_loop_factory  # the kvtier router's own event loop
+
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None,
-                loop=_fast_loop())
-
-
-def _fast_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when present, as the kvtier router uses."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
+                loop=(fast_loop_factory() or asyncio.new_event_loop)())
 
 
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:

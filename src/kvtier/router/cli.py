@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 
 from kvtier.errors import ConfigError
 from kvtier.router.config import ReplicaConfig, RouterConfig, load_replicas_file
 
-__all__ = ["register"]
+__all__ = ["fast_loop_factory", "register"]
 
 _STRATEGIES = ("prefixaware", "kvaware", "session", "roundrobin", "leastload")
 
@@ -34,18 +35,22 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval, seed=args.seed)
 
 
+def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop factory when present (faster; a vLLM dependency), else None."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvtier.router.app import Router, serve  # aiohttp and transformers: only when serving
 
     config = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
-        import uvloop  # a faster event loop when present (a vLLM dependency)
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None
-    try:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
+        with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
             runner.run(serve(Router(config)))
     except KeyboardInterrupt:
         pass
