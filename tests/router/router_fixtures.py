@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from kvtier.model import resolve_model
-from kvtier.router.app import Router
+from kvtier.router.app import Router, serving
 from kvtier.router.config import ReplicaConfig, RouterConfig
 from kvtier.router.tokenize import Tokenizer
 
@@ -125,16 +125,9 @@ async def running_router(replicas: list[FakeReplica], **options: object
     config = RouterConfig(replicas=tuple(ReplicaConfig(r.url) for r in replicas), port=0,
                           block_tokens=16, **options)  # type: ignore[arg-type]
     router = Router(config, tokenizer=tokenizer())
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    async with aiohttp.ClientSession() as client:
-        try:
-            yield RunningRouter(router, f"http://127.0.0.1:{port}", client)
-        finally:
-            await runner.cleanup()
+    async with serving(router, "127.0.0.1", 0) as listening, \
+            aiohttp.ClientSession() as client:
+        yield RunningRouter(router, listening.url, client)
 
 
 @contextlib.asynccontextmanager
@@ -184,17 +177,10 @@ class RouterThread:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        runner = web.AppRunner(self.router.app(), handler_cancellation=True)
-        await runner.setup()
-        try:
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            self.url = f"http://127.0.0.1:{port}"
+        async with serving(self.router, "127.0.0.1", 0) as listening:
+            self.url = listening.url
             self._ready.set()
             await self._stop.wait()
-        finally:
-            await runner.cleanup()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the router's loop (its state is not thread-safe) and return its result."""

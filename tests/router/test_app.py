@@ -322,6 +322,23 @@ def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors() -> Non
     run(scenario())
 
 
+def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served() -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router([a], max_body_bytes=1024) as rr:
+            async def chunks(n: int):
+                for _ in range(n):
+                    yield b" " * 512
+            async with rr.client.post(rr.url + "/v1/completions", data=chunks(4),
+                                      headers={"Content-Type": "application/json"}) as resp:
+                assert resp.status == 413  # no Content-Length to refuse up front
+                assert (await resp.json())["error"]["type"] == "invalid_request_error"
+            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                      expect100=True) as resp:
+                assert resp.status == 200
+            assert len(a.received) == 1
+    run(scenario())
+
+
 def test_api_key_is_required_on_v1_but_not_on_health() -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router([a], api_key="s3cret") as rr:

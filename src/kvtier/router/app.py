@@ -11,40 +11,54 @@ replicas accept) is answered 4xx with an OpenAI error body
 `{"error": {"message", "type", "param", "code"}}`; any unexpected fault becomes a 500 with the
 same shape, never a crashed router. With an API key, `/v1/*` needs `Authorization: Bearer KEY`.
 
-`Router` owns everything with a lifetime (client session, health task, event feed) and stops
-it in the app's cleanup; `serve()` runs it until cancelled.
+`Router` is the ASGI application (served by uvicorn, see `kvtier.router.asgi`); it owns
+everything with a lifetime (client session and pool, health task, event feed) between
+`start()` and `stop()`. `serving()` runs it on a port; `serve()` until cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hmac
 import json
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from kvtier.errors import RoutingError
+from kvtier.router.asgi import (
+    JSON_HEADERS,
+    BodyTooLarge,
+    ClientGone,
+    Exchange,
+    Receive,
+    Scope,
+    Send,
+    server,
+)
 from kvtier.router.config import RouterConfig
 from kvtier.router.events import EventFeed
 from kvtier.router.fleet import Fleet
 from kvtier.router.health import HealthChecker
+from kvtier.router.http_client import HttpPool
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
 from kvtier.router.tokenize import Prompt, PromptError, Tokenizer
 from kvtier.router.upstream import Forward, Upstream, UpstreamFailed
 
-__all__ = ["Router", "error_response", "serve"]
+__all__ = ["Listening", "Router", "serve", "serving"]
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[Exchange], Awaitable[int]]
 
 # field -> (accepted types, description) for the OpenAI fields the router reads or checks
 _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -61,17 +75,17 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | int | None = None) -> web.Response:
-    doc = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return web.json_response(doc, status=status)
-
-
 class BadRequest(Exception):
+    """Answered `status` with an OpenAI error body."""
+
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, type_: str = "invalid_request_error") -> None:
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.type = status, param, code, type_
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 def _check_types(body: Mapping[str, Any]) -> None:
@@ -103,25 +117,21 @@ class Router:
         self.metrics = RouterMetrics(self.fleet, config.strategy, self._index_sizes)
         self.tokenizer = tokenizer
         self._session: aiohttp.ClientSession | None = None
+        self._pool: HttpPool | None = None
         self._upstream: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._feed: EventFeed | None = None
+        self._routes: dict[str, tuple[str, Handler]] = {
+            "/v1/completions": ("POST", self._completions),
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/models": ("GET", self._models),
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._metrics),
+        }
 
     # ----- lifetime -----
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[self._middleware])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
-
-    async def _start(self, app: web.Application) -> None:
+    async def start(self) -> None:
         if self.tokenizer is None:
             from kvtier.model import resolve_model
             self.tokenizer = Tokenizer(resolve_model(self.config.model_dir),
@@ -131,7 +141,8 @@ class Router:
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
             auto_decompress=False)
-        self._upstream = Upstream(self._session, self.fleet, self.policy, self.rng, self.clock,
+        self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s)
+        self._upstream = Upstream(self._pool, self.fleet, self.policy, self.rng, self.clock,
                                   self.metrics)
         health = HealthChecker(self._session, self.fleet, self.config.health_interval_s,
                                self.config.health_timeout_s, self.config.unhealthy_after,
@@ -144,12 +155,14 @@ class Router:
                                    self._count_event, self.clock, self.config.max_blocks)
             self._feed.start()
 
-    async def _stop(self, app: web.Application) -> None:
+    async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._feed is not None:
             await self._feed.close()
+        if self._pool is not None:
+            self._pool.close()
         if self._session is not None:
             await self._session.close()
 
@@ -168,76 +181,84 @@ class Router:
             sizes["routed"] = len(self.policy.speculative)
         return sizes
 
-    # ----- middleware: auth, errors, request metrics -----
+    # ----- ASGI entry: routing by path, auth, errors, request metrics -----
 
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no lifespan or websocket protocol here
         started = time.perf_counter()
-        endpoint = request.path if request.path in _ENDPOINTS else "other"
+        exchange = Exchange(scope, receive, send)
+        route = self._routes.get(exchange.path)
         status = 500
         try:
-            if self.config.api_key and request.path.startswith("/v1/"):
-                given = request.headers.get("Authorization", "")
+            status = await self._answer(exchange, route)
+        except ClientGone:
+            status = 499
+        finally:
+            endpoint = exchange.path if route else "other"
+            self.metrics.requests.inc(endpoint, str(status))
+            self.metrics.latency.observe(time.perf_counter() - started, endpoint)
+
+    async def _answer(self, exchange: Exchange, route: tuple[str, Handler] | None) -> int:
+        """Run the handler; map every failure to an OpenAI error body. Returns the status."""
+        try:
+            if route is None:
+                raise BadRequest(404, f"no such endpoint: {exchange.path}")
+            method, handler = route
+            if exchange.method != method:
+                raise BadRequest(405, f"{exchange.path} takes {method}, not {exchange.method}")
+            if self.config.api_key and exchange.path.startswith("/v1/"):
+                given = exchange.headers.get("authorization", "")
                 if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}"
                                            .encode()):
-                    response: web.StreamResponse = error_response(
-                        401, "invalid or missing API key", type_="authentication_error",
-                        code="invalid_api_key")
-                    status = 401
-                    return response
-            try:
-                response = await handler(request)
-            except BadRequest as exc:
-                response = error_response(exc.status, str(exc), param=exc.param, code=exc.code)
-            except web.HTTPException as exc:  # 404/405/413 raised by aiohttp itself
-                response = error_response(exc.status, exc.reason,
-                                          type_="invalid_request_error")
-            except RoutingError as exc:
-                response = error_response(503, str(exc), type_="service_unavailable",
-                                          code="no_healthy_replica")
-            except UpstreamFailed as exc:
-                response = error_response(502, str(exc), type_="upstream_error",
-                                          code="upstream_failed")
-            except asyncio.CancelledError:
-                status = 499  # the client went away
-                raise
-            except Exception as exc:
-                log.exception("unexpected error on %s", request.path)
-                response = error_response(500, f"internal router error: {exc}",
-                                          type_="internal_error")
-            status = response.status
-            return response
-        finally:
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+                    raise BadRequest(401, "invalid or missing API key", code="invalid_api_key",
+                                     type_="authentication_error")
+            return await handler(exchange)
+        except BadRequest as exc:
+            error = exc
+        except BodyTooLarge as exc:
+            error = BadRequest(413, str(exc))
+        except RoutingError as exc:
+            error = BadRequest(503, str(exc), code="no_healthy_replica",
+                               type_="service_unavailable")
+        except UpstreamFailed as exc:
+            error = BadRequest(502, str(exc), code="upstream_failed", type_="upstream_error")
+        except ClientGone:
+            raise
+        except Exception as exc:
+            log.exception("unexpected error on %s", exchange.path)
+            error = BadRequest(500, f"internal router error: {exc}", type_="internal_error")
+        if exchange.started:  # too late for an error body: the answer was under way
+            return 500
+        await exchange.respond_json(error.status, error.body())
+        return error.status
 
     # ----- handlers -----
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "/v1/completions", chat=False)
+    async def _completions(self, exchange: Exchange) -> int:
+        return await self._generate(exchange, "/v1/completions", chat=False)
 
-    async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "/v1/chat/completions", chat=True)
+    async def _chat(self, exchange: Exchange) -> int:
+        return await self._generate(exchange, "/v1/chat/completions", chat=True)
 
-    async def _generate(self, request: web.Request, endpoint: str,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, exchange: Exchange, endpoint: str, chat: bool) -> int:
         arrived = time.perf_counter()
-        raw = await request.read()
+        raw = await exchange.body(self.config.max_body_bytes)
         body = self._parse(raw)
         prompt = self._prompt(body, chat)
-        assert self.tokenizer is not None  # set in _start
+        assert self.tokenizer is not None  # set in start()
         hashes = self.tokenizer.block_names(prompt, body.get("cache_salt"))
         self._check_length(body, prompt, chat)
-        session = request.headers.get(self.config.session_header) or body.get("user")
+        session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
         route = RouteRequest(hashes, self.config.block_tokens,
                              prompt.estimated_tokens, session)
-        headers = {"Content-Type": "application/json",
-                   "Accept-Encoding": request.headers.get("Accept-Encoding", "identity")}
-        if not self.config.api_key and "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]  # the replicas' own key
+        headers = [("Content-Type", "application/json"),
+                   ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity"))]
+        if not self.config.api_key and "authorization" in exchange.headers:
+            headers.append(("Authorization", exchange.headers["authorization"]))  # the replicas' own key
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)
         assert self._upstream is not None
-        return await self._upstream.forward(request, fwd)
+        return await exchange.cancel_on_disconnect(self._upstream.forward(exchange, fwd))
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
@@ -283,7 +304,7 @@ class Router:
                                   f"completion).", "messages" if chat else "prompt",
                              "context_length_exceeded")
 
-    async def _models(self, request: web.Request) -> web.StreamResponse:
+    async def _models(self, exchange: Exchange) -> int:
         assert self._session is not None
         replicas = self.fleet.healthy()
         self.rng.shuffle(replicas)
@@ -291,35 +312,64 @@ class Router:
             try:
                 async with self._session.get(replica.config.url + "/v1/models") as resp:
                     if resp.status == 200:
-                        return web.Response(body=await resp.read(), status=200,
-                                            content_type="application/json")
+                        await exchange.respond(200, await resp.read(), JSON_HEADERS)
+                        return 200
             except (TimeoutError, aiohttp.ClientError, OSError):
                 continue
         raise RoutingError("no healthy replica answered /v1/models")
 
-    async def _health(self, request: web.Request) -> web.StreamResponse:
+    async def _health(self, exchange: Exchange) -> int:
         healthy = [r.name for r in self.fleet.healthy()]
         doc = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy,
                "replicas": len(self.fleet)}
-        return web.json_response(doc, status=200 if healthy else 503)
+        status = 200 if healthy else 503
+        await exchange.respond_json(status, doc)
+        return status
 
-    async def _metrics(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def _metrics(self, exchange: Exchange) -> int:
+        await exchange.respond(200, self.metrics.render(),
+                               [(b"content-type", CONTENT_TYPE.encode())])
+        return 200
 
 
-_ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                        "/metrics"})
+@dataclass(frozen=True, slots=True)
+class Listening:
+    url: str
+    """Base URL the router answers on."""
+    closed: asyncio.Task[None]
+    """Done when the server stops (SIGINT/SIGTERM, or leaving `serving`)."""
+
+
+@contextlib.asynccontextmanager
+async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listening]:
+    """Start `router` and serve it on `host:port` (0: any free port) inside the block."""
+    await router.start()
+    try:
+        uvicorn_server = server(router, host, port)
+        task = asyncio.create_task(uvicorn_server.serve())
+        while not uvicorn_server.started:
+            if task.done():
+                await task  # raises what stopped it
+                raise RuntimeError(f"the router could not listen on {host}:{port}")
+            await asyncio.sleep(0.01)
+        bound = uvicorn_server.servers[0].sockets[0].getsockname()[1]
+        try:
+            yield Listening(f"http://{host}:{bound}", task)
+        finally:
+            uvicorn_server.should_exit = True
+            await task
+    finally:
+        await router.stop()
 
 
 async def serve(router: Router) -> None:
-    """Run the router on its configured host and port until cancelled."""
-    runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, router.config.host, router.config.port)
-        await site.start()
-        log.info("kvtier router on http://%s:%d (%s, %d replicas)", router.config.host,
-                 router.config.port, router.config.strategy, len(router.fleet))
-        await asyncio.Event().wait()
-    finally:
-        await runner.cleanup()
+    """Run the router on its configured host and port until a signal stops it."""
+    config = router.config
+    async with serving(router, config.host, config.port) as listening:
+        # The tokenizer and its imports (transformers, torch) are a large heap that lives as
+        # long as the process: keep the collector from walking it again and again.
+        gc.collect()
+        gc.freeze()
+        log.info("kvtier router on %s (%s, %d replicas)", listening.url, config.strategy,
+                 len(router.fleet))
+        await asyncio.shield(listening.closed)

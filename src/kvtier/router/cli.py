@@ -45,7 +45,7 @@ def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvtier.router.app import Router, serve  # aiohttp and transformers: only when serving
+    from kvtier.router.app import Router, serve  # uvicorn and transformers: only when serving
 
     config = config_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

@@ -15,13 +15,19 @@
     kvtier_router_index_blocks{index}                  entries in a prefix index
     kvtier_router_events_total{source,kind}            KV events applied
     kvtier_router_index_purges_total{cause}            replica purges: restart, cleared, down
+
+The series touched by every request (requests, latency, first byte, overhead, decisions, routed)
+are plain dict and list increments exported at scrape time: prometheus_client's `labels()` and
+locked `observe()` cost ~0.05 ms per request on a slow host, a tenth of the router's own cost.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
 from kvtier.router.fleet import Fleet
 
@@ -33,6 +39,53 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                     5.0, 10.0, 30.0, 60.0, 120.0)
 
 
+class HotCounter:
+    """A labelled counter for the request path: `inc(*labels)` is one dict update."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str]) -> None:
+        self._name, self._doc, self._labels = name, doc, list(labels)
+        self.values: dict[tuple[str, ...], int] = {}
+
+    def inc(self, *labels: str) -> None:
+        self.values[labels] = self.values.get(labels, 0) + 1
+
+    def family(self) -> Metric:
+        family = CounterMetricFamily(self._name, self._doc, labels=self._labels)
+        for labels, value in list(self.values.items()):
+            family.add_metric(labels, value)
+        return family
+
+
+class HotHistogram:
+    """A labelled histogram for the request path: `observe(value, *labels)` is one bisect and
+    two list updates (per-bucket counts, made cumulative at scrape time)."""
+
+    def __init__(self, name: str, doc: str, labels: Sequence[str],
+                 buckets: Sequence[float]) -> None:
+        self._name, self._doc, self._labels = name, doc, list(labels)
+        self._bounds = tuple(buckets)
+        self.series: dict[tuple[str, ...], list[float]] = {}
+        """labels -> [count per bucket..., count above the last, sum]"""
+
+    def observe(self, value: float, *labels: str) -> None:
+        series = self.series.get(labels)
+        if series is None:
+            series = self.series[labels] = [0.0] * (len(self._bounds) + 2)
+        series[bisect_left(self._bounds, value)] += 1
+        series[-1] += value
+
+    def family(self) -> Metric:
+        family = HistogramMetricFamily(self._name, self._doc, labels=self._labels)
+        for labels, series in list(self.series.items()):
+            cumulative, buckets = 0.0, []
+            for bound, count in zip((*map(str, self._bounds), "+Inf"), series[:-1],
+                                    strict=True):
+                cumulative += count
+                buckets.append((bound, cumulative))
+            family.add_metric(labels, buckets, series[-1])
+        return family
+
+
 class RouterMetrics:
     def __init__(self, fleet: Fleet, strategy: str,
                  index_sizes: Callable[[], dict[str, int]]) -> None:
@@ -41,16 +94,16 @@ class RouterMetrics:
         self._fleet = fleet
         self._index_sizes = index_sizes
         r = self.registry
-        self.requests = Counter("kvtier_router_requests", "Requests answered.",
-                                ["endpoint", "status"], registry=r)
-        self.latency = Histogram("kvtier_router_request_seconds", "Arrival to last byte.",
-                                 ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.first_byte = Histogram("kvtier_router_first_byte_seconds",
-                                    "Arrival to first byte from the replica.", ["endpoint"],
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.overhead = Histogram("kvtier_router_overhead_seconds",
-                                  "Arrival to upstream send: parse, tokenize, route.",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = HotCounter("kvtier_router_requests", "Requests answered.",
+                                   ["endpoint", "status"])
+        self.latency = HotHistogram("kvtier_router_request_seconds", "Arrival to last byte.",
+                                    ["endpoint"], _LATENCY_BUCKETS)
+        self.first_byte = HotHistogram("kvtier_router_first_byte_seconds",
+                                       "Arrival to first byte from the replica.", ["endpoint"],
+                                       _LATENCY_BUCKETS)
+        self.overhead = HotHistogram("kvtier_router_overhead_seconds",
+                                     "Arrival to upstream send: parse, tokenize, route.", [],
+                                     _LATENCY_BUCKETS)
         self.in_flight = Gauge("kvtier_router_in_flight", "Requests held on a replica.",
                                ["replica"], registry=r)
         self.queued = Gauge("kvtier_router_queued_prefill_tokens",
@@ -58,10 +111,10 @@ class RouterMetrics:
                             registry=r)
         self.healthy = Gauge("kvtier_router_replica_healthy", "1 when the replica is up.",
                              ["replica"], registry=r)
-        self.decisions = Counter("kvtier_router_decisions", "Routing decisions.",
-                                 ["strategy", "reason"], registry=r)
-        self.routed = Counter("kvtier_router_routed", "Attempts sent to each replica.",
-                              ["replica"], registry=r)
+        self.decisions = HotCounter("kvtier_router_decisions", "Routing decisions.",
+                                    ["strategy", "reason"])
+        self.routed = HotCounter("kvtier_router_routed", "Attempts sent to each replica.",
+                                 ["replica"])
         self.failovers = Counter("kvtier_router_failovers",
                                  "Attempts that failed over off a replica.", ["replica"],
                                  registry=r)
@@ -73,6 +126,12 @@ class RouterMetrics:
                               registry=r)
         self.purges = Counter("kvtier_router_index_purges", "Replica purges from the index.",
                               ["cause"], registry=r)
+        r.register(self)  # exports the hot series through collect()
+
+    def collect(self) -> Iterator[Metric]:
+        for hot in (self.requests, self.latency, self.first_byte, self.overhead,
+                    self.decisions, self.routed):
+            yield hot.family()
 
     def render(self) -> bytes:
         """The exposition text; gauges are sampled from live state here, not on every change."""

@@ -10,7 +10,8 @@ its next good health check); one that answered 5xx is only excluded for this req
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
-closes the upstream response (vLLM aborts the request). The lease is released on every path.
+cancels the forward (`Exchange.cancel_on_disconnect`), which aborts the upstream connection
+(vLLM aborts the request). The lease is released on every path.
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import json
 import logging
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import aiohttp
-from aiohttp import web
-
 from kvtier.errors import RoutingError
+from kvtier.router.asgi import Exchange, Header
 from kvtier.router.fleet import Fleet, Lease, Replica
+from kvtier.router.http_client import HttpPool, Response
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Policy, RouteRequest
 
@@ -36,7 +36,6 @@ __all__ = ["Forward", "Upstream", "UpstreamFailed"]
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
-_CONNECTION_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 
 
 class UpstreamFailed(Exception):
@@ -50,7 +49,7 @@ class Forward:
     endpoint: str
     """Path on the replica, e.g. /v1/chat/completions."""
     body: bytes
-    headers: Mapping[str, str]
+    headers: Sequence[tuple[str, str]]
     route: RouteRequest
     stream: bool
     arrived: float
@@ -63,17 +62,18 @@ def sse_error(message: str, code: int) -> bytes:
 
 
 class Upstream:
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy,
+    def __init__(self, pool: HttpPool, fleet: Fleet, policy: Policy,
                  rng: random.Random, clock: Callable[[], float], metrics: RouterMetrics) -> None:
-        self._session = session
+        self._pool = pool
         self._fleet = fleet
         self._policy = policy
         self._rng = rng
         self._clock = clock
         self._metrics = metrics
 
-    async def forward(self, request: web.Request, fwd: Forward) -> web.StreamResponse:
-        """Serve `fwd` from some replica; raises RoutingError or UpstreamFailed if none can."""
+    async def forward(self, exchange: Exchange, fwd: Forward) -> int:
+        """Serve `fwd` from some replica and return the status; raises RoutingError or
+        UpstreamFailed if none can."""
         excluded: set[str] = set()
         last_error = ""
         for _ in range(len(self._fleet)):
@@ -86,14 +86,14 @@ class Upstream:
                     raise
                 break
             self._policy.observe_routed(fwd.route, decision, now)
-            self._metrics.decisions.labels(self._metrics.strategy, decision.reason).inc()
+            self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
             replica = self._fleet[decision.replica]
-            self._metrics.routed.labels(replica.name).inc()
+            self._metrics.routed.inc(replica.name)
             uncached = fwd.route.prompt_tokens - decision.cached_tokens
             with self._fleet.lease(replica, uncached) as lease:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
                 try:
-                    return await self._attempt(request, fwd, replica, lease)
+                    return await self._attempt(exchange, fwd, replica, lease)
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
                     if retry.unreachable:
@@ -103,54 +103,50 @@ class Upstream:
             self._metrics.failovers.labels(replica.name).inc()
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
-    async def _attempt(self, request: web.Request, fwd: Forward, replica: Replica,
-                       lease: Lease) -> web.StreamResponse:
-        url = replica.config.url + fwd.endpoint
+    async def _attempt(self, exchange: Exchange, fwd: Forward, replica: Replica,
+                       lease: Lease) -> int:
         try:
-            async with self._session.post(url, data=fwd.body, headers=fwd.headers) as resp:
-                if resp.status in RETRY_STATUSES:  # it answers: fail over, but keep it
-                    raise _Retry(f"HTTP {resp.status}", unreachable=False)
-                first = await resp.content.readany()
-                if not first and resp.content.at_eof() and resp.content_length != 0:
-                    raise _Retry("closed before the first byte")
-                lease.first_byte()
-                self._metrics.first_byte.labels(fwd.endpoint).observe(
-                    time.perf_counter() - fwd.arrived)
-                headers = _passthrough(resp, replica)
-                if not fwd.stream or resp.status != 200:
-                    rest = await resp.read()
-                    return web.Response(status=resp.status, body=first + rest, headers=headers)
-                out = web.StreamResponse(status=resp.status, headers=headers)
-                await self._relay(request, resp, out, first)
-                return out
-        except _CONNECTION_ERRORS as exc:
+            resp = await self._pool.post(replica.config.url, fwd.endpoint, fwd.body,
+                                         fwd.headers)
+        except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
-
-    async def _relay(self, request: web.Request, resp: aiohttp.ClientResponse,
-                     out: web.StreamResponse, first: bytes) -> None:
-        """Copy the SSE body chunk by chunk; committed: no exception escapes as a retry."""
         try:
-            await out.prepare(request)
-            await out.write(first)
-        except _CONNECTION_ERRORS:
-            self._metrics.stream_errors.labels("client").inc()
-            return
-        chunks = resp.content.iter_any()
-        try:
-            while True:
+            if resp.status in RETRY_STATUSES:  # it answers: fail over, but keep it
+                raise _Retry(f"HTTP {resp.status}", unreachable=False)
+            try:
+                first = await resp.chunk()
+            except OSError as exc:
+                raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+            lease.first_byte()
+            self._metrics.first_byte.observe(time.perf_counter() - fwd.arrived, fwd.endpoint)
+            headers = _passthrough(resp.headers, replica)
+            if not fwd.stream or resp.status != 200:
                 try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
-                except _CONNECTION_ERRORS as exc:  # the replica died or went silent
+                    rest = await resp.read()
+                except OSError as exc:  # nothing sent yet: still a retry
+                    raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+                await exchange.respond(resp.status, first + rest, headers)
+            else:
+                await exchange.start(resp.status, headers)
+                await self._relay(exchange, resp, first)
+            return resp.status
+        finally:
+            resp.close()
+
+    async def _relay(self, exchange: Exchange, resp: Response, first: bytes) -> None:
+        """Copy the SSE body chunk by chunk; committed: no exception escapes as a retry."""
+        chunk = first
+        try:
+            while chunk:
+                await exchange.write(chunk)
+                try:
+                    chunk = await resp.chunk()
+                except OSError as exc:  # the replica died or went silent
                     self._metrics.stream_errors.labels("upstream").inc()
-                    await out.write(sse_error(f"replica failed mid-stream: {exc}", 502))
+                    await exchange.write(sse_error(f"replica failed mid-stream: {exc}", 502))
                     break
-                await out.write(chunk)
-            await out.write_eof()
-        except _CONNECTION_ERRORS:  # writes failed: the client went away
-            self._metrics.stream_errors.labels("client").inc()
-        except asyncio.CancelledError:  # the client went away (handler cancellation)
+            await exchange.finish()
+        except asyncio.CancelledError:  # the client went away (Exchange.cancel_on_disconnect)
             self._metrics.stream_errors.labels("client").inc()
             raise
 
@@ -165,11 +161,11 @@ class _Retry(Exception):
 
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
-                         "date", "server"})
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
+                         b"date", b"server"})
 
 
-def _passthrough(resp: aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:
-    headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_BY_HOP}
-    headers["x-kvtier-replica"] = replica.name
-    return headers
+def _passthrough(headers: list[Header], replica: Replica) -> list[Header]:
+    kept = [(name, value) for name, value in headers if name.lower() not in _HOP_BY_HOP]
+    kept.append((b"x-kvtier-replica", replica.name.encode("latin-1")))
+    return kept
