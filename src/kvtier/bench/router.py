@@ -19,8 +19,9 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
   requests with the same prompts: pure routing cost, free of engine noise. Every router runs
   in front of the fakes at once and they take turns request by request, so background load on
   the machine weighs on all of them alike. A last row, "passthrough", is the same figure for
-  a bare aiohttp proxy (no parsing, no routing): the floor of a Python hop on this machine now,
-  which makes an absolute overhead comparable across machines of different speed.
+  a proxy on kvtier's own HTTP stack (uvicorn server, `HttpPool` client) that neither parses
+  nor routes: the floor of that stack on this machine now, so kvtier's overhead minus it is
+  the routing work, and absolute figures can be compared across machines of different speed.
 
 Peers: the cache-aware modes of `sglang-router` and `vllm-router` (PyPI), when installed; a
 peer that cannot be started records the exact reason in its row's "error".
@@ -53,7 +54,7 @@ ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "s
            "vllm-router")
 BLOCK = 128
 PASSTHROUGH = "passthrough"
-"""Overhead reference: the cheapest Python HTTP hop (aiohttp, no parsing or routing)."""
+"""Overhead reference: kvtier's HTTP stack forwarding without parsing or routing."""
 
 
 # ----- the routers under test -----
@@ -177,35 +178,31 @@ def _fake_replica_main(port: int) -> None:
 
 
 def _passthrough_main(port: int, upstream: str) -> None:
-    """Forward every completion to `upstream` untouched: the floor of any aiohttp proxy on this
-    machine at this moment, next to which the routers' overheads can be read."""
-    import aiohttp
-    from aiohttp import web
+    """Forward every completion to `upstream` untouched, on the router's own HTTP stack and
+    event loop: the floor next to which the routers' overheads can be read."""
+    from kvtier.router.asgi import JSON_HEADERS, Exchange, Receive, Scope, Send, server
+    from kvtier.router.cli import fast_loop_factory
+    from kvtier.router.http_client import HttpPool
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    pool = HttpPool(5.0, 60.0)
 
-    async def completions(request: web.Request) -> web.Response:
-        body = await request.read()
-        async with request.app["session"].post(
-                upstream + "/v1/completions", data=body,
-                headers={"Content-Type": "application/json"}) as resp:
-            return web.Response(body=await resp.read(), status=resp.status,
-                                content_type="application/json")
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        exchange = Exchange(scope, receive, send)
+        if exchange.path == "/health":
+            await exchange.respond(200, b"ok", [])
+            return
+        body = await exchange.body(64 * 1024 * 1024)
+        resp = await pool.post(upstream, "/v1/completions", body,
+                               [("Content-Type", "application/json")])
+        try:
+            await exchange.respond(resp.status, await resp.read(), JSON_HEADERS)
+        finally:
+            resp.close()
 
-    async def session(app: web.Application) -> Any:
-        app["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        yield
-        await app["session"].close()
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.cleanup_ctx.append(session)
-    app.router.add_get("/health", health)
-    app.router.add_post("/v1/completions", completions)
-    from kvtier.router.cli import fast_loop_factory  # the kvtier router's own event loop
-
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None,
-                loop=(fast_loop_factory() or asyncio.new_event_loop)())
+    with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
+        runner.run(server(app, "127.0.0.1", port).serve())
 
 
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
