@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import gc
 import hmac
-import json
 import logging
 import random
 import time
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from kvtier.errors import RoutingError
 from kvtier.router.asgi import (
@@ -73,6 +73,9 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "cache_salt": ((str,), "a string"),
     "stop": ((str, list), "a string or a list of strings"),
 }
+
+
+_decode_json = msgspec.json.Decoder().decode  # 2-3x faster than json.loads on long prompts
 
 
 class BadRequest(Exception):
@@ -262,8 +265,8 @@ class Router:
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            body = _decode_json(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
             raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
         if not isinstance(body, dict):
             raise BadRequest(400, "request body must be a JSON object")

@@ -11,8 +11,8 @@ Owned by the router's event loop (single-threaded: no locks).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Self
 
 from kvtier.router.config import ReplicaConfig
 from kvtier.router.policies import ReplicaView
@@ -65,6 +65,12 @@ class Lease:
         self.replica.in_flight -= 1
         self._done = True
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
 
 class Fleet:
     def __init__(self, replicas: tuple[ReplicaConfig, ...]) -> None:
@@ -92,10 +98,6 @@ class Fleet:
         lens = [r.max_model_len for r in self.replicas.values() if r.max_model_len]
         return min(lens) if lens else None
 
-    @contextmanager
-    def lease(self, replica: Replica, prefill_tokens: int) -> Iterator[Lease]:
-        lease = Lease(replica, prefill_tokens)
-        try:
-            yield lease
-        finally:
-            lease.release()
+    def lease(self, replica: Replica, prefill_tokens: int) -> Lease:
+        """Use as `with fleet.lease(...) as lease:` (released on leaving the block)."""
+        return Lease(replica, prefill_tokens)

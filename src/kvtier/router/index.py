@@ -46,6 +46,11 @@ def _best(mask: int) -> Tier | None:
     return None
 
 
+_BEST_OF_MASK: tuple[Tier | None, ...] = tuple(_best(m) for m in range(1 << len(TIER_ORDER)))
+"""`_best` of every tier bit set, looked up on the routing path instead of recomputed."""
+_NO_HOLDERS: dict[str, int] = {}
+
+
 class PrefixIndex:
     """Which blocks each replica holds, per tier; bounded by `max_blocks` entries (LRU)."""
 
@@ -131,13 +136,16 @@ class PrefixIndex:
         for h in hashes:
             if not alive:
                 break
-            masks: dict[str, int] = {}
-            for ix in indexes:
-                for r, m in ix._holders.get(h, {}).items():
-                    masks[r] = masks.get(r, 0) | m
+            if len(indexes) == 1:  # the common case: no merge, read the holders in place
+                masks = self._holders.get(h, _NO_HOLDERS)
+            else:
+                masks = {}
+                for ix in indexes:
+                    for r, m in ix._holders.get(h, _NO_HOLDERS).items():
+                        masks[r] = masks.get(r, 0) | m
             shared = bool(masks.get(SHARED, 0) & _BIT[Tier.L2])
             for r in list(alive):
-                tier = _best(masks.get(r, 0))
+                tier = _BEST_OF_MASK[masks.get(r, 0)]
                 if tier is None and shared:
                     tier = Tier.L2
                 if tier is None:
