@@ -93,9 +93,15 @@ def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
         asyncio.run(passthrough.wait_ready(30))
         figures = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url}, url,
                                                ["a b c"], pairs=20))
+        streaks = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url, "direct": url},
+                                               url, ["a b c"], pairs=20, streak=7,
+                                               prefix="overhead_cold"))
     finally:
         passthrough.stop()
         os.killpg(fake.pid, signal.SIGKILL)
         fake.wait()
     row = figures[PASSTHROUGH]
     assert 0 < row["overhead_p50_ms"] <= row["overhead_p99_ms"] < 1000
+    assert set(streaks) == {PASSTHROUGH, "direct"}
+    assert set(streaks["direct"]) == {"overhead_cold_p50_ms", "overhead_cold_p99_ms"}
+    assert streaks["direct"]["overhead_cold_p50_ms"] < row["overhead_p50_ms"]  # no hop at all

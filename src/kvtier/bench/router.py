@@ -17,11 +17,16 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
 - overhead_p50_ms / overhead_p99_ms: the router's added latency, measured in front of two fast
   fake replicas (separate process) as the paired difference router - direct over sequential
   requests with the same prompts: pure routing cost, free of engine noise. Every router runs
-  in front of the fakes at once and they take turns request by request, so background load on
-  the machine weighs on all of them alike. A last row, "passthrough", is the same figure for
-  a proxy on kvtier's own HTTP stack (uvicorn server, `HttpPool` client) that neither parses
-  nor routes: the floor of that stack on this machine now, so kvtier's overhead minus it is
-  the routing work, and absolute figures can be compared across machines of different speed.
+  in front of the fakes at once and they take turns, 20 pairs each, so background load on
+  the machine weighs on all of them alike while each serves warm, as under steady traffic;
+- overhead_cold_p50_ms / overhead_cold_p99_ms: the same with turns of one pair, so each router
+  idles while the others serve, as at a trickle of traffic: about twice the warm figure for
+  every router on 2 cores (most likely cold CPU caches).
+
+A last row, "passthrough", gives the same figures for a proxy on kvtier's own HTTP stack
+(uvicorn server, `HttpPool` client) that neither parses nor routes: the floor of that stack on
+this machine now, so kvtier's overhead minus it is the routing work, and absolute figures can be
+compared across machines of different speed.
 
 Peers: the cache-aware modes of `sglang-router` and `vllm-router` (PyPI), when installed; a
 peer that cannot be started records the exact reason in its row's "error".
@@ -55,6 +60,8 @@ ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "s
 BLOCK = 128
 PASSTHROUGH = "passthrough"
 """Overhead reference: kvtier's HTTP stack forwarding without parsing or routing."""
+WARM_STREAK = 20
+"""Consecutive overhead pairs per router per turn in the warm measurement."""
 
 
 # ----- the routers under test -----
@@ -327,11 +334,15 @@ async def run_workload(router_url: str, replicas: Sequence[str], model: str,
 
 
 async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
-                           prompts: Sequence[str], pairs: int) -> dict[str, dict[str, float]]:
-    """Per router, paired (router - direct) latency of sequential non-streaming requests.
+                           prompts: Sequence[str], pairs: int, streak: int = 1,
+                           prefix: str = "overhead") -> dict[str, dict[str, float]]:
+    """Per router, paired (router - direct) latency of sequential non-streaming requests, as
+    `{prefix}_p50_ms` and `{prefix}_p99_ms`.
 
-    The routers take turns request by request (each pair: direct, then through one router), so
-    the machine's drifting background load weighs on every router alike."""
+    The routers take turns, `streak` pairs each (a pair: direct, then through the router), so
+    the machine's drifting background load weighs on every router alike. With a streak of 1 a
+    router's process idles while the others serve, and meets each request with cold CPU caches
+    (as at a trickle of traffic); a longer streak measures it warm, as under steady traffic."""
     import aiohttp
 
     from kvtier.bench.report import percentile
@@ -348,15 +359,16 @@ async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
             return time.perf_counter() - start
 
         warmup = 30
-        for i in range(pairs + warmup):
-            prompt = prompts[i % len(prompts)]
+        for turn in range(0, pairs + warmup, streak):
             for name, url in router_urls.items():
-                direct = await timed(direct_url, prompt)
-                routed = await timed(url, prompt)
-                if i >= warmup:
-                    diffs[name].append(1000 * (routed - direct))
-    return {name: {"overhead_p50_ms": round(percentile(d, 50), 3),
-                   "overhead_p99_ms": round(percentile(d, 99), 3)} for name, d in diffs.items()}
+                for i in range(turn, min(turn + streak, pairs + warmup)):
+                    prompt = prompts[i % len(prompts)]
+                    direct = await timed(direct_url, prompt)
+                    routed = await timed(url, prompt)
+                    if i >= warmup:
+                        diffs[name].append(1000 * (routed - direct))
+    return {name: {f"{prefix}_p50_ms": round(percentile(d, 50), 3),
+                   f"{prefix}_p99_ms": round(percentile(d, 99), 3)} for name, d in diffs.items()}
 
 
 # ----- orchestration -----
@@ -408,7 +420,8 @@ async def bench_one(name: str, replicas: list[Replica], model: str, workload: Wo
 
 async def bench_overheads(names: Sequence[str], fakes: list[Replica], prompts: Sequence[str],
                           pairs: int, work_dir: Path) -> dict[str, dict[str, Any]]:
-    """Every router in front of the fake replicas at once, measured in turns."""
+    """Every router in front of the fake replicas at once, measured in turns: warm (turns of
+    `WARM_STREAK` pairs) as `overhead_*`, then cold (one pair per turn) as `overhead_cold_*`."""
     started: dict[str, RouterProcess] = {}
     out: dict[str, dict[str, Any]] = {}
     try:
@@ -421,7 +434,10 @@ async def bench_overheads(names: Sequence[str], fakes: list[Replica], prompts: S
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         ready = {name: r.url for name, r in started.items() if name not in out}
         if ready:
-            out.update(await measure_overhead(ready, fakes[0].url, prompts, pairs))
+            warm = await measure_overhead(ready, fakes[0].url, prompts, pairs, WARM_STREAK)
+            cold = await measure_overhead(ready, fakes[0].url, prompts, pairs, 1,
+                                          "overhead_cold")
+            out.update({name: {**warm[name], **cold[name]} for name in ready})
     finally:
         for router in started.values():
             router.stop()
