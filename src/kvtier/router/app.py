@@ -13,7 +13,7 @@ same shape, never a crashed router. With an API key, `/v1/*` needs `Authorizatio
 
 `Router` is the ASGI application (served by uvicorn, see `kvtier.router.asgi`); it owns
 everything with a lifetime (client session and pool, health task, event feed) between
-`start()` and `stop()`. `serving()` runs it on a port; `serve()` until cancelled.
+`start()` and `stop()`. `serving()` runs it on a port; `serve()` until a signal stops it.
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ class Router:
         headers = [("Content-Type", "application/json"),
                    ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity"))]
         if not self.config.api_key and "authorization" in exchange.headers:
-            headers.append(("Authorization", exchange.headers["authorization"]))  # the replicas' own key
+            # without a key of its own the router passes the client's on (the replicas' key)
+            headers.append(("Authorization", exchange.headers["authorization"]))
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)
         assert self._upstream is not None
         return await exchange.cancel_on_disconnect(self._upstream.forward(exchange, fwd))
