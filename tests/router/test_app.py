@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import pytest
 
+from kvtier.errors import ConfigError
 from kvtier.events import EventKind, Tier
 from kvtier.events_wire import EventPublisher
+from kvtier.router.app import Router, serving
+from kvtier.router.config import ReplicaConfig, RouterConfig
 from tests.router.router_fixtures import (
     MAX_MODEL_LEN,
     MODEL,
@@ -20,6 +24,7 @@ from tests.router.router_fixtures import (
     free_endpoint,
     running_router,
     sse_bytes,
+    tokenizer,
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
@@ -336,6 +341,18 @@ def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served() -> None:
                                       expect100=True) as resp:
                 assert resp.status == 200
             assert len(a.received) == 1
+    run(scenario())
+
+
+def test_a_port_already_taken_is_a_config_error_naming_it() -> None:
+    async def scenario() -> None:
+        with socket.create_server(("127.0.0.1", 0)) as taken:
+            port = taken.getsockname()[1]
+            router = Router(RouterConfig(replicas=(ReplicaConfig("http://127.0.0.1:1"),)),
+                            tokenizer=tokenizer())
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+                async with serving(router, "127.0.0.1", port):
+                    pass
     run(scenario())
 
 

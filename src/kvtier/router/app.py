@@ -23,7 +23,9 @@ import contextlib
 import gc
 import hmac
 import logging
+import os
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvtier.errors import RoutingError
+from kvtier.errors import ConfigError, RoutingError
 from kvtier.router.asgi import (
     JSON_HEADERS,
     BodyTooLarge,
@@ -346,24 +348,30 @@ class Listening:
 
 @contextlib.asynccontextmanager
 async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listening]:
-    """Start `router` and serve it on `host:port` (0: any free port) inside the block."""
-    await router.start()
+    """Start `router` and serve it on `host:port` (0: any free port) inside the block; a port
+    that cannot be bound is a ConfigError naming it."""
     try:
-        uvicorn_server = server(router, host, port)
-        task = asyncio.create_task(uvicorn_server.serve())
-        while not uvicorn_server.started:
-            if task.done():
-                await task  # raises what stopped it
-                raise RuntimeError(f"the router could not listen on {host}:{port}")
-            await asyncio.sleep(0.01)
-        bound = uvicorn_server.servers[0].sockets[0].getsockname()[1]
+        sock = socket.create_server((host, port))
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from exc
+    with sock:
+        await router.start()
         try:
-            yield Listening(f"http://{host}:{bound}", task)
+            uvicorn_server = server(router, host, port)
+            task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
+            while not uvicorn_server.started:
+                if task.done():
+                    await task  # raises what stopped it
+                    raise RuntimeError(f"the router could not serve on {host}:{port}")
+                await asyncio.sleep(0.01)
+            try:
+                yield Listening(f"http://{host}:{sock.getsockname()[1]}", task)
+            finally:
+                uvicorn_server.should_exit = True
+                await task
         finally:
-            uvicorn_server.should_exit = True
-            await task
-    finally:
-        await router.stop()
+            await router.stop()
 
 
 async def serve(router: Router) -> None:
@@ -376,4 +384,7 @@ async def serve(router: Router) -> None:
         gc.freeze()
         log.info("kvtier router on %s (%s, %d replicas)", listening.url, config.strategy,
                  len(router.fleet))
-        await asyncio.shield(listening.closed)
+        try:
+            await asyncio.shield(listening.closed)
+        finally:
+            gc.unfreeze()  # so the interpreter's last collection reclaims it at exit
