@@ -341,8 +341,9 @@ async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
 
     The routers take turns, `streak` pairs each (a pair: direct, then through the router), so
     the machine's drifting background load weighs on every router alike. With a streak of 1 a
-    router's process idles while the others serve, and meets each request with cold CPU caches
-    (as at a trickle of traffic); a longer streak measures it warm, as under steady traffic."""
+    router's process idles while the others serve (as at a trickle of traffic; it then pays
+    about twice as much, most likely for cold CPU caches); a longer streak measures it warm, as
+    under steady traffic."""
     import aiohttp
 
     from kvtier.bench.report import percentile
