@@ -1,13 +1,13 @@
 """kvtier: a tiered KV cache and a KV-aware router for fleets of vLLM replicas."""
 
-from kvtier.errors import (
+from kvtier.core.errors import (
     CodecError,
     ConfigError,
     KvtierError,
     ModelError,
     TierError,
 )
-from kvtier.keys import BlockHash, ModelIdentity, Namespace, block_hashes
+from kvtier.core.keys import BlockHash, ModelIdentity, Namespace, block_hashes
 
 __all__ = [
     "BlockHash",

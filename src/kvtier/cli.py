@@ -11,36 +11,30 @@ import argparse
 import importlib
 import sys
 
-from kvtier.errors import KvtierError
+from kvtier.core.errors import KvtierError
 
 # Top-level commands, in the order `--help` lists them.
 COMMAND_MODULES = (
-    "kvtier.bench.demo",
-    "kvtier.model",
-    "kvtier.vllm.serve",
+    "kvtier.tools.demo",
+    "kvtier.tools.embedded_model",
+    "kvtier.tools.serve",
     "kvtier.router.cli",
-    "kvtier.sim.cli",
-    "kvtier.cluster.cli",
-    "kvtier.l2.cli",
+    "kvtier.tools.sim.cli",
+    "kvtier.tools.cluster.cli",
+    "kvtier.tools.l2ops.cli",
 )
 # `kvtier bench SCENARIO`: one module per scenario.
 BENCH_MODULES = (
-    "kvtier.bench.store",
-    "kvtier.bench.tiers",
-    "kvtier.bench.router",
-    "kvtier.bench.fleet",
+    "kvtier.tools.bench.store",
+    "kvtier.tools.bench.tiers",
+    "kvtier.tools.bench.router",
+    "kvtier.tools.bench.fleet_runs",
 )
 
 
 def _register_all(subparsers: argparse._SubParsersAction, modules: tuple[str, ...]) -> None:  # type: ignore[type-arg]
     for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:  # a dependency is missing: a real error
-                raise
-            continue  # command not built in this checkout yet
-        module.register(subparsers)
+        importlib.import_module(name).register(subparsers)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,12 +9,12 @@ import socket
 
 import pytest
 
-from kvtier.errors import ConfigError
-from kvtier.events import EventKind, Tier
-from kvtier.events_wire import EventPublisher
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import EventKind, Tier
+from kvtier.net.kv_events import EventPublisher
 from kvtier.router.app import Router, serving
-from kvtier.router.config import ReplicaConfig, RouterConfig
-from tests.router.router_fixtures import (
+from kvtier.router.settings import ReplicaConfig, RouterConfig
+from tests.helpers.router import (
     MAX_MODEL_LEN,
     MODEL,
     SSE_CHUNKS,

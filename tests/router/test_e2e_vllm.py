@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvtier.keys import block_hashes
-from kvtier.model import resolve_model
-from kvtier.ports import free_port
-from kvtier.router.config import ReplicaConfig, RouterConfig
-from kvtier.router.tokenize import Tokenizer
-from kvtier.vllm.server import ServerProcess, ServerSpec
-from tests.router.router_fixtures import RouterThread
+from kvtier.core.keys import block_hashes
+from kvtier.tools.embedded_model import resolve_model
+from kvtier.net.ports import free_port
+from kvtier.router.settings import ReplicaConfig, RouterConfig
+from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.vllm_server import ServerProcess, ServerSpec
+from tests.helpers.router import RouterThread
 
 pytestmark = pytest.mark.engine
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.router.fleet import Fleet
+from kvtier.router.replicas import Fleet
 from kvtier.router.metrics import RouterMetrics
 
 

@@ -5,9 +5,9 @@ from collections import Counter
 
 import pytest
 
-from kvtier.errors import ConfigError, RoutingError
-from kvtier.events import Tier
-from kvtier.keys import block_hashes
+from kvtier.core.errors import ConfigError, RoutingError
+from kvtier.core.events import Tier
+from kvtier.core.keys import block_hashes
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import (
     POLICIES,

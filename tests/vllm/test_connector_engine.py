@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.events import EventKind, Tier
-from kvtier.events_wire import EventSubscriber
-from kvtier.keys import block_hashes, extra_key
-from kvtier.vllm.config import ConnectorConfig
-from kvtier.vllm.server import ServerProcess
+from kvtier.core.events import EventKind, Tier
+from kvtier.net.kv_events import EventSubscriber
+from kvtier.core.keys import block_hashes, extra_key
+from kvtier.vllm.settings import ConnectorConfig
+from kvtier.tools.vllm_server import ServerProcess
 
-from .engine_fixtures import (
+from tests.helpers.engines import (
     complete,
     free_port,
     kv_transfer_config,

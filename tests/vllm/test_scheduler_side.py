@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from kvtier.codec import BlockMeta
-from kvtier.events import EventKind, Tier
-from kvtier.keys import ModelIdentity, block_hashes, extra_key, root_hash
-from kvtier.vllm import runtime
-from kvtier.vllm.config import ConnectorConfig
+from kvtier.core.codec import BlockMeta
+from kvtier.core.events import EventKind, Tier
+from kvtier.core.keys import ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.vllm import process_store
+from kvtier.vllm.settings import ConnectorConfig
 from kvtier.vllm.metadata import KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.stats import ConnectorCounters
@@ -52,19 +52,19 @@ class FakeSchedulerOutput:
 
 
 @pytest.fixture
-def rt() -> Iterator[runtime.Runtime]:
+def rt() -> Iterator[process_store.ProcessStore]:
     identity = ModelIdentity(model="unit", kv_layout="test", block_tokens=BLOCK)
-    shared = runtime.acquire(ConnectorConfig(l1_bytes=1 << 20), identity, publish=False)
+    shared = process_store.acquire(ConnectorConfig(l1_bytes=1 << 20), identity, publish=False)
     yield shared
-    runtime.release(shared)
+    process_store.release(shared)
 
 
-def _side(rt: runtime.Runtime, block_ids: dict[str, list[int]] | None = None) -> SchedulerSide:
+def _side(rt: process_store.ProcessStore, block_ids: dict[str, list[int]] | None = None) -> SchedulerSide:
     return SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
                          events=False, block_ids_of=lambda r: (block_ids or {})[r], load_async=True)
 
 
-def _store_blocks(rt: runtime.Runtime, tokens: list[int], n: int, salt: str | None = None) -> None:
+def _store_blocks(rt: process_store.ProcessStore, tokens: list[int], n: int, salt: str | None = None) -> None:
     extra = extra_key(cache_salt=salt) if salt else b""
     parent = root_hash(extra)
     for h in block_hashes(tokens, BLOCK, extra)[:n]:
@@ -86,7 +86,7 @@ def _answer(side: SchedulerSide, request: FakeRequest, local: int) -> tuple[int 
 
 
 def test_lookup_answers_none_first_then_full_blocks_short_of_the_last_token(
-        rt: runtime.Runtime) -> None:
+        rt: process_store.ProcessStore) -> None:
     tokens = list(range(1024))
     _store_blocks(rt, tokens, 4)  # all four blocks are cached...
     side = _side(rt)
@@ -100,7 +100,7 @@ def test_lookup_answers_none_first_then_full_blocks_short_of_the_last_token(
         side.close()
 
 
-def test_only_the_contiguous_prefix_counts(rt: runtime.Runtime) -> None:
+def test_only_the_contiguous_prefix_counts(rt: process_store.ProcessStore) -> None:
     tokens = list(range(1300))
     hashes = block_hashes(tokens, BLOCK)
     _store_blocks(rt, tokens, 2)
@@ -113,7 +113,7 @@ def test_only_the_contiguous_prefix_counts(rt: runtime.Runtime) -> None:
         side.close()
 
 
-def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: runtime.Runtime) -> None:
+def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: process_store.ProcessStore) -> None:
     side = _side(rt)
     try:
         request = FakeRequest("r", list(range(600)))
@@ -123,7 +123,7 @@ def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: runtime.Runt
 
 
 def test_a_salted_request_does_not_hit_unsalted_or_other_salts_blocks(
-        rt: runtime.Runtime) -> None:
+        rt: process_store.ProcessStore) -> None:
     tokens = list(range(800))
     _store_blocks(rt, tokens, 3, salt="tenant-a")
     side = _side(rt)
@@ -135,7 +135,7 @@ def test_a_salted_request_does_not_hit_unsalted_or_other_salts_blocks(
         side.close()
 
 
-def test_load_plan_skips_engine_blocks_l0_already_holds(rt: runtime.Runtime) -> None:
+def test_load_plan_skips_engine_blocks_l0_already_holds(rt: process_store.ProcessStore) -> None:
     tokens = list(range(1100))
     _store_blocks(rt, tokens, 4)
     side = _side(rt)
@@ -156,7 +156,7 @@ def test_load_plan_skips_engine_blocks_l0_already_holds(rt: runtime.Runtime) -> 
         side.close()
 
 
-def test_saves_are_planned_for_blocks_each_step_completes(rt: runtime.Runtime) -> None:
+def test_saves_are_planned_for_blocks_each_step_completes(rt: process_store.ProcessStore) -> None:
     tokens = list(range(700))
     side = _side(rt, {"r": list(range(20, 26))})
     try:
@@ -179,7 +179,7 @@ def test_saves_are_planned_for_blocks_each_step_completes(rt: runtime.Runtime) -
         side.close()
 
 
-def test_l1_mirror_makes_a_worker_process_l1_visible(rt: runtime.Runtime) -> None:
+def test_l1_mirror_makes_a_worker_process_l1_visible(rt: process_store.ProcessStore) -> None:
     tokens = list(range(600))
     hashes = block_hashes(tokens, BLOCK)
     side = _side(rt)
@@ -193,7 +193,7 @@ def test_l1_mirror_makes_a_worker_process_l1_visible(rt: runtime.Runtime) -> Non
 
 
 def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
-        rt: runtime.Runtime) -> None:
+        rt: process_store.ProcessStore) -> None:
     tokens = list(range(5 * BLOCK))
     _store_blocks(rt, tokens, 3)
     side = SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
 LAYERS, BLOCKS, HEADS, TOKENS, DIM2 = 3, 8, 2, 4, 6

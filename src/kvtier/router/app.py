@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from kvtier.errors import ConfigError, RoutingError
+from kvtier.core.errors import ConfigError, RoutingError
 from kvtier.router.asgi import (
     JSON_HEADERS,
     BodyTooLarge,
@@ -45,15 +45,15 @@ from kvtier.router.asgi import (
     Send,
     server,
 )
-from kvtier.router.config import RouterConfig
-from kvtier.router.events import EventFeed
-from kvtier.router.fleet import Fleet
+from kvtier.router.settings import RouterConfig
+from kvtier.router.event_feed import EventFeed
+from kvtier.router.replicas import Fleet
 from kvtier.router.health import HealthChecker
-from kvtier.router.http_client import HttpPool
+from kvtier.net.http_client import HttpPool
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
-from kvtier.router.tokenize import Prompt, PromptError, Tokenizer
+from kvtier.router.tokenizer import Prompt, PromptError, Tokenizer
 from kvtier.router.upstream import Forward, Upstream, UpstreamFailed
 
 __all__ = ["Listening", "Router", "serve", "serving"]
@@ -138,7 +138,7 @@ class Router:
 
     async def start(self) -> None:
         if self.tokenizer is None:
-            from kvtier.model import resolve_model
+            from kvtier.tools.embedded_model import resolve_model
             self.tokenizer = Tokenizer(resolve_model(self.config.model_dir),
                                        self.config.block_tokens)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,

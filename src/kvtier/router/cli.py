@@ -7,8 +7,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from kvtier.errors import ConfigError
-from kvtier.router.config import ReplicaConfig, RouterConfig, load_replicas_file
+from kvtier.core.errors import ConfigError
+from kvtier.router.settings import ReplicaConfig, RouterConfig, load_replicas_file
 
 __all__ = ["fast_loop_factory", "register"]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from kvtier.router.fleet import Fleet, Replica
+from kvtier.router.replicas import Fleet, Replica
 
 __all__ = ["HealthChecker"]
 

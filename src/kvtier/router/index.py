@@ -24,9 +24,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvtier.errors import ConfigError
-from kvtier.events import Tier
-from kvtier.keys import BlockHash
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import Tier
+from kvtier.core.keys import BlockHash
 
 __all__ = ["SHARED", "TIER_ORDER", "PrefixIndex"]
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from kvtier.router.fleet import Fleet
+from kvtier.router.replicas import Fleet
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 

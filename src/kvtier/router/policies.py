@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.errors import ConfigError, RoutingError
-from kvtier.events import Tier
-from kvtier.keys import BlockHash
+from kvtier.core.errors import ConfigError, RoutingError
+from kvtier.core.events import Tier
+from kvtier.core.keys import BlockHash
 from kvtier.router.index import PrefixIndex
 
 __all__ = [

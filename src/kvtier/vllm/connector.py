@@ -21,9 +21,9 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.errors import ConfigError
-from kvtier.events import Tier
-from kvtier.vllm import compat, runtime
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import Tier
+from kvtier.vllm import compat, process_store
 from kvtier.vllm.compat import (
     CacheHitSource,
     KVConnectorBase_V1,
@@ -32,7 +32,7 @@ from kvtier.vllm.compat import (
     KVConnectorStats,
     KVConnectorWorkerMetadata,
 )
-from kvtier.vllm.config import ConnectorConfig
+from kvtier.vllm.settings import ConnectorConfig
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
@@ -75,26 +75,26 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._runtimes = [
-                runtime.acquire(self.config,
-                                runtime.model_identity(self.config, geometry, model, rank),
+            self._stores = [
+                process_store.acquire(self.config,
+                                process_store.model_identity(self.config, geometry, model, rank),
                                 publish=False)
                 for rank in range(geometry.tp_size)]
             self._scheduler = SchedulerSide(
-                self._runtimes, self.config.block_tokens, geometry.engine_block_tokens,
+                self._stores, self.config.block_tokens, geometry.engine_block_tokens,
                 self.config.lookup_ttl_s, self.counters,
                 lookup_wait_s=self.config.lookup_wait_ms / 1000,
                 events=self.config.events_endpoint is not None,
                 block_ids_of=self._block_ids_of, load_async=self.config.load_async)
         else:
             rank = compat.worker_tp_rank()
-            identity = runtime.model_identity(self.config, geometry, model, rank)
-            self._runtimes = [runtime.acquire(self.config, identity, publish=rank == 0)]
-            self._worker = WorkerSide(self._runtimes[0], geometry, rank,
+            identity = process_store.model_identity(self.config, geometry, model, rank)
+            self._stores = [process_store.acquire(self.config, identity, publish=rank == 0)]
+            self._worker = WorkerSide(self._stores[0], geometry, rank,
                                       self.config.block_tokens, self.config.load_threads,
                                       self.counters)
         log.info("kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
-                 role.name, [r.namespace for r in self._runtimes], self.config.block_tokens,
+                 role.name, [r.namespace for r in self._stores], self.config.block_tokens,
                  self.config.l1_bytes, self.config.l2_path)
 
     @property
@@ -140,9 +140,9 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker.close()
         if self._scheduler is not None:
             self._scheduler.close()
-        for rt in self._runtimes:
-            runtime.release(rt)
-        self._runtimes = []
+        for rt in self._stores:
+            process_store.release(rt)
+        self._stores = []
 
     # ---- scheduler side -------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ class KvtierConnector(KVConnectorBase_V1):
         return self._scheduler_side().finished(request), None
 
     def take_events(self) -> Iterable[Any]:
-        return ()  # kvtier publishes its own events (kvtier.events_wire), keyed seedlessly
+        return ()  # kvtier publishes its own events (kvtier.net.kv_events), keyed seedlessly
 
     # ---- stats ------------------------------------------------------------------------------
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.events import Tier
-from kvtier.keys import BlockHash
+from kvtier.core.events import Tier
+from kvtier.core.keys import BlockHash
 from kvtier.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
-from kvtier.vllm.runtime import L1Change
+from kvtier.vllm.process_store import L1Change
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,11 +32,11 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.events import EventKind, Tier
-from kvtier.keys import BlockHash, block_hashes, root_hash
+from kvtier.core.events import EventKind, Tier
+from kvtier.core.keys import BlockHash, block_hashes, root_hash
 from kvtier.vllm import compat
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
-from kvtier.vllm.runtime import Runtime
+from kvtier.vllm.process_store import ProcessStore
 from kvtier.vllm.stats import ConnectorCounters
 
 if TYPE_CHECKING:
@@ -75,13 +75,13 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, runtimes: Sequence[Runtime], block_tokens: int, engine_block_tokens: int,
+    def __init__(self, stores: Sequence[ProcessStore], block_tokens: int, engine_block_tokens: int,
                  lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
                  block_ids_of: Callable[[str], list[int]], load_async: bool,
                  lookup_wait_s: float = 0.0) -> None:
-        """`runtimes`: one per TP rank (a block counts only if every rank has it);
+        """`stores`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
-        self._runtimes = list(runtimes)
+        self._stores = list(stores)
         self._block = block_tokens
         self._engine_block = engine_block_tokens
         self._per_block = block_tokens // engine_block_tokens
@@ -95,7 +95,7 @@ class SchedulerSide:
         # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
         # workers may live in other processes). Written on the scheduler thread, read by the
         # lookup thread.
-        self._l1: list[set[BlockHash]] = [set() for _ in self._runtimes]
+        self._l1: list[set[BlockHash]] = [set() for _ in self._stores]
         self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
@@ -240,10 +240,10 @@ class SchedulerSide:
         found: list[Tier] = []
         for h in hashes:
             tier = Tier.L1
-            for rank, runtime in enumerate(self._runtimes):
+            for rank, shared in enumerate(self._stores):
                 with self._l1_lock:
                     in_l1 = h in self._l1[rank]
-                rank_tier = Tier.L1 if in_l1 else runtime.store.contains(h)
+                rank_tier = Tier.L1 if in_l1 else shared.store.contains(h)
                 if rank_tier is None:
                     return found
                 tier = max(tier, rank_tier, key=_TIER_ORDER.__getitem__)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

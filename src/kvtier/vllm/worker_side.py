@@ -31,13 +31,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from kvtier.codec import BlockMeta
-from kvtier.errors import ConfigError
-from kvtier.events import Tier
-from kvtier.keys import BlockHash
+from kvtier.core.codec import BlockMeta
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import Tier
+from kvtier.core.keys import BlockHash
 from kvtier.vllm.compat import EngineGeometry
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
-from kvtier.vllm.runtime import Runtime
+from kvtier.vllm.process_store import ProcessStore
 from kvtier.vllm.stats import ConnectorCounters
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
@@ -47,11 +47,11 @@ PREEMPT_WAIT_S = 30.0
 
 
 class WorkerSide:
-    def __init__(self, runtime: Runtime, geometry: EngineGeometry, tp_rank: int,
+    def __init__(self, shared: ProcessStore, geometry: EngineGeometry, tp_rank: int,
                  block_tokens: int, load_threads: int, counters: ConnectorCounters) -> None:
-        self._runtime = runtime
+        self._shared = shared
         self._rank = tp_rank
-        self._store = runtime.store
+        self._store = shared.store
         self._geometry = geometry
         self._block = block_tokens
         self._per_block = block_tokens // geometry.engine_block_tokens
@@ -122,7 +122,7 @@ class WorkerSide:
 
     def worker_meta(self) -> KvtierWorkerMeta | None:
         """This worker's L1 changes since the last step, for the scheduler's L1 mirror."""
-        changes = self._runtime.take_l1_changes()
+        changes = self._shared.take_l1_changes()
         return KvtierWorkerMeta([(self._rank, c) for c in changes]) if changes else None
 
     def load_errors(self) -> set[int]:
@@ -213,7 +213,7 @@ class WorkerSide:
             return
         p = self._per_block
         for i, block_hash in enumerate(hashes):
-            self._runtime.aliases.add(block_hash, engine_hashes[i * p:(i + 1) * p])
+            self._shared.aliases.add(block_hash, engine_hashes[i * p:(i + 1) * p])
 
     def _require_kv(self) -> PagedKV:
         if self._kv is None:

@@ -1,0 +1,410 @@
+"""TieredStore: one replica's view of L1 (host memory) and L2 (the shared pool).
+
+Operations, all thread-safe (the vLLM connector calls them from the scheduler thread and from
+its worker threads):
+
+    lookup(hashes)  scheduler, every step of a waiting request: tiers of the longest contiguous
+                    prefix present now. No side effects on contents or recency; L2 existence
+                    answers are cached for `l2_exists_ttl_s`.
+    load(hashes)    worker, once per hit: the leading blocks, stopping at the first one missing
+                    or invalid. L2 hits are promoted into L1 (whose LRU keeps a prefix more
+                    recent than its extensions, see `kvtier.core.tiers.memory`).
+    save(h, ...)    worker, once per computed full block: the admission policy decides; an
+                    admitted block is copied once into L1 synchronously and queued for an
+                    asynchronous write-through to L2. The queue is bounded: when it is full the
+                    L2 write is dropped and counted, never waited for.
+    flush / close   owner: wait for queued L2 writes; close drains or abandons them (counted)
+                    and stops the I/O threads this store started, and the L2 capacity
+                    janitor it runs when `l2_capacity_bytes` is set (`kvtier.core.tiers.shared`).
+
+Tier faults never reach callers: a failed read is a miss, a failed write is counted.
+`on_event(kind, tier, hashes)` reports blocks landing in (STORED) or leaving (REMOVED) a tier;
+it runs on the thread that caused the change (a caller's for L1, an I/O thread's for L2) and
+must not block; exceptions it raises are logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Self
+
+from kvtier.core.admission import make_policy
+from kvtier.core.codec import BlockMeta, byte_view, check_payload_length
+from kvtier.core.settings import StoreConfig
+from kvtier.core.errors import TierError
+from kvtier.core.events import EventKind, Tier
+from kvtier.core.keys import BlockHash, ModelIdentity
+from kvtier.core.tiers.base import BlockTier, PutResult, StoredBlock, TierStats
+from kvtier.core.tiers.memory import MemoryTier
+from kvtier.core.tiers.shared import SharedL2, open_shared_l2
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[EventKind, Tier, Sequence[BlockHash]], None]
+
+__all__ = ["LoadedBlock", "StoreStats", "TieredStore"]
+
+_CONFIRMED_MAX = 1 << 16
+L2_BATCH = 16
+"""Blocks per L2 existence check or read batch: one round trip for a network tier, while a
+prefix that ends early costs a directory tier at most this many wasted checks."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedBlock:
+    block_hash: BlockHash
+    meta: BlockMeta
+    payload: memoryview
+    """Read-only view; valid until the caller drops it (eviction does not invalidate it)."""
+    tier: Tier
+    """Where it was found (L1 or L2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A snapshot of the store's counters."""
+
+    l1: TierStats | None
+    """None when L1 is disabled (`l1_bytes=0`)."""
+    l2: TierStats | None
+    """None when L2 is disabled or unusable (see `l2_disabled_reason`)."""
+    l2_disabled_reason: str | None
+    saves: int
+    admission_rejected: int
+    l2_queued: int
+    """Write-through jobs accepted into the queue."""
+    l2_dropped: int
+    """Write-through jobs dropped because the queue was full."""
+    l2_abandoned: int
+    """Queued jobs discarded by `close(drain=False)` or a drain timeout."""
+    l2_write_errors: int
+    """Jobs whose L2 write raised unexpectedly (tier faults are counted in `l2.errors`)."""
+    l2_queue_depth: int
+    """Jobs queued or being written right now."""
+    lookups: int
+    lookup_blocks: int
+    """Blocks asked about by `lookup`."""
+    lookup_hit_blocks: int
+    """Blocks of the contiguous prefixes `lookup` found."""
+    event_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class _WriteJob:
+    block_hash: BlockHash
+    meta: BlockMeta
+    payload: memoryview
+
+
+class TieredStore:
+    """Longest-prefix lookup, promotion, admission and write-through over L1 and L2."""
+
+    def __init__(self, config: StoreConfig, identity: ModelIdentity,
+                 on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """The store builds the L2 `config` names (`l2_path` or `l2_url`, with the capacity
+        janitor; see `kvtier.core.tiers.shared`) and closes it. `l2_tier` replaces it (another
+        backend, or a test double); its creator keeps ownership and closes it.
+        `clock` times the L2 existence TTLs (tests pass a fake one)."""
+        self.config = config
+        self.identity = identity
+        self.namespace = identity.namespace()
+        self._on_event = on_event
+        self._policy = make_policy(config)
+        self._l1 = MemoryTier(config.l1_bytes) if config.l1_bytes > 0 else None
+        self._l2: BlockTier | None = l2_tier
+        self._shared: SharedL2 | None = None  # what this store built, and closes
+        self._l2_disabled_reason: str | None = None
+        if l2_tier is None:
+            try:
+                self._shared = open_shared_l2(config, identity, clock=clock)
+            except TierError as exc:
+                self._l2_disabled_reason = str(exc)
+                log.warning("kvtier: L2 disabled, running L1-only: %s", exc)
+            if self._shared is not None:
+                self._l2 = self._shared.tier
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._pending: set[BlockHash] = set()  # queued or being written; guarded by _lock
+        # Blocks a writer recently saw in L2, oldest first, with when; guarded by _lock.
+        self._confirmed: OrderedDict[BlockHash, float] = OrderedDict()
+        self._clock = clock
+        self._counts = dict.fromkeys(
+            ("saves", "admission_rejected", "l2_queued", "l2_dropped", "l2_abandoned",
+             "l2_write_errors", "lookups", "lookup_blocks", "lookup_hit_blocks",
+             "event_errors"), 0)
+        self._closed = False
+        self._abandon = False
+        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(config.write_queue_blocks)
+        self._writers = [threading.Thread(target=self._write_loop, name=f"kvtier-l2-writer-{i}",
+                                          daemon=True)
+                         for i in range(config.io_threads if self._l2 is not None else 0)]
+        for thread in self._writers:
+            thread.start()
+
+    # ---- public API ---------------------------------------------------------------------
+
+    @property
+    def l2_enabled(self) -> bool:
+        return self._l2 is not None
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tiers of the longest contiguous prefix of `hashes` available now."""
+        found: list[Tier] = []
+        while len(found) < len(hashes):
+            tiers = self._locate(hashes[len(found):len(found) + L2_BATCH])
+            found += tiers
+            if len(tiers) < L2_BATCH:
+                break
+        self._count(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=len(found))
+        return found
+
+    def contains(self, block_hash: BlockHash) -> Tier | None:
+        """The nearest tier holding `block_hash` now, without side effects."""
+        tiers = self._locate([block_hash])
+        return tiers[0] if tiers else None
+
+    def load(self, hashes: Sequence[BlockHash]) -> list[LoadedBlock]:
+        """The leading blocks of `hashes` that could be read, in order; L2 hits go into L1.
+
+        Runs of blocks missing from L1 are read from L2 in batches of up to `L2_BATCH`.
+        """
+        loaded: list[LoadedBlock] = []
+        while len(loaded) < len(hashes):
+            h = hashes[len(loaded)]
+            block = self._l1.get(h) if self._l1 is not None else None
+            if block is not None:
+                loaded.append(LoadedBlock(h, block.meta, block.payload, Tier.L1))
+                continue
+            run = self._l1_miss_run(hashes[len(loaded):len(loaded) + L2_BATCH])
+            blocks = self._l2_read(run)
+            for rh, rblock in zip(run, blocks, strict=True):
+                if rblock is None:
+                    return loaded
+                self._promote(rh, rblock)
+                loaded.append(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
+        return loaded
+
+    def save(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer, *,
+             reused: bool = False, prefix_tokens: int | None = None) -> bool:
+        """Offer one full block; returns whether the admission policy admitted it.
+
+        `reused` says the block's prefix was already hit before (for the "reused" policy);
+        `prefix_tokens` is the number of tokens up to the end of this block (for
+        "min-tokens"; defaults to the block's own tokens). `payload` may be reused by the
+        caller as soon as this returns. Raises `CodecError` only if the payload length
+        contradicts `meta` (a caller bug).
+        """
+        view = byte_view(payload)
+        check_payload_length(meta, view.nbytes)
+        if self._closed:
+            return False
+        self._count(saves=1)
+        if not self._policy.admit(block_hash, meta, reused=reused, prefix_tokens=prefix_tokens):
+            self._count(admission_rejected=1)
+            return False
+        held: StoredBlock | None = None
+        if self._l1 is not None:
+            held = self._l1.peek(block_hash)
+            if held is None:
+                self._record(self._l1.put(block_hash, meta, view), Tier.L1, block_hash)
+                held = self._l1.peek(block_hash)
+        if self._l2 is not None:
+            self._enqueue(block_hash, meta, view, held)
+        return True
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            counts = dict(self._counts)
+            depth = len(self._pending)
+        return StoreStats(
+            l1=None if self._l1 is None else self._l1.stats(),
+            l2=None if self._l2 is None else self._l2.stats(),
+            l2_disabled_reason=self._l2_disabled_reason, l2_queue_depth=depth, **counts)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every queued L2 write has finished; False if `timeout_s` ran out first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout_s)
+
+    def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
+        """Stop accepting saves, then finish (`drain`) or abandon queued L2 writes.
+
+        With `drain=True` queued writes are completed for up to `timeout_s`; whatever is left
+        then (or everything queued, with `drain=False`) is abandoned and counted. A write
+        already in progress cannot be interrupted: the writer threads are joined until
+        `timeout_s` (counted from the call) runs out; they are daemons, so a hung mount cannot
+        keep the process alive.
+        An L2 tier the store built is closed, after its janitor (whose lease is handed over at
+        once); L1 keeps its blocks until the store is dropped.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if self._writers:
+            if not (drain and self.flush(timeout_s)):
+                self._abandon = True
+                self._discard_queued()
+            for _ in self._writers:
+                self._queue.put(None)
+            for thread in self._writers:
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._shared is not None:
+            self._shared.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _locate(self, hashes: Sequence[BlockHash]) -> list[Tier]:
+        """Tiers of the contiguous prefix of `hashes` (one L2 batch for the L1 misses)."""
+        in_l1 = (self._l1.contains_many(hashes) if self._l1 is not None
+                 else [False] * len(hashes))
+        misses = [h for h, hit in zip(hashes, in_l1, strict=True) if not hit]
+        in_l2 = iter(self._l2_exists(misses) if misses else [])
+        found: list[Tier] = []
+        for hit in in_l1:
+            if hit:
+                found.append(Tier.L1)
+            elif next(in_l2):
+                found.append(Tier.L2)
+            else:
+                break
+        return found
+
+    def _l1_miss_run(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """The leading hashes L1 does not hold (at least the first one)."""
+        if self._l1 is None:
+            return list(hashes)
+        run = [hashes[0]]
+        for h in hashes[1:]:
+            if self._l1.contains(h):
+                break
+            run.append(h)
+        return run
+
+    def _l2_exists(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        if self._l2 is None:
+            return [False] * len(hashes)
+        try:
+            return self._l2.contains_many(hashes)
+        except Exception:  # a tier must not raise; if it does, it is a miss
+            log.exception("kvtier: L2 existence check failed; treating it as a miss")
+            return [False] * len(hashes)
+
+    def _l2_read(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
+        if self._l2 is None:
+            return [None] * len(hashes)
+        try:
+            return self._l2.get_many(hashes)
+        except Exception:
+            log.exception("kvtier: L2 read failed; treating it as a miss")
+            return [None] * len(hashes)
+
+    def _promote(self, block_hash: BlockHash, block: StoredBlock) -> None:
+        if self._l1 is not None:
+            self._record(self._l1.adopt(block_hash, block), Tier.L1, block_hash)
+
+    def _record(self, result: PutResult, tier: Tier, block_hash: BlockHash) -> None:
+        """Announce what a put changed: evictions first, then the new block."""
+        if result.evicted:
+            self._emit(EventKind.REMOVED, tier, result.evicted)
+        if result.stored:
+            self._emit(EventKind.STORED, tier, (block_hash,))
+
+    def _enqueue(self, block_hash: BlockHash, meta: BlockMeta, view: memoryview,
+                 held: StoredBlock | None) -> None:
+        with self._lock:
+            if block_hash in self._pending or self._recently_in_l2(block_hash):
+                return
+            if self._queue.full():
+                self._counts["l2_dropped"] += 1
+                return
+            self._pending.add(block_hash)
+        # Write from L1's immutable copy when there is one; else take a private copy, since
+        # the caller may overwrite its buffer as soon as save() returns.
+        payload = held.payload if held is not None else memoryview(bytes(view))
+        try:
+            self._queue.put_nowait(_WriteJob(block_hash, meta, payload))
+        except queue.Full:
+            self._finish(block_hash, l2_dropped=1)
+            return
+        self._count(l2_queued=1)
+
+    def _recently_in_l2(self, block_hash: BlockHash) -> bool:
+        """Did a write-through confirm this block in L2 within `l2_exists_ttl_s`? (lock held)
+
+        Re-saving a hot prefix then costs no queue slot and no I/O; after the TTL the writer
+        checks L2 again, in case the janitor removed the block meanwhile."""
+        confirmed = self._confirmed.get(block_hash)
+        return confirmed is not None and self._clock() - confirmed < self.config.l2_exists_ttl_s
+
+    def _confirm(self, block_hash: BlockHash) -> None:
+        with self._lock:
+            self._confirmed[block_hash] = self._clock()
+            self._confirmed.move_to_end(block_hash)
+            if len(self._confirmed) > _CONFIRMED_MAX:
+                self._confirmed.popitem(last=False)
+
+    def _write_loop(self) -> None:
+        l2 = self._l2
+        while l2 is not None and (job := self._queue.get()) is not None:
+            if self._abandon:
+                self._finish(job.block_hash, l2_abandoned=1)
+                continue
+            try:
+                result = l2.put(job.block_hash, job.meta, job.payload)
+            except Exception:  # a tier must not raise; never let one kill the writer
+                log.exception("kvtier: L2 write of %s failed", job.block_hash.hex())
+                self._finish(job.block_hash, l2_write_errors=1)
+                continue
+            self._record(result, Tier.L2, job.block_hash)
+            if result.stored or self._l2_exists([job.block_hash])[0]:
+                self._confirm(job.block_hash)
+            self._finish(job.block_hash)
+
+    def _discard_queued(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None:
+                self._finish(job.block_hash, l2_abandoned=1)
+
+    def _finish(self, block_hash: BlockHash, **counts: int) -> None:
+        with self._idle:
+            self._pending.discard(block_hash)
+            for name, delta in counts.items():
+                self._counts[name] += delta
+            if not self._pending:
+                self._idle.notify_all()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._counts[name] += delta
+
+    def _emit(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(kind, tier, hashes)
+        except Exception:
+            self._count(event_errors=1)
+            log.exception("kvtier: on_event callback failed for %s %s", kind, tier)

@@ -1,0 +1,405 @@
+"""Cluster-wide capacity of a shared L2 directory: one leased janitor, LRU by shared access.
+
+Every replica may run a `Janitor`; a `FileLease` in `<root>/.kvtier/lease/` lets exactly one of
+them act at a time, and another takes over within the lease TTL when the holder dies. The holder
+runs a pass every `interval_s`:
+
+1. scan the whole directory (every namespace): live blocks (`*.kvt`: size, mtime), in-flight
+   temp files, and the graveyard; remove temp files orphaned by crashed writers;
+2. if usage (live + in flight) is above the high watermark, or L2 has been idle since the
+   previous pass (nothing new or re-used) and usage is above the low watermark, evict least
+   recently used blocks until usage is at the low watermark;
+3. purge graveyard entries older than `grace_s`; write `<root>/.kvtier/status.json`.
+
+**Recency** is a shared access record kept in each block's mtime, not atime (FUSE file systems
+don't maintain atime): publishing sets it, and `AccessRecorder.record` (called by the POSIX
+tier on a read hit) refreshes it, at most once per `touch_interval_s` per block, so hot blocks
+cost one metadata write a minute. Any replica's use is therefore visible to the janitor.
+
+**No deletion under a reader.** JuiceFS does not keep an unlinked file's data for readers on
+other mounts (a read on mount B after an unlink on mount A fails with EBADF), and NFS behaves
+alike. So with `grace_s > 0` a victim is first *renamed* into `<root>/.kvtier/graveyard/`:
+readers that already opened it keep reading the same inode, new opens get ENOENT (a miss), and
+the data is deleted `grace_s` later. Readers finish within seconds; `grace_s` is minutes.
+Where unlink-while-open is safe for every client (a local directory) `grace_s = 0` unlinks at
+once. Graveyard bytes are reported apart: they are already on their way out.
+
+Only the janitor deletes blocks here (the POSIX tier deletes only objects that fail
+validation). Deletions are best-effort: an entry that cannot be removed is skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.lease import FileLease
+
+log = logging.getLogger(__name__)
+
+CONTROL_DIR = ".kvtier"
+"""Janitor state under the L2 root; never a namespace (namespaces are hex digests)."""
+BLOCK_SUFFIX = ".kvt"
+TEMP_SUFFIX = ".tmp"
+
+
+@dataclass(frozen=True, slots=True)
+class JanitorConfig:
+    """Capacity of one shared L2 directory and how the janitor enforces it."""
+
+    capacity_bytes: int
+    """Bytes the L2 directory may hold (all namespaces together)."""
+    high_watermark: float = 0.9
+    """Fraction of capacity above which a pass evicts."""
+    low_watermark: float = 0.75
+    """Fraction of capacity an evicting pass brings usage down to."""
+    interval_s: float = 5.0
+    """Seconds between passes of the lease holder (and between attempts of the others)."""
+    lease_ttl_s: float = 30.0
+    """A holder that has not renewed for this long is presumed dead."""
+    stale_s: float = 1.0
+    """Attribute-cache staleness of the file system (see `kvtier.core.tiers.profiles`)."""
+    grace_s: float = 60.0
+    """How long an evicted block stays readable for readers that already opened it (0: unlink
+    at once, only where unlink-while-open is safe on every node)."""
+    temp_max_age_s: float = 600.0
+    """Temp files older than this belong to crashed writers and are removed."""
+    trim_when_idle: bool = True
+    """Trim to the low watermark once writes stop, so the next burst starts with headroom."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ConfigError(f"capacity_bytes: must be positive, got {self.capacity_bytes}")
+        if not 0 < self.low_watermark <= self.high_watermark <= 1:
+            raise ConfigError(f"low_watermark/high_watermark: need 0 < low <= high <= 1, got "
+                              f"{self.low_watermark}/{self.high_watermark}")
+        for name in ("interval_s", "lease_ttl_s", "temp_max_age_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.grace_s < 0 or self.stale_s < 0:
+            raise ConfigError("grace_s/stale_s: must be >= 0")
+        if self.lease_ttl_s < 2 * self.interval_s:
+            raise ConfigError(f"lease_ttl_s: must be at least twice interval_s "
+                              f"({self.interval_s}), got {self.lease_ttl_s}")
+
+    @property
+    def high_bytes(self) -> int:
+        return int(self.capacity_bytes * self.high_watermark)
+
+    @property
+    def low_bytes(self) -> int:
+        return int(self.capacity_bytes * self.low_watermark)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    path: str
+    size: int
+    mtime: float
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """What a scan of the L2 directory found."""
+
+    blocks: tuple[Entry, ...]
+    temp_bytes: int
+    """Bytes of temp files being written right now."""
+    orphans: tuple[Entry, ...]
+    """Temp files older than `temp_max_age_s`."""
+    graveyard: tuple[Entry, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(e.size for e in self.blocks)
+
+    @property
+    def used_bytes(self) -> int:
+        """Live blocks plus blocks being written: what the watermarks apply to."""
+        return self.block_bytes + self.temp_bytes
+
+    @property
+    def newest_mtime(self) -> float:
+        return max((e.mtime for e in self.blocks), default=0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class PassReport:
+    """One janitor pass, as written to `status.json`."""
+
+    holder: str
+    epoch: int
+    started_at: float
+    finished_at: float
+    capacity_bytes: int
+    high_bytes: int
+    low_bytes: int
+    used_bytes_before: int
+    used_bytes_after: int
+    blocks_after: int
+    graveyard_bytes: int
+    trigger: str | None
+    """Why blocks were evicted: "high" (above the high watermark), "idle" (trim after writes
+    stopped), "forced" (`kvtier l2 gc --to-low`), or None."""
+    evicted_blocks: int
+    evicted_bytes: int
+    purged_bytes: int
+    orphans_removed: int
+
+
+def control_dir(root: str, *parts: str) -> str:
+    return os.path.join(root, CONTROL_DIR, *parts)
+
+
+def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(directory) as it:
+            entries = list(it)
+    except OSError:
+        return  # vanished or unreadable: nothing to account here
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                yield from _walk(entry.path)
+            elif entry.is_file(follow_symlinks=False):
+                yield entry
+        except OSError:
+            continue
+
+
+def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
+    """Walk every namespace under `root` and the graveyard."""
+    blocks: list[Entry] = []
+    orphans: list[Entry] = []
+    temp_bytes = 0
+    try:
+        tops = [e for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
+    except OSError:
+        tops = []
+    for top in tops:
+        for f in _walk(top.path):
+            try:
+                st = f.stat(follow_symlinks=False)
+            except OSError:
+                continue  # removed between listing and stat
+            entry = Entry(f.path, st.st_size, st.st_mtime)
+            if f.name.endswith(BLOCK_SUFFIX):
+                blocks.append(entry)
+            elif f.name.endswith(TEMP_SUFFIX):
+                if now - st.st_mtime > temp_max_age_s:
+                    orphans.append(entry)
+                else:
+                    temp_bytes += st.st_size
+    graveyard = []
+    for f in _walk(control_dir(root, "graveyard")):
+        try:
+            st = f.stat(follow_symlinks=False)
+            graveyard.append(Entry(f.path, st.st_size, float(f.name.split(".", 1)[0]) / 1e9))
+        except (OSError, ValueError):
+            continue
+    return Usage(tuple(blocks), temp_bytes, tuple(orphans), tuple(graveyard))
+
+
+def plan_eviction(usage: Usage, config: JanitorConfig, *, trim: bool) -> list[Entry]:
+    """Blocks to evict, least recently used first (pure: no I/O).
+
+    Above the high watermark, or above the low one when `trim` is asked for, evict down to the
+    low watermark; otherwise nothing.
+    """
+    used = usage.used_bytes
+    if used <= config.low_bytes or (used <= config.high_bytes and not trim):
+        return []
+    victims = []
+    for entry in sorted(usage.blocks, key=lambda e: (e.mtime, e.path)):
+        if used <= config.low_bytes:
+            break
+        victims.append(entry)
+        used -= entry.size
+    return victims
+
+
+class AccessRecorder:
+    """The readers' half of the shared access record (see the module docstring).
+
+    `record(fd, st_mtime)` is called by the POSIX tier after a read hit, with the open file
+    and the mtime its `fstat` returned; it touches the block's mtime when that is older than
+    `touch_interval_s`. Never raises (a failed touch only makes the block look older).
+    Thread-safe: the tier's readers share one recorder.
+    """
+
+    def __init__(self, touch_interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if touch_interval_s < 0:
+            raise ConfigError(f"touch_interval_s: must be >= 0, got {touch_interval_s}")
+        self._interval = touch_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.touches = 0
+        self.failures = 0
+
+    def record(self, fd: int, st_mtime: float) -> bool:
+        """Refresh the block's recency if stale; True if it was touched."""
+        if self._clock() - st_mtime < self._interval:
+            return False
+        try:
+            os.utime(fd)
+        except OSError:
+            touched = False
+        else:
+            touched = True
+        with self._lock:
+            if touched:
+                self.touches += 1
+            else:
+                self.failures += 1
+        return touched
+
+
+class Janitor:
+    """Capacity enforcement for one shared L2 root; owns one background thread."""
+
+    def __init__(self, root: str, config: JanitorConfig, *, holder: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.root = root
+        self.config = config
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self._clock = clock
+        self.lease = FileLease(control_dir(root, "lease"), self.holder, config.lease_ttl_s,
+                               stale_s=config.stale_s, clock=clock)
+        self._last_scan: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.passes = 0
+        self.last_report: PassReport | None = None
+
+    # ---- one pass ------------------------------------------------------------------------
+
+    def run_once(self, *, force_low: bool = False) -> PassReport | None:
+        """Take or renew the lease and run one pass; None if another janitor holds it.
+
+        `force_low` evicts down to the low watermark whatever the usage (`kvtier l2 gc`).
+        """
+        if not self.lease.try_acquire():
+            self._last_scan = None  # a future pass of ours must not trust an old baseline
+            return None
+        started = self._clock()
+        usage = scan(self.root, self.config.temp_max_age_s, started)
+        idle = self.config.trim_when_idle and self._last_scan is not None and \
+            usage.temp_bytes == 0 and usage.newest_mtime < self._last_scan
+        victims = plan_eviction(usage, self.config, trim=idle or force_low)
+        trigger = None if not victims else "high" if usage.used_bytes > self.config.high_bytes \
+            else "forced" if force_low else "idle"
+        evicted = self._evict(victims)
+        orphans = sum(self._unlink(e.path) for e in usage.orphans)
+        purged = self._purge(usage.graveyard, started)
+        self._last_scan = started
+        evicted_bytes = sum(e.size for e in evicted)
+        report = PassReport(
+            holder=self.holder, epoch=self.lease.epoch or 0, started_at=started,
+            finished_at=self._clock(), capacity_bytes=self.config.capacity_bytes,
+            high_bytes=self.config.high_bytes, low_bytes=self.config.low_bytes,
+            used_bytes_before=usage.used_bytes, used_bytes_after=usage.used_bytes - evicted_bytes,
+            blocks_after=len(usage.blocks) - len(evicted),
+            graveyard_bytes=sum(e.size for e in usage.graveyard) - purged + (
+                evicted_bytes if self.config.grace_s > 0 else 0),
+            trigger=trigger, evicted_blocks=len(evicted), evicted_bytes=evicted_bytes,
+            purged_bytes=purged, orphans_removed=orphans)
+        self.passes += 1
+        self.last_report = report
+        self._write_status(report)
+        return report
+
+    def _evict(self, victims: list[Entry]) -> list[Entry]:
+        if not victims:
+            return []
+        grave = control_dir(self.root, "graveyard")
+        if self.config.grace_s > 0:
+            os.makedirs(grave, exist_ok=True)
+        done = []
+        for i, entry in enumerate(victims):
+            if i % 64 == 63 and not self.lease.try_acquire():
+                break  # lost the lease mid-pass (stalled too long): the new holder goes on
+            try:
+                if self.config.grace_s > 0:
+                    stamp = time.time_ns()
+                    os.rename(entry.path, os.path.join(
+                        grave, f"{stamp}.{uuid.uuid4().hex[:8]}.{os.path.basename(entry.path)}"))
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                continue  # gone already, or not removable: skip it
+            done.append(entry)
+        return done
+
+    def _purge(self, graveyard: tuple[Entry, ...], now: float) -> int:
+        return sum(e.size for e in graveyard
+                   if now - e.mtime >= self.config.grace_s and self._unlink(e.path))
+
+    @staticmethod
+    def _unlink(path: str) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except OSError:
+            return False
+
+    def _write_status(self, report: PassReport) -> None:
+        """Publish the pass for `kvtier l2 status`; best-effort.
+
+        Rewritten in place, not replaced by rename: a rename-over leaves other mounts with
+        ~1 s of ENOENT (stale dentries), while in place they see the previous report until
+        their attribute cache expires. A reader racing the write sees a JSON prefix, which
+        fails to parse (`read_status` answers None), never a mix of two reports.
+        """
+        body = json.dumps(asdict(report), indent=2).encode()
+        try:
+            fd = os.open(control_dir(self.root, "status.json"),
+                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, body)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    # ---- background thread ---------------------------------------------------------------
+
+    def start(self) -> Janitor:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvtier-l2-janitor",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.run_once()
+            except Exception:  # a janitor fault must never take its replica down
+                log.exception("kvtier L2 janitor pass failed; retrying next interval")
+            self._stop.wait(self.config.interval_s)
+
+    def close(self) -> None:
+        """Stop the thread and hand the lease over at once."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.lease.release()
+
+
+def read_status(root: str) -> dict[str, object] | None:
+    """The last pass report any janitor wrote, or None."""
+    try:
+        with open(control_dir(root, "status.json"), encoding="utf-8") as f:
+            return json.load(f)  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,152 @@
+"""A lease in a shared directory: at most one live holder across all replicas and nodes.
+
+Used by the L2 janitor so that exactly one replica enforces the shared directory's capacity.
+It needs only what every shared file system we target provides (checked on JuiceFS, Curvine's
+docs, NFS): exclusive creation of a name (`link()` fails with EEXIST) and a settable mtime.
+No `flock` (not cluster-wide on SeaweedFS) and no rename-over-existing (leaves other nodes with
+~1 s of ENOENT on JuiceFS/Curvine).
+
+    <dir>/lease.<epoch>     JSON {holder, ttl_s, pid, host}; its mtime is the heartbeat
+
+- Take: find the highest epoch; if its file's mtime is older than its TTL plus `stale_s` (the
+  file system's attribute-cache staleness), publish `lease.<epoch+1>` (temp file + `link()`).
+  Two contenders cannot both create the same epoch, so exactly one wins.
+- Hold: the holder renews by touching its file's mtime (no inode replaced, so no stale
+  dentries). It has lost the lease when a higher epoch exists or its file is gone.
+- Release: set the mtime to 0, i.e. expired, so the next contender needn't wait for the TTL.
+
+A holder that dies simply stops renewing; after `ttl_s` another replica takes over. A holder
+that stalls past its TTL may act once more before noticing (no fencing): for a cache janitor
+that costs at most one extra eviction round, never wrong data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtier.core.errors import ConfigError
+
+_PREFIX = "lease."
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseInfo:
+    """Who holds (or last held) the lease."""
+
+    epoch: int
+    holder: str
+    heartbeat: float
+    """Wall-clock time of the holder's last renewal (the file's mtime)."""
+    ttl_s: float
+    expired: bool
+
+
+class FileLease:
+    """One contender for the lease in `directory` (see the module docstring). Not thread-safe:
+    one janitor thread owns it."""
+
+    def __init__(self, directory: str, holder: str, ttl_s: float, *, stale_s: float = 1.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        if ttl_s <= 0:
+            raise ConfigError(f"ttl_s: must be positive, got {ttl_s}")
+        if stale_s < 0:
+            raise ConfigError(f"stale_s: must be >= 0, got {stale_s}")
+        self.directory = directory
+        self.holder = holder
+        self.ttl_s = ttl_s
+        self.stale_s = stale_s
+        self._clock = clock
+        self.epoch: int | None = None
+        """The epoch this contender holds, or None."""
+        os.makedirs(directory, exist_ok=True)
+
+    def _path(self, epoch: int) -> str:
+        return os.path.join(self.directory, f"{_PREFIX}{epoch:012d}")
+
+    def _epochs(self) -> list[int]:
+        found = []
+        for name in os.listdir(self.directory):
+            if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
+                found.append(int(name[len(_PREFIX):]))
+        return sorted(found)
+
+    def current(self) -> LeaseInfo | None:
+        """The newest lease, or None if there has never been one (or it is unreadable)."""
+        for epoch in reversed(self._epochs()):
+            path = self._path(epoch)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    body = json.load(f)
+                heartbeat = os.stat(path).st_mtime
+            except (OSError, ValueError):
+                continue  # removed meanwhile, or foreign junk: look at the previous one
+            ttl = float(body.get("ttl_s", self.ttl_s))
+            expired = heartbeat + ttl + self.stale_s < self._clock()
+            return LeaseInfo(epoch, str(body.get("holder", "?")), heartbeat, ttl, expired)
+        return None
+
+    def held(self) -> bool:
+        """True if this contender holds the lease and it has not been superseded."""
+        if self.epoch is None:
+            return False
+        try:
+            if self._epochs()[-1] != self.epoch:
+                self.epoch = None
+        except (OSError, IndexError):
+            self.epoch = None
+        return self.epoch is not None
+
+    def try_acquire(self) -> bool:
+        """Renew the lease if held, else take it if free or expired. True if held now."""
+        try:
+            if self.held():
+                assert self.epoch is not None
+                os.utime(self._path(self.epoch))
+                return True
+            latest = self.current()
+            if latest is not None and not latest.expired:
+                return False
+            return self._take((latest.epoch if latest else max(self._epochs(), default=0)) + 1)
+        except OSError:
+            self.epoch = None  # our file vanished or the directory is unusable: not held
+            return False
+
+    def _take(self, epoch: int) -> bool:
+        body = json.dumps({"holder": self.holder, "ttl_s": self.ttl_s, "pid": os.getpid(),
+                           "host": socket.gethostname()}).encode()
+        tmp = os.path.join(self.directory, f".{uuid.uuid4().hex}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, self._path(epoch))
+        except FileExistsError:
+            return False  # another contender won this epoch
+        finally:
+            os.unlink(tmp)
+        self.epoch = epoch
+        for old in self._epochs():
+            if old < epoch:
+                try:
+                    os.unlink(self._path(old))
+                except OSError:
+                    pass
+        return True
+
+    def release(self) -> None:
+        """Give the lease up now (marks it expired rather than deleting it: epochs only grow)."""
+        if self.held():
+            assert self.epoch is not None
+            try:
+                os.utime(self._path(self.epoch), (0, 0))
+            except OSError:
+                pass
+        self.epoch = None

@@ -1,0 +1,120 @@
+"""What differs between the file systems an L2 directory may live on, in one place.
+
+The POSIX tier's code path is the same everywhere (unique temp file, `link()` publish, checksum
+on read); a profile only sets the numbers and choices that depend on the file system:
+
+- how stale another node's view can be (kernel attribute/dentry caches), which bounds how soon
+  a block published elsewhere is seen and how long a lease heartbeat may look old;
+- whether hard links and O_DIRECT work (and whether O_DIRECT needs alignment);
+- whether a file unlinked on one node stays readable for a reader that has it open on another
+  (if not, the janitor evicts through a graveyard with a grace period);
+- the object size the file system handles well.
+
+Sources: measurements on JuiceFS 1.4.2 (two FUSE mounts of one volume) and a local ext4
+directory on this project's machines, Curvine's code and docs, NFS/EFS documentation (see
+`/shared/reference/l2_backends.md` §1.2, §2.2). Look one up with `get_profile(name)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.tiers.janitor import JanitorConfig
+
+MIB = 1024**2
+
+
+@dataclass(frozen=True, slots=True)
+class L2Profile:
+    """Properties of one file system as an L2 directory (see the module docstring)."""
+
+    name: str
+    attr_cache_s: float
+    """How long another node may see old attributes or dentries (a replaced or removed file)."""
+    negative_cache_s: float
+    """How long another node may keep answering "absent" for a newly published block."""
+    hard_links: bool
+    """`link()` works, so publish-if-absent is atomic (else rename-into-place is used)."""
+    o_direct: bool
+    """O_DIRECT opens work at all."""
+    o_direct_aligned: bool
+    """O_DIRECT needs buffer/offset/length aligned to the block size (EINVAL otherwise)."""
+    unlink_safe_across_nodes: bool
+    """A reader on another node that has the file open keeps reading after an unlink."""
+    cluster_wide_flock: bool
+    """flock/fcntl locks exclude across nodes (kvtier does not rely on it; informative)."""
+    recommended_object_bytes: int
+    """Block size (tokens x KV bytes per token) to aim for; much smaller objects are dominated
+    by per-file metadata operations."""
+    eviction: str
+    """What the file system itself can evict, and what to configure."""
+    mount_hints: tuple[str, ...]
+    """Mount/format options that matter for a KV L2."""
+
+    def janitor_config(self, capacity_bytes: int, **overrides: object) -> JanitorConfig:
+        """A `JanitorConfig` whose staleness, lease and grace suit this file system.
+
+        The lease outlives a few passes (`interval_s` in `overrides`) and the staleness."""
+        lease_ttl_s = max(30.0, 10 * self.attr_cache_s)
+        if "interval_s" in overrides:
+            lease_ttl_s = max(lease_ttl_s, 3 * float(overrides["interval_s"]))  # type: ignore[arg-type]
+        settings: dict[str, object] = {
+            "capacity_bytes": capacity_bytes,
+            "stale_s": self.attr_cache_s,
+            "lease_ttl_s": lease_ttl_s,
+            "grace_s": 0.0 if self.unlink_safe_across_nodes else 60.0,
+        }
+        settings.update(overrides)
+        return JanitorConfig(**settings)  # type: ignore[arg-type]
+
+
+PROFILES: dict[str, L2Profile] = {p.name: p for p in (
+    L2Profile(
+        name="local", attr_cache_s=0.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
+        o_direct_aligned=True, unlink_safe_across_nodes=True, cluster_wide_flock=True,
+        recommended_object_bytes=1 * MIB,
+        eviction="none: the kvtier janitor enforces capacity",
+        mount_hints=("a local disk is node-private: share it only between replicas of one node",)),
+    L2Profile(
+        name="juicefs", attr_cache_s=1.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
+        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
+        recommended_object_bytes=4 * MIB,
+        eviction="none for the namespace (quotas only give EDQUOT): run the kvtier janitor",
+        mount_hints=("juicefs format --trash-days 0 (else deletes free nothing for a day)",
+                     "metadata in Redis/Valkey or TiKV for many nodes; SQLite for one",
+                     "--attr-cache 1 --entry-cache 1 --dir-entry-cache 1 (the defaults)",
+                     "--cache-dir on local NVMe; objects >= the 4 MiB JuiceFS block")),
+    L2Profile(
+        name="curvine", attr_cache_s=1.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
+        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
+        recommended_object_bytes=4 * MIB,
+        eviction=("TTL (ttl_action=delete, short ttl_ms, ttl_checker_interval ~5m) plus "
+                  "enable_quota_eviction; quota eviction only deletes TTL-expired files, so "
+                  "keep the kvtier janitor as the capacity bound"),
+        mount_hints=("entry_timeout_ms/attr_timeout_ms <= 1000, negative_timeout_ms = 0",
+                     "enable_meta_cache = false; direct_io = false",
+                     "worker_policy = local, short_circuit = true")),
+    L2Profile(
+        name="nfs", attr_cache_s=3.0, negative_cache_s=30.0, hard_links=True, o_direct=True,
+        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
+        recommended_object_bytes=4 * MIB,
+        eviction="none: run the kvtier janitor",
+        mount_hints=(("lookupcache=positive (else a block published elsewhere can look "
+                      "absent for acdirmin, 30 s)"), "actimeo=1 for fresher attributes",
+                     "rsize=wsize=1048576")),
+    L2Profile(
+        name="efs", attr_cache_s=3.0, negative_cache_s=30.0, hard_links=True, o_direct=True,
+        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
+        recommended_object_bytes=8 * MIB,
+        eviction="none: run the kvtier janitor (EFS bills stored bytes)",
+        mount_hints=("amazon-efs-utils (NFSv4.1, TLS); lookupcache=positive",
+                     "per-operation latency is milliseconds: large objects, parallel reads")),
+)}
+
+
+def get_profile(name: str) -> L2Profile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ConfigError(f"l2_profile: one of {sorted(PROFILES)}, got {name!r}") from None

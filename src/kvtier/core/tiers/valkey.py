@@ -1,0 +1,230 @@
+"""L2 on Valkey (or Redis 7): the same blocks as the POSIX tier, one key per block.
+
+    key    <namespace>:<block hash hex>       value  `kvtier.core.codec` header + payload
+    key    <namespace>:manifest              value  the model identity (JSON), for humans
+
+Writes publish if absent (`SET key value NX`): replicas finishing the same prefix store it once
+and a stored block is never replaced, so readers only see complete values. Capacity is the
+server's job: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (what
+`kvtier.tools.l2ops.valkey_server` does), and the server evicts least-recently-used blocks itself.
+
+Batched calls (`contains_many`, `get_many`) are one pipelined round trip for many blocks, which
+is what a prefix lookup over a network needs; the single-block calls of the tier protocol are
+thin wrappers.
+
+Faults never reach the caller. A lost connection (server restarted, network gone) turns the
+call into misses or a failed put, counted in `errors`; the tier then stops talking to the
+server for a backoff that doubles from `backoff_initial_s` to `backoff_max_s` (so a dead server
+costs lookups nothing) and the first call after it reconnects. A value that fails validation
+is a miss, deleted and counted.
+
+Thread-safe: the client's connection pool hands each concurrent call its own connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import valkey
+from valkey.backoff import NoBackoff
+from valkey.retry import Retry
+
+from kvtier.core.codec import (
+    HEADER_BYTES,
+    BlockMeta,
+    byte_view,
+    decode_header,
+    encode_header,
+    verify_payload,
+)
+from kvtier.core.settings import L2_URL_SCHEMES
+from kvtier.core.errors import CodecError, ConfigError
+from kvtier.core.events import Tier
+from kvtier.core.keys import BlockHash, Namespace
+from kvtier.core.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ValkeyTierConfig:
+    """Where the Valkey L2 lives and how hard to try when it is unreachable."""
+
+    url: str
+    """`redis://host:port[/db]` (also `rediss://`, `unix://`)."""
+    socket_timeout_s: float = 10.0
+    """Per-command timeout: a hung server costs at most this. A batch of 16 blocks of 5.6 MiB
+    is 90 MiB in one reply (~0.1-0.7 s over loopback here), so keep it well above that."""
+    connect_timeout_s: float = 0.5
+    """Connect timeout; short, because a down server must not stall a lookup."""
+    backoff_initial_s: float = 0.1
+    """Pause after the first failed call before trying the server again."""
+    backoff_max_s: float = 5.0
+    """Longest pause between attempts while the server stays unreachable."""
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(L2_URL_SCHEMES):
+            raise ConfigError(f"url: expected redis://host:port[/db], got {self.url!r}")
+        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_initial_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError(f"backoff_max_s: must be >= backoff_initial_s "
+                              f"({self.backoff_initial_s}), got {self.backoff_max_s}")
+
+
+class _Backoff:
+    """Connection health: after a fault, calls are skipped until `retry_at`."""
+
+    def __init__(self, initial_s: float, max_s: float, clock: Callable[[], float]) -> None:
+        self._initial, self._max, self._clock = initial_s, max_s, clock
+        self._lock = threading.Lock()
+        self._delay = 0.0
+        self._retry_at = 0.0
+
+    def ready(self) -> bool:
+        return self._clock() >= self._retry_at
+
+    def failed(self) -> float:
+        with self._lock:
+            self._delay = min(self._max, max(self._initial, self._delay * 2))
+            self._retry_at = self._clock() + self._delay
+            return self._delay
+
+    def succeeded(self) -> bool:
+        """Record a success; True if this ends an outage."""
+        with self._lock:
+            recovered = self._delay > 0
+            self._delay = 0.0
+            return recovered
+
+
+class ValkeyTier:
+    """Valkey/Redis L2 tier for one namespace (see the module docstring)."""
+
+    def __init__(self, config: ValkeyTierConfig, namespace: Namespace,
+                 manifest: dict[str, object] | None = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._namespace = namespace
+        self._prefix = f"{namespace}:"
+        self._client = valkey.Valkey.from_url(
+            config.url, socket_timeout=config.socket_timeout_s,
+            socket_connect_timeout=config.connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+        self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
+        self._counters = TierCounters()
+        if manifest is not None:
+            body = json.dumps(manifest, sort_keys=True)
+            self._call(lambda c: c.set(self._prefix + "manifest", body, nx=True), "manifest")
+
+    @property
+    def tier(self) -> Tier:
+        return Tier.L2
+
+    def key(self, block_hash: BlockHash) -> str:
+        return self._prefix + block_hash.hex()
+
+    # ---- the one place that talks to the server ------------------------------------------
+
+    def _call(self, fn: Callable[[valkey.Valkey], Any], op: str) -> Any | None:
+        """Run `fn(client)`; None when the server is in backoff or the call failed."""
+        if not self._backoff.ready():
+            return None
+        try:
+            result = fn(self._client)
+        except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError) as exc:
+            self._counters.add(errors=1)
+            delay = self._backoff.failed()
+            log.warning("kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
+                        op, self._config.url, exc, delay)
+            return None
+        except valkey.exceptions.ValkeyError as exc:  # e.g. OOM under maxmemory noeviction
+            self._counters.add(errors=1)
+            log.warning("kvtier L2 valkey %s failed: %s", op, exc)
+            return None
+        if self._backoff.succeeded():
+            log.warning("kvtier L2 valkey: %s reachable again", self._config.url)
+        return result
+
+    # ---- batched reads -------------------------------------------------------------------
+
+    def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        """Existence of each block, in one pipelined round trip."""
+        if not hashes:
+            return []
+
+        def run(client: valkey.Valkey) -> list[int]:
+            pipe = client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.exists(self.key(h))
+            return list(pipe.execute())  # type: ignore[no-untyped-call]
+
+        found = self._call(run, "exists")
+        return [bool(n) for n in found] if found is not None else [False] * len(hashes)
+
+    def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
+        """Each block (None on a miss), fetched with one MGET."""
+        if not hashes:
+            return []
+        values = self._call(lambda c: c.mget([self.key(h) for h in hashes]), "get")
+        if values is None:
+            self._counters.add(misses=len(hashes))
+            return [None] * len(hashes)
+        return [self._decode(h, v) for h, v in zip(hashes, values, strict=True)]
+
+    def _decode(self, block_hash: BlockHash, value: bytes | None) -> StoredBlock | None:
+        if value is None:
+            self._counters.add(misses=1)
+            return None
+        view = memoryview(value)  # bytes: already read-only, never copied again
+        try:
+            header = decode_header(view[:HEADER_BYTES], namespace=self._namespace,
+                                   block_hash=block_hash)
+            payload = view[HEADER_BYTES:]
+            verify_payload(header, payload)
+        except CodecError as exc:
+            log.warning("kvtier L2 valkey: removing invalid block %s: %s", block_hash.hex(), exc)
+            self._call(lambda c: c.delete(self.key(block_hash)), "delete")
+            self._counters.add(misses=1, corrupt_removed=1)
+            return None
+        self._counters.add(hits=1, bytes_read=payload.nbytes)
+        return StoredBlock(header.meta, payload)
+
+    # ---- the tier protocol ---------------------------------------------------------------
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        return self.contains_many([block_hash])[0]
+
+    def get(self, block_hash: BlockHash) -> StoredBlock | None:
+        return self.get_many([block_hash])[0]
+
+    def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult:
+        view = byte_view(payload)
+        value = encode_header(self._namespace, block_hash, meta, view) + view
+        # SET NX answers None when the key exists; bool() keeps None for "the call failed".
+        created = self._call(lambda c: bool(c.set(self.key(block_hash), value, nx=True)), "set")
+        if created:
+            self._counters.add(stored=1, bytes_written=view.nbytes)
+            return PutResult(stored=True)
+        if created is not None:  # NX refused: another replica published it first
+            self._counters.add(already_present=1)
+        return PutResult(stored=False)
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        return bool(self._call(lambda c: c.delete(self.key(block_hash)), "delete"))
+
+    def stats(self) -> TierStats:
+        return self._counters.snapshot()
+
+    def close(self) -> None:
+        self._client.close()  # type: ignore[no-untyped-call]

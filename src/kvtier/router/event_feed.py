@@ -1,0 +1,209 @@
+"""KV events into the `kvaware` index: kvtier connector events (L1/L2) and vLLM's own (L0).
+
+Two sources:
+- kvtier connector events (`kvtier.net.kv_events`, JSON over ZMQ): already named by kvtier hashes.
+  A new `epoch` for a replica means it restarted: everything of the replica is purged first.
+  L2 blocks are stored under the pseudo-replica `SHARED` (they count for every replica).
+- vLLM's `--kv-events-config` publisher (msgpack `KVEventBatch` over ZMQ, frames topic, seq,
+  payload). Its block hashes are seeded per process, so `VllmRehasher` re-hashes each stored
+  block from the event's token ids, chaining by parent hash per replica, into kvtier hashes. A
+  sequence number going backwards means the engine restarted: purge. `AllBlocksCleared` drops
+  the replica's L0 entries.
+
+`KvtierApplier` and `VllmRehasher` are pure (state in, index mutations out) and unit-tested
+without sockets; `EventFeed` owns the sockets and one asyncio task per source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvtier.core.events import EventKind, KVEvent, Tier
+from kvtier.net.kv_events import EventSubscriber
+from kvtier.core.keys import BlockHash, chain_hash, root_hash
+from kvtier.router.index import SHARED, PrefixIndex
+
+__all__ = ["EventFeed", "KvtierApplier", "VllmRehasher"]
+
+log = logging.getLogger(__name__)
+
+Forget = Callable[[str, str], None]
+"""forget(replica, cause): purge a replica from the index and the policy."""
+Count = Callable[[str, str], None]
+"""count(source, kind): one event applied."""
+
+
+class KvtierApplier:
+    """Applies kvtier connector events to the index, purging a replica on a new epoch."""
+
+    def __init__(self, index: PrefixIndex, forget: Forget) -> None:
+        self._index = index
+        self._forget = forget
+        self._epochs: dict[str, str] = {}
+
+    def apply(self, event: KVEvent, now: float) -> None:
+        known = self._epochs.get(event.replica)
+        if known is not None and known != event.epoch:
+            self._forget(event.replica, "restart")
+        self._epochs[event.replica] = event.epoch
+        holder = SHARED if event.tier is Tier.L2 else event.replica
+        if event.kind is EventKind.STORED:
+            self._index.insert(holder, event.hashes, event.tier, now)
+        elif event.kind is EventKind.REMOVED:
+            self._index.remove(holder, event.hashes, event.tier)
+        elif holder == SHARED:
+            self._index.purge(SHARED)
+        else:
+            self._index.remove_tier(holder, event.tier)
+
+
+_MEDIUM_TIER = {None: Tier.L0, "GPU": Tier.L0, "CPU": Tier.L1}
+
+
+class VllmRehasher:
+    """Turns one replica's vLLM KV event batches into index updates under kvtier hashes.
+
+    `max_blocks` bounds the vLLM-hash -> kvtier-hash map (LRU); a stored block whose parent is
+    no longer mapped cannot be named and is skipped (counted in `unnamed`).
+    """
+
+    def __init__(self, replica: str, index: PrefixIndex, forget: Forget,
+                 max_blocks: int = 1_000_000) -> None:
+        self.replica = replica
+        self._index = index
+        self._forget = forget
+        self._max_blocks = max_blocks
+        self._names: OrderedDict[object, BlockHash] = OrderedDict()
+        self._last_seq: int | None = None
+        self.unnamed = 0
+
+    def apply(self, seq: int, payload: bytes, now: float, count: Count) -> None:
+        if self._last_seq is not None and seq <= self._last_seq:
+            self._names.clear()
+            self._forget(self.replica, "restart")
+        self._last_seq = seq
+        batch = msgspec.msgpack.decode(payload)
+        if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+            count("vllm", "malformed")
+            return
+        for event in batch[1]:
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == "BlockStored":
+                self._stored(event, now)
+            elif kind == "BlockRemoved":
+                self._removed(event)
+            elif kind == "AllBlocksCleared":
+                self._names.clear()
+                self._index.remove_tier(self.replica, Tier.L0)
+                self._index.remove_tier(self.replica, Tier.L1)
+            else:
+                kind = "malformed"
+            count("vllm", str(kind))
+
+    def _stored(self, event: dict[str, Any], now: float) -> None:
+        tier = _MEDIUM_TIER.get(event.get("medium"))
+        hashes: Sequence[object] = event.get("block_hashes") or ()
+        tokens: Sequence[int] = event.get("token_ids") or ()
+        size = event.get("block_size")
+        extra = event.get("extra_keys")
+        if tier is None or not isinstance(size, int) or size <= 0 or len(tokens) < size * len(
+                hashes) or (extra and any(e for e in extra)):
+            self.unnamed += len(hashes)  # salted/LoRA/multimodal or foreign tiers: unnamable
+            return
+        parent_ext = event.get("parent_block_hash")
+        if parent_ext is None:
+            parent = root_hash()
+        elif _key(parent_ext) in self._names:
+            parent = self._names[_key(parent_ext)]
+        else:
+            self.unnamed += len(hashes)
+            return
+        named: list[BlockHash] = []
+        for i, ext in enumerate(hashes):
+            parent = chain_hash(parent, tokens[i * size:(i + 1) * size])
+            self._names[_key(ext)] = parent
+            self._names.move_to_end(_key(ext))
+            named.append(parent)
+        while len(self._names) > self._max_blocks:
+            self._names.popitem(last=False)
+        self._index.insert(self.replica, named, tier, now)
+
+    def _removed(self, event: dict[str, Any]) -> None:
+        tier = _MEDIUM_TIER.get(event.get("medium"))
+        if tier is None:
+            return
+        named = [self._names.pop(_key(ext)) for ext in event.get("block_hashes") or ()
+                 if _key(ext) in self._names]
+        self._index.remove(self.replica, named, tier)
+
+
+def _key(ext: object) -> object:
+    """vLLM external hashes are bytes or int; lists (msgpack of tuples) become tuples."""
+    return tuple(ext) if isinstance(ext, list) else ext
+
+
+class EventFeed:
+    """Owns the event sockets; `start()` spawns the tasks, `close()` stops them."""
+
+    def __init__(self, index: PrefixIndex, kvtier_endpoints: Sequence[str],
+                 vllm_endpoints: dict[str, str], forget: Forget, count: Count,
+                 clock: Callable[[], float], max_blocks: int) -> None:
+        self._index = index
+        self._clock = clock
+        self._count = count
+        self._kvtier = KvtierApplier(index, forget)
+        self._subscriber = EventSubscriber(kvtier_endpoints) if kvtier_endpoints else None
+        self._ctx = zmq.asyncio.Context.instance()
+        self._vllm: list[tuple[zmq.asyncio.Socket, VllmRehasher]] = []
+        for replica, endpoint in vllm_endpoints.items():
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(endpoint)
+            self._vllm.append((sock, VllmRehasher(replica, index, forget, max_blocks)))
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        if self._subscriber is not None:
+            self._tasks.append(asyncio.create_task(self._kvtier_loop(self._subscriber)))
+        for sock, rehasher in self._vllm:
+            self._tasks.append(asyncio.create_task(self._vllm_loop(sock, rehasher)))
+
+    async def _kvtier_loop(self, subscriber: EventSubscriber) -> None:
+        while True:
+            # the subscriber blocks (it is thread-safe); poll it off the event loop
+            events = await asyncio.to_thread(subscriber.drain, 10_000, 0.2)
+            for event in events:
+                self._kvtier.apply(event, self._clock())
+                self._count("kvtier", event.kind.value)
+
+    async def _vllm_loop(self, sock: zmq.asyncio.Socket, rehasher: VllmRehasher) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                self._count("vllm", "malformed")
+                continue
+            try:
+                rehasher.apply(int.from_bytes(frames[1], "big"), frames[2], self._clock(),
+                               self._count)
+            except (msgspec.DecodeError, TypeError, ValueError, AttributeError) as exc:
+                log.warning("bad vLLM KV event batch from %s: %s", rehasher.replica, exc)
+                self._count("vllm", "malformed")
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for sock, _ in self._vllm:
+            sock.close(0)
+        if self._subscriber is not None:
+            self._subscriber.close()

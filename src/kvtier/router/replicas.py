@@ -1,0 +1,103 @@
+"""The replicas behind the router: health, load counters and the leases that keep them honest.
+
+Every forwarded request holds a `Lease` on its replica from routing to the end of the response;
+the lease counts it in `in_flight` and its uncached prompt tokens in `queued_prefill_tokens`
+until the first byte comes back. `Fleet.lease` is a context manager, so the counters are
+released on every path: success, upstream error, failover, client disconnect, cancellation.
+
+Owned by the router's event loop (single-threaded: no locks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Self
+
+from kvtier.router.settings import ReplicaConfig
+from kvtier.router.policies import ReplicaView
+
+__all__ = ["Fleet", "Lease", "Replica"]
+
+
+@dataclass(slots=True)
+class Replica:
+    config: ReplicaConfig
+    healthy: bool = True
+    """False while down (health checks) or suspect (a forward just failed)."""
+    failed_checks: int = 0
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    models: tuple[str, ...] = ()
+    """Model ids its /v1/models lists (learned by the health checker)."""
+    max_model_len: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def view(self, excluded: bool = False) -> ReplicaView:
+        return ReplicaView(self.name, self.in_flight, self.queued_prefill_tokens,
+                           self.healthy and not excluded)
+
+
+class Lease:
+    """One request's claim on a replica's load counters; `release` is idempotent."""
+
+    __slots__ = ("_done", "_prefill", "replica")
+
+    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
+        self.replica = replica
+        self._prefill = max(0, prefill_tokens)
+        self._done = False
+        replica.in_flight += 1
+        replica.queued_prefill_tokens += self._prefill
+
+    def first_byte(self) -> None:
+        """The replica answered: its prefill of this prompt is no longer queued."""
+        self.replica.queued_prefill_tokens -= self._prefill
+        self._prefill = 0
+
+    def release(self) -> None:
+        if self._done:
+            return
+        self.first_byte()
+        self.replica.in_flight -= 1
+        self._done = True
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Fleet:
+    def __init__(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+        self.replicas = {r.name: Replica(r) for r in replicas}
+
+    def __getitem__(self, name: str) -> Replica:
+        return self.replicas[name]
+
+    def __iter__(self) -> Iterator[Replica]:
+        return iter(self.replicas.values())
+
+    def __len__(self) -> int:
+        return len(self.replicas)
+
+    def views(self, excluded: set[str]) -> list[ReplicaView]:
+        return [r.view(r.name in excluded) for r in self.replicas.values()]
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def models(self) -> set[str]:
+        return {m for r in self.replicas.values() for m in r.models}
+
+    def max_model_len(self) -> int | None:
+        lens = [r.max_model_len for r in self.replicas.values() if r.max_model_len]
+        return min(lens) if lens else None
+
+    def lease(self, replica: Replica, prefill_tokens: int) -> Lease:
+        """Use as `with fleet.lease(...) as lease:` (released on leaving the block)."""
+        return Lease(replica, prefill_tokens)

@@ -1,0 +1,138 @@
+"""Summaries, Markdown tables, JSON rows and PNG plots of benchmark records.
+
+One row per (scenario, configuration), all measured in one run:
+- `ttft_p50_ms`, `ttft_p90_ms`, `ttft_p99_ms` — time to first token of successful requests;
+- `cached_token_share` — prompt tokens served from any cache tier / all prompt tokens;
+- `reusable_token_share_served` — of the tokens an earlier request had already sent (what a
+  perfect fleet-wide cache could serve), the share that was served from cache;
+- `throughput_rps`, `prompt_tokens_per_s` over the span of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.tools.bench.workload import Record
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    scenario: str
+    config: str
+    records: tuple[Record, ...]
+    extra: Mapping[str, Any]
+    """Figures the run adds to its row (e.g. per-tier hit tokens from the replicas)."""
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    ok = [r for r in run.records if r.error is None]
+    ttft = [r.ttft_ms for r in ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    reusable = sum(r.reusable_tokens for r in ok)
+    served = sum(min(r.cached_tokens, r.reusable_tokens) for r in ok)
+    span = max((r.start_s + r.total_ms / 1000 for r in ok), default=0.0) - min(
+        (r.start_s for r in ok), default=0.0)
+    row: dict[str, Any] = {
+        "scenario": run.scenario, "config": run.config,
+        "ttft_p50_ms": round(statistics.median(ttft), 1) if ttft else None,
+        "ttft_p90_ms": round(percentile(ttft, 90), 1) if ttft else None,
+        "ttft_p99_ms": round(percentile(ttft, 99), 1) if ttft else None,
+        "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
+        "reusable_token_share_served": round(served / reusable, 4) if reusable else 0.0,
+        "requests": len(ok), "errors": len(run.records) - len(ok),
+        "prompt_tokens": prompt, "cached_tokens": cached, "reusable_tokens": reusable,
+        "throughput_rps": round(len(ok) / span, 3) if span > 0 else None,
+        "prompt_tokens_per_s": round(prompt / span, 1) if span > 0 else None,
+    }
+    row.update(run.extra)
+    return row
+
+
+def ttft_by_round(run: Run) -> dict[int, float]:
+    rounds: dict[int, list[float]] = defaultdict(list)
+    for r in run.records:
+        if r.error is None:
+            rounds[r.round].append(r.ttft_ms)
+    return {k: statistics.median(v) for k, v in sorted(rounds.items())}
+
+
+_COLUMNS = (("config", "config"), ("requests", "req"), ("ttft_p50_ms", "TTFT p50 ms"),
+            ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"), ("throughput_rps", "req/s"),
+            ("cached_token_share", "cached share"),
+            ("reusable_token_share_served", "reusable served"), ("errors", "errors"))
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:
+    """A table of rows; with `baseline`, a column of p50 speed-up against that config."""
+    head = [title for _, title in _COLUMNS] + (["p50 speed-up"] if baseline else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = next((r["ttft_p50_ms"] for r in rows if r["config"] == baseline), None)
+    for row in rows:
+        cells = [str(row.get(key, "")) for key, _ in _COLUMNS]
+        if baseline:
+            p50 = row.get("ttft_p50_ms")
+            cells.append(f"{base / p50:.2f}x" if base and p50 else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:
+    """PNG plots: TTFT per configuration, TTFT by round (chat), cached share per config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    mine = [r for r in runs if r.scenario == scenario]
+
+    def figure(name: str, title: str, ylabel: str, draw: Any) -> None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        draw(ax)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{scenario}: {title}")
+        fig.tight_layout()
+        paths.append(out_dir / f"{scenario.lower()}_{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+
+    def by_round(ax: Any) -> None:
+        for r in mine:
+            medians = ttft_by_round(r)
+            ax.plot([k + 1 for k in medians], list(medians.values()), marker="o", label=r.config)
+        ax.set_xlabel("round")
+        ax.legend()
+
+    rows = [summarize(r) for r in mine]
+    figure("ttft", "time to first token per configuration", "TTFT (ms)", lambda ax: ax.boxplot(
+        [[x.ttft_ms for x in r.records if x.error is None] or [0] for r in mine],
+        tick_labels=[r.config for r in mine], showfliers=False))
+    if any(len(ttft_by_round(r)) > 1 for r in mine):
+        figure("ttft_by_round", "TTFT by round", "median TTFT (ms)", by_round)
+    figure("hit_share", "cache hit share", "prompt tokens served from cache", lambda ax: (
+        ax.bar([r["config"] for r in rows], [r["cached_token_share"] for r in rows]),
+        ax.set_ylim(0, 1)))
+    return paths
+
+
+def write_json(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(list(rows), indent=2) + "\n")

@@ -1,0 +1,81 @@
+"""`kvtier up` and `kvtier down`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from kvtier.tools.cluster.spec import load_spec
+from kvtier.core.errors import KvtierError
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from kvtier.tools.cluster.local_fleet import Cluster
+
+    spec = load_spec(Path(args.config) if args.config else None)
+    if args.replicas is not None:
+        spec = replace(spec, replicas=args.replicas)
+    # `kvtier down` sends SIGTERM: treat it as Ctrl-C so start-up and serving both unwind
+    # through Cluster.stop() and leave nothing running.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with Cluster(spec) as cluster:
+            print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
+            for i, url in enumerate(cluster.replica_urls):
+                print(f"  replica {i}: {url}")
+            print(f"  L2: {cluster.l2_location or 'disabled'}")
+            print(f"  endpoint: {cluster.url}/v1  (model {cluster.model_name!r})")
+            print("kvtier: Ctrl-C or `kvtier down` stops everything", flush=True)
+            while True:
+                time.sleep(3600)
+    except KeyboardInterrupt:
+        print("kvtier: stopped", flush=True)
+    return 0
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from kvtier.tools.cluster.local_fleet import STATE_FILE
+
+    spec = load_spec(Path(args.config) if args.config else None)
+    state_path = spec.work_dir / STATE_FILE
+    if not state_path.is_file():
+        raise KvtierError(f"no running cluster recorded in {state_path}")
+    pid = int(json.loads(state_path.read_text())["pid"])
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        state_path.unlink(missing_ok=True)
+        print(f"kvtier: cluster process {pid} was already gone")
+        return 0
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and state_path.exists():
+        time.sleep(0.5)
+    if state_path.exists():
+        raise KvtierError(f"cluster process {pid} did not stop within 120 s")
+    print("kvtier: cluster stopped")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    up = subparsers.add_parser(
+        "up", help="run a local fleet: N replicas, shared L2, the router",
+        description="Start N vLLM replicas with the kvtier connector (each with its own L1, all "
+                    "sharing one L2), the router in front, and print the endpoint. Runs in the "
+                    "foreground; Ctrl-C or `kvtier down` stops everything it started.")
+    up.add_argument("--config", metavar="FILE",
+                    help="deployment YAML (HyperPod-style keys; see docs/cluster.md)")
+    up.add_argument("--replicas", type=int, help="override the number of replicas")
+    up.set_defaults(func=_cmd_up)
+    down = subparsers.add_parser("down", help="stop the fleet started by `kvtier up`",
+                                 description="Ask the running `kvtier up` to stop and wait.")
+    down.add_argument("--config", metavar="FILE", help="the same YAML given to `kvtier up`")
+    down.set_defaults(func=_cmd_down)

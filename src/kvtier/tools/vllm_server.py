@@ -1,0 +1,146 @@
+"""A vLLM OpenAI server as a child process: start, wait until healthy, stop.
+
+Used by `kvtier serve`, the cluster, the tests and the benchmarks, so every server is started
+the same way (same thread pinning, offline mode, CPU settings). The owner calls `stop()` (or uses
+it as a context manager); the process group is killed so no engine worker outlives it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Self
+
+from kvtier.core.errors import KvtierError
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    """How to start one vLLM server."""
+
+    model: str
+    """Local HF model directory."""
+    port: int
+    """Loopback port of the OpenAI API."""
+    kv_transfer_config: Mapping[str, object] | None = None
+    """`--kv-transfer-config` as a dict (None: no connector)."""
+    kv_cache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE: the engine's own KV cache (L0) size."""
+    max_model_len: int = 8192
+    threads: int = 1
+    """OpenMP threads; pinned explicitly so servers with and without a connector compare fairly."""
+    cpu_ids: str | None = None
+    """VLLM_CPU_OMP_THREADS_BIND value, e.g. "0" or "1"; default: first `threads` cores."""
+    extra_args: Sequence[str] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "kvtier.vllm.launch", "serve", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--enforce-eager", "--max-model-len", str(self.max_model_len),
+               "--served-model-name", Path(self.model).name]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return cmd + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        bind = self.cpu_ids or ",".join(str(i) for i in range(self.threads))
+        env.update({
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(self.threads),
+            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+        })
+        env.update(self.env)
+        return env
+
+
+class ServerProcess:
+    """A running vLLM server; `stop()` kills its whole process group."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        self.url = f"http://127.0.0.1:{spec.port}"
+        with ExitStack() as stack:
+            log = (stack.enter_context(open(spec.log_path, "ab")) if spec.log_path
+                   else subprocess.DEVNULL)
+            self._proc = subprocess.Popen(spec.command(), env=spec.environment(), stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise KvtierError(f"vLLM server on port {self.spec.port} exited with code "
+                                  f"{self._proc.returncode}; log: {self.spec.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise KvtierError(f"vLLM server on port {self.spec.port} not healthy after "
+                          f"{timeout_s:.0f} s; log: {self.spec.log_path}")
+
+    def kill(self) -> None:
+        """Hard-kill (tests of failover)."""
+        self._signal(signal.SIGKILL)
+        self._proc.wait()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self._proc.poll() is not None:
+            self._signal(signal.SIGKILL)  # reap stray workers of the group
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self._proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
+        self._proc.wait()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self._proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def start_server(spec: ServerSpec, timeout_s: float = 300.0) -> ServerProcess:
+    """Start a server and wait until `/health` answers; stops it again on failure."""
+    server = ServerProcess(spec)
+    try:
+        server.wait_healthy(timeout_s)
+    except BaseException:
+        server.stop()
+        raise
+    return server

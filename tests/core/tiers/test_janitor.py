@@ -1,0 +1,171 @@
+"""The L2 janitor on a local directory: watermarks, LRU by shared access, lease, graveyard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.core.tiers.lease import FileLease
+from kvtier.core.tiers.janitor import (
+    AccessRecorder,
+    Entry,
+    Janitor,
+    JanitorConfig,
+    Usage,
+    control_dir,
+    plan_eviction,
+    read_status,
+    scan,
+)
+from kvtier.core.tiers.posix import PosixTier
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
+
+KIB = 1024
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fill(root: Path, count: int, nbytes: int, *, seed: int = 1) -> list[str]:
+    """`count` blocks whose mtimes are 100 s, 99 s, ... ago (oldest first); their paths."""
+    tier = PosixTier(str(root), NAMESPACE, IDENTITY.manifest())
+    paths = []
+    now = os.stat(root).st_mtime
+    for i in range(count):
+        h, meta, payload = make_block(seed, i, nbytes)
+        tier.put(h, meta, payload)
+        path = tier.path(h)
+        os.utime(path, (now - 100 + i, now - 100 + i))
+        paths.append(path)
+    return paths
+
+
+def config(**kw: object) -> JanitorConfig:
+    base: dict[str, object] = {"capacity_bytes": 10 * (4096 + 100 * KIB),
+                               "high_watermark": 0.8, "low_watermark": 0.5, "interval_s": 0.1,
+                               "lease_ttl_s": 1.0, "grace_s": 0.0, "stale_s": 0.0}
+    base.update(kw)
+    return JanitorConfig(**base)  # type: ignore[arg-type]
+
+
+def test_plan_evicts_least_recently_used_down_to_the_low_watermark() -> None:
+    blocks = tuple(Entry(f"b{i}", 10, mtime) for i, mtime in enumerate([5, 1, 4, 2, 3]))
+    usage = Usage(blocks, temp_bytes=0, orphans=(), graveyard=())
+    cfg = JanitorConfig(capacity_bytes=50, high_watermark=0.9, low_watermark=0.5)
+    # 50 bytes > high (45): evict oldest-access first until <= low (25).
+    assert [e.path for e in plan_eviction(usage, cfg, trim=False)] == ["b1", "b3", "b4"]
+    below_high = Usage(blocks[:4], temp_bytes=0, orphans=(), graveyard=())
+    assert plan_eviction(below_high, cfg, trim=False) == []
+    assert [e.path for e in plan_eviction(below_high, cfg, trim=True)] == ["b1", "b3"]
+
+
+def test_in_flight_temp_files_count_towards_usage() -> None:
+    blocks = (Entry("old", 10, 1), Entry("new", 10, 2))
+    cfg = JanitorConfig(capacity_bytes=40, high_watermark=0.75, low_watermark=0.5)
+    assert plan_eviction(Usage(blocks, 0, (), ()), cfg, trim=False) == []
+    assert [e.path for e in plan_eviction(Usage(blocks, 15, (), ()), cfg,
+                                          trim=False)] == ["old", "new"]
+
+
+def test_a_pass_above_high_evicts_the_oldest_blocks_and_reports_it(tmp_path: Path) -> None:
+    paths = fill(tmp_path, 10, 100 * KIB)
+    janitor = Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB)))
+    report = janitor.run_once()
+    assert report is not None and report.trigger == "high"
+    # 10 blocks in 9 slots: high is 7.2 slots, low 4.5 slots -> keep the newest 4.
+    assert [os.path.exists(p) for p in paths] == [False] * 6 + [True] * 4
+    assert (report.evicted_blocks, report.blocks_after) == (6, 4)
+    assert read_status(str(tmp_path))["evicted_blocks"] == 6  # type: ignore[index]
+
+
+def test_a_read_hit_recorded_by_any_replica_protects_the_block(tmp_path: Path) -> None:
+    paths = fill(tmp_path, 10, 100 * KIB)
+    recorder = AccessRecorder(touch_interval_s=60.0)
+    fd = os.open(paths[0], os.O_RDONLY)  # the oldest block is read by some replica now
+    try:
+        assert recorder.record(fd, os.fstat(fd).st_mtime)
+        assert not recorder.record(fd, os.fstat(fd).st_mtime)  # throttled: fresh already
+    finally:
+        os.close(fd)
+    Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB))).run_once()
+    assert [os.path.exists(p) for p in paths] == [True] + [False] * 6 + [True] * 3
+
+
+def test_an_idle_l2_is_trimmed_to_the_low_watermark(tmp_path: Path) -> None:
+    paths = fill(tmp_path, 6, 100 * KIB)  # 6 of 10 slots: above low (5), below high (8)
+    janitor = Janitor(str(tmp_path), config())
+    first = janitor.run_once()
+    assert first is not None and first.trigger is None  # no baseline yet: nothing to trim
+    second = janitor.run_once()  # nothing new since the first pass: idle
+    assert second is not None and second.trigger == "idle"
+    assert [os.path.exists(p) for p in paths] == [False, True, True, True, True, True]
+
+
+def test_only_one_janitor_acts_and_a_dead_holders_lease_is_taken_over(tmp_path: Path) -> None:
+    clock = Clock()
+    a = FileLease(str(tmp_path / "lease"), "a", ttl_s=10, stale_s=1, clock=clock)
+    b = FileLease(str(tmp_path / "lease"), "b", ttl_s=10, stale_s=1, clock=clock)
+    clock.now = os.stat(tmp_path).st_mtime
+    assert a.try_acquire() and not b.try_acquire()
+    assert b.current() is not None and b.current().holder == "a"  # type: ignore[union-attr]
+    clock.now += 5
+    assert not b.try_acquire()  # a's heartbeat is 5 s old: still alive
+    clock.now += 7  # 12 s without renewal > ttl + stale: a is presumed dead
+    assert b.try_acquire() and b.epoch == 2
+    assert not a.held()  # a, if it wakes up, sees it lost the lease
+    b.release()
+    assert a.try_acquire() and a.epoch == 3  # released: no need to wait for the TTL
+
+
+def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(
+        tmp_path: Path) -> None:
+    paths = fill(tmp_path, 10, 100 * KIB)
+    fd = os.open(paths[1], os.O_RDONLY)  # a reader opened it just before the eviction
+    try:
+        Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB),
+                                      grace_s=3600)).run_once()
+        assert not os.path.exists(paths[1])  # new readers miss
+        assert len(os.read(fd, 1 << 20)) == 4096 + 100 * KIB  # this one completes
+    finally:
+        os.close(fd)
+    grave = os.listdir(control_dir(str(tmp_path), "graveyard"))
+    assert len(grave) == 6
+    usage = scan(str(tmp_path), 600, 0)
+    assert len(usage.graveyard) == 6 and len(usage.blocks) == 4
+
+
+def test_graveyard_is_purged_after_the_grace_and_orphan_temps_are_removed(
+        tmp_path: Path) -> None:
+    clock = Clock()
+    fill(tmp_path, 10, 100 * KIB)
+    orphan = tmp_path / NAMESPACE / "ab" / "cd"
+    orphan.mkdir(parents=True)
+    (orphan / "x.kvt.dead.tmp").write_bytes(b"partial")
+    os.utime(orphan / "x.kvt.dead.tmp", (0, 0))
+    clock.now = os.stat(tmp_path).st_mtime
+    janitor = Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=30,
+                                            lease_ttl_s=100), clock=clock)
+    first = janitor.run_once()
+    assert first is not None and first.orphans_removed == 1 and first.purged_bytes == 0
+    assert not (orphan / "x.kvt.dead.tmp").exists()
+    for entry in os.scandir(control_dir(str(tmp_path), "graveyard")):  # renamed 31 s ago
+        stamp, rest = entry.name.split(".", 1)
+        os.rename(entry.path, os.path.join(os.path.dirname(entry.path),
+                                           f"{int(stamp) - 31 * 10**9}.{rest}"))
+    second = janitor.run_once()
+    assert second is not None and second.purged_bytes == 6 * (4096 + 100 * KIB)
+    assert os.listdir(control_dir(str(tmp_path), "graveyard")) == []
+
+
+def test_janitor_config_names_the_bad_field() -> None:
+    with pytest.raises(ValueError, match="low_watermark"):
+        JanitorConfig(capacity_bytes=10, high_watermark=0.5, low_watermark=0.7)
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        JanitorConfig(capacity_bytes=10, interval_s=5, lease_ttl_s=6)

@@ -1,0 +1,276 @@
+"""L2 on a shared directory: layout, atomic multi-writer publish, validation, degradation."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from kvtier.core.codec import HEADER_BYTES
+from kvtier.core.errors import TierError
+from kvtier.core.keys import BlockHash, Namespace
+from kvtier.core.tiers import posix
+from kvtier.core.tiers.janitor import AccessRecorder
+from kvtier.core.tiers.posix import PosixTier
+from tests.helpers.tiers import NAMESPACE, hash_of, meta_for, payload_for, variant_payload
+
+REPO = Path(__file__).resolve().parents[3]
+MANIFEST = {"namespace": NAMESPACE, "identity": {"model": "test"}}
+NBYTES = 64 * 1024
+
+
+def tier_in(root: Path, namespace: Namespace = NAMESPACE) -> PosixTier:
+    return PosixTier(str(root), namespace, MANIFEST, exists_ttl_s=0)
+
+
+def put(tier: PosixTier, name: str, nbytes: int = NBYTES) -> BlockHash:
+    h = hash_of(name)
+    tier.put(h, meta_for(nbytes), payload_for(h, nbytes))
+    return h
+
+
+def files(root: Path, pattern: str) -> list[Path]:
+    return sorted(root.rglob(pattern))
+
+
+def test_block_lands_at_its_fan_out_path_with_a_manifest(tmp_path: Path) -> None:
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    hex_ = h.hex()
+    expected = tmp_path / NAMESPACE / hex_[0:2] / hex_[2:4] / f"{hex_}.kvt"
+    assert files(tmp_path, "*.kvt") == [expected]
+    assert expected.stat().st_size == HEADER_BYTES + NBYTES
+    assert json.loads((tmp_path / NAMESPACE / "manifest.json").read_text()) == MANIFEST
+    assert files(tmp_path, "*.tmp") == []
+
+
+def test_round_trip_returns_the_bytes_and_meta_read_only(tmp_path: Path) -> None:
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    block = tier.get(h)
+    assert block is not None
+    assert bytes(block.payload) == payload_for(h, NBYTES)
+    assert block.meta == meta_for(NBYTES)
+    assert block.payload.readonly
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.bytes_read, stats.bytes_written) == (
+        1, 0, NBYTES, NBYTES)
+
+
+def test_second_put_of_a_block_is_skipped(tmp_path: Path) -> None:
+    first, second = tier_in(tmp_path), tier_in(tmp_path)
+    h = put(first, "a")
+    result = second.put(h, meta_for(NBYTES), b"\0" * NBYTES)
+    assert not result.stored
+    block = first.get(h)
+    assert block is not None and bytes(block.payload) == payload_for(h, NBYTES)
+    assert second.stats().already_present == 1
+
+
+def test_lost_link_race_is_success_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    """Another writer publishing between our existence check and our link: EEXIST wins."""
+    target = tmp_path / "blk.kvt"
+    target.write_bytes(b"winner")
+    assert posix.publish(str(target), [memoryview(b"loser")]) is False
+    assert target.read_bytes() == b"winner"
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_publish_falls_back_to_rename_without_hard_links(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_link(src: str, dst: str) -> None:
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_link)
+    target = tmp_path / "blk.kvt"
+    assert posix.publish(str(target), [memoryview(b"abc"), memoryview(b"def")]) is True
+    assert target.read_bytes() == b"abcdef"
+    assert posix.publish(str(target), [memoryview(b"xyz")]) is False
+    assert target.read_bytes() == b"abcdef"
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_missing_block_is_a_miss(tmp_path: Path) -> None:
+    tier = tier_in(tmp_path)
+    assert tier.get(hash_of("nope")) is None
+    assert not tier.contains(hash_of("nope"))
+    assert tier.stats().misses == 1
+
+
+def _rewrite_header(path: Path, offset: int, fmt: str, value: int) -> None:
+    """Patch one header field and re-seal the header checksum, so only that field is wrong."""
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, offset, value)
+    struct.pack_into("<Q", data, 184, xxhash.xxh3_64_intdigest(bytes(data[:184])))
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(HEADER_BYTES + NBYTES // 2)
+
+
+def _flip_payload_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 1234] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _flip_header_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[81] ^= 0x01  # inside num_tokens
+    path.write_bytes(bytes(data))
+
+
+def _wrong_version(path: Path) -> None:
+    _rewrite_header(path, 8, "<H", 2)
+
+
+def _header_only(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.truncate(HEADER_BYTES)
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_payload_bit, _flip_header_bit,
+                                    _wrong_version, _header_only, _empty])
+def test_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    path = Path(tier.path(h))
+    damage(path)
+    assert tier.get(h) is None
+    assert not path.exists()
+    stats = tier.stats()
+    assert (stats.misses, stats.corrupt_removed, stats.hits) == (1, 1, 0)
+    put(tier, "a")  # and the block can be published again
+    assert tier.get(h) is not None
+
+
+def test_block_of_another_namespace_is_rejected_and_removed(tmp_path: Path) -> None:
+    other = tier_in(tmp_path, Namespace("ffffffffffffffff"))
+    tier = tier_in(tmp_path)
+    h = put(other, "a")
+    path = Path(tier.path(h))
+    path.parent.mkdir(parents=True)
+    shutil.copy(other.path(h), path)
+    assert tier.get(h) is None
+    assert not path.exists()
+    assert tier.stats().corrupt_removed == 1
+    assert other.get(h) is not None  # the other namespace's copy is untouched
+
+
+def test_file_holding_another_block_is_rejected(tmp_path: Path) -> None:
+    tier = tier_in(tmp_path)
+    a, b = put(tier, "a"), hash_of("b")
+    Path(tier.path(b)).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(tier.path(a), tier.path(b))
+    assert tier.get(b) is None
+    assert tier.stats().corrupt_removed == 1
+
+
+def test_missing_root_is_refused_not_created(tmp_path: Path) -> None:
+    with pytest.raises(TierError, match="does not exist"):
+        tier_in(tmp_path / "not-mounted")
+    assert not (tmp_path / "not-mounted").exists()
+
+
+def test_root_below_a_regular_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(TierError):
+        tier_in(tmp_path / "file" / "l2")
+
+
+def test_immutable_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "ro"
+    root.mkdir()
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(root)], check=False,
+                                        capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available on this file system")
+    try:
+        with pytest.raises(TierError, match="not writable"):
+            tier_in(root)
+    finally:
+        subprocess.run([chattr, "-i", str(root)], check=True)
+
+
+def test_directory_vanishing_later_turns_puts_into_counted_errors(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    shutil.rmtree(tmp_path / NAMESPACE)
+    (tmp_path / NAMESPACE).write_bytes(b"not a directory any more")
+    with caplog.at_level(logging.WARNING, logger="kvtier.core.tiers.posix"):
+        result = tier.put(hash_of("b"), meta_for(NBYTES), payload_for(hash_of("b"), NBYTES))
+        assert tier.get(h) is None
+    assert not result.stored
+    assert tier.stats().errors == 2
+    assert "treating it as a miss" in caplog.text
+
+
+def test_contains_answers_are_cached_for_the_ttl(tmp_path: Path) -> None:
+    now = [0.0]
+    tier = PosixTier(str(tmp_path), NAMESPACE, MANIFEST, exists_ttl_s=1.0, clock=lambda: now[0])
+    h = hash_of("a")
+    assert not tier.contains(h)
+    writer = tier_in(tmp_path)
+    put(writer, "a")
+    assert not tier.contains(h)  # still the cached answer
+    now[0] = 1.5
+    assert tier.contains(h)
+    assert tier.contains_many([h, hash_of("b")]) == [True, False]
+
+
+def test_concurrent_processes_never_read_torn_blocks(tmp_path: Path) -> None:
+    """Three processes publish, remove and read the same 12 blocks for 300 rounds each."""
+    writers, rounds, blocks, nbytes = 3, 300, 12, 256 * 1024
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.posix_worker", str(tmp_path), str(w), str(writers),
+         str(rounds), str(blocks), str(nbytes), str(1000 + w)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for w in range(writers)]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    assert [r["bad"] for r in reports] == [0] * writers
+    assert [r["corrupt_removed"] for r in reports] == [0] * writers
+    assert [r["errors"] for r in reports] == [0] * writers
+    assert sum(r["hits"] for r in reports) > 0
+    reader = tier_in(tmp_path)
+    for i in range(blocks):
+        h = hash_of(f"block-{i}")
+        block = reader.get(h)
+        assert block is not None, f"block {i} unreadable"
+        assert bytes(block.payload) in {variant_payload(h, w, nbytes) for w in range(writers)}
+    assert files(tmp_path, "*.tmp") == []
+
+
+def test_a_read_hit_refreshes_a_stale_access_record_and_a_bad_read_does_not(
+        tmp_path: Path) -> None:
+    recorder = AccessRecorder(touch_interval_s=60.0)
+    tier = PosixTier(str(tmp_path), NAMESPACE, MANIFEST, exists_ttl_s=0, access=recorder)
+    good, bad = put(tier, "read-often"), put(tier, "bit-rot")
+    for h in (good, bad):
+        os.utime(tier.path(h), (1000.0, 1000.0))  # last used long ago
+    with open(tier.path(bad), "r+b") as f:
+        f.seek(HEADER_BYTES + 7)
+        f.write(b"\xff")
+    assert tier.get(good) is not None
+    assert os.stat(tier.path(good)).st_mtime > 1000.0 and recorder.touches == 1
+    assert tier.get(good) is not None and recorder.touches == 1  # fresh now: no second touch
+    assert tier.get(bad) is None and recorder.touches == 1

@@ -1,0 +1,117 @@
+"""The Valkey L2 tier against a real loopback Valkey server and real writer processes."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import pytest
+import valkey
+
+from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
+from tests.helpers.l2 import (
+    IDENTITY,
+    NAMESPACE,
+    finish_worker,
+    make_block,
+    poll,
+    run_worker,
+    spawn_worker,
+    valkey_server,
+)
+
+pytestmark = pytest.mark.valkey
+__all__ = ["valkey_server"]  # the fixture, re-exported for pytest
+
+KIB = 1024
+
+
+def tier_for(server: ValkeyServer) -> ValkeyTier:
+    return ValkeyTier(ValkeyTierConfig(server.url, backoff_initial_s=0.05, backoff_max_s=0.2),
+                      NAMESPACE, IDENTITY.manifest())
+
+
+def test_blocks_written_by_another_process_are_hit_in_one_batch(
+        valkey_server: ValkeyServer) -> None:
+    report = run_worker("write", f"valkey:{valkey_server.url}", "--seed", "1", "--count", "8",
+                        "--bytes", str(256 * KIB))
+    assert report == {"stored": 8, "already_present": 0, "errors": 0}
+    tier = tier_for(valkey_server)
+    hashes = [make_block(1, i, 256 * KIB)[0] for i in range(8)]
+    assert tier.contains_many(hashes + [make_block(1, 8, 1)[0]]) == [True] * 8 + [False]
+    blocks = tier.get_many(hashes)
+    assert [bytes(b.payload) for b in blocks if b] == [make_block(1, i, 256 * KIB)[2]
+                                                      for i in range(8)]
+    assert blocks[3] is not None and blocks[3].meta == make_block(1, 3, 256 * KIB)[1]
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.errors) == (8, 0, 0)
+
+
+def test_keys_are_namespace_and_hash_hex_with_codec_bytes(valkey_server: ValkeyServer) -> None:
+    tier = tier_for(valkey_server)
+    h, meta, payload = make_block(2, 0, 4 * KIB)
+    assert tier.put(h, meta, payload).stored
+    raw = cast("bytes | None",
+               valkey.Valkey.from_url(valkey_server.url).get(f"{NAMESPACE}:{h.hex()}"))
+    assert raw is not None and raw.startswith(b"KVTBLK\r\n") and raw.endswith(payload)
+    assert len(raw) == 4096 + len(payload)
+
+
+def test_concurrent_writers_of_the_same_blocks_publish_once_and_readers_never_see_a_mix(
+        valkey_server: ValkeyServer) -> None:
+    url = f"valkey:{valkey_server.url}"
+    common = ["--seed", "3", "--count", "16", "--bytes", str(512 * KIB)]
+    reader = spawn_worker("read", url, *common, "--variants", "1,2", "--seconds", "3")
+    writers = [spawn_worker("write", url, *common, "--variant", str(v)) for v in (1, 2)]
+    reports = [finish_worker(w) for w in writers]
+    read = finish_worker(reader)
+    assert sum(int(r["stored"]) for r in reports) == 16  # type: ignore[call-overload]
+    assert sum(int(r["already_present"]) for r in reports) == 16  # type: ignore[call-overload]
+    assert (read["mismatched"], read["corrupt_removed"], read["errors"]) == (0, 0, 0)
+    assert int(read["hits"]) > 0  # type: ignore[call-overload]
+
+
+def test_a_corrupt_value_is_a_miss_and_is_deleted(valkey_server: ValkeyServer) -> None:
+    tier = tier_for(valkey_server)
+    h, meta, payload = make_block(4, 0, 4 * KIB)
+    tier.put(h, meta, payload)
+    client = valkey.Valkey.from_url(valkey_server.url)
+    client.setrange(f"{NAMESPACE}:{h.hex()}", 4096 + 10, b"\xff\xfe")
+    assert tier.get(h) is None
+    assert client.exists(f"{NAMESPACE}:{h.hex()}") == 0
+    assert tier.stats().corrupt_removed == 1
+
+
+def test_server_restart_mid_run_degrades_to_misses_and_recovers() -> None:
+    server = start_valkey()
+    try:
+        tier = tier_for(server)
+        h, meta, payload = make_block(5, 0, 64 * KIB)
+        assert tier.put(h, meta, payload).stored
+        server.kill()
+        # Down: every call answers (misses, failed puts), none raises.
+        assert tier.get(h) is None
+        assert tier.contains_many([h]) == [False]
+        assert not tier.put(h, meta, payload).stored
+        assert tier.stats().errors >= 1
+        server.start()  # same port, empty (no persistence): a cold but working L2
+        assert poll(lambda: tier.put(h, meta, payload).stored, deadline_s=10)
+        got = tier.get(h)
+        assert got is not None and bytes(got.payload) == payload
+    finally:
+        server.stop()
+
+
+def test_server_side_lru_keeps_memory_under_maxmemory_and_keeps_the_newest() -> None:
+    limit = 16 * 1024**2
+    with ValkeyServer(ValkeyServerSpec(maxmemory_bytes=limit)) as server:
+        tier = tier_for(server)
+        blocks = [make_block(6, i, 1024 * KIB) for i in range(48)]
+        for h, meta, payload in blocks:
+            tier.put(h, meta, payload)
+        present = tier.contains_many([b[0] for b in blocks])
+        info = cast("dict[str, object]", valkey.Valkey.from_url(server.url).info("memory"))
+        assert info["maxmemory_policy"] == "allkeys-lru"
+        assert int(info["used_memory"]) <= limit + 2 * 1024**2  # type: ignore[call-overload]
+        assert present[-1] and sum(present) < len(blocks)
+        assert tier.stats().errors == 0

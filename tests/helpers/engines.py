@@ -1,0 +1,97 @@
+"""Helpers shared by the connector's engine tests: prompts, servers, greedy completions, metrics.
+
+Every engine here is a real `vllm serve` process on the embedded model, started through
+`kvtier.tools.vllm_server` with one pinned thread; tests share them through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtier.tools.embedded_model import resolve_model
+from kvtier.net.ports import free_port
+from kvtier.vllm import settings as config
+from kvtier.tools.vllm_server import ServerProcess, ServerSpec, start_server
+
+MAX_MODEL_LEN = 4096
+TINY_CACHE_BLOCKS = 40
+"""Engine blocks (128 tokens) of the tiny-L0 engines: 5,120 tokens, so a few prompts evict."""
+
+
+
+
+@lru_cache(maxsize=1)
+def model_dir() -> str:
+    return resolve_model(None)
+
+
+@lru_cache(maxsize=1)
+def _corpus() -> Any:
+    from transformers import AutoTokenizer
+
+    from kvtier.tools.bench.corpus import Corpus
+
+    return Corpus(AutoTokenizer.from_pretrained(model_dir()))
+
+
+def prompt_ids(n_tokens: int, seed: int) -> list[int]:
+    """`n_tokens` token ids of real text; distinct seeds give distinct prefixes."""
+    from kvtier.tools.bench.tiers import prompt_ids as draw
+
+    return draw(_corpus(), n_tokens, seed)
+
+
+def kv_transfer_config(**settings: Any) -> dict[str, Any]:
+    """`--kv-transfer-config` for the connector with `ConnectorConfig(**settings)`."""
+    return config.kv_transfer_config(config.ConnectorConfig(**settings))
+
+
+def start(log_dir: Path, name: str, *, connector: Mapping[str, Any] | None = None,
+          tiny_cache: bool = False, cpu_ids: str = "0") -> ServerProcess:
+    extra = ["--num-gpu-blocks-override", str(TINY_CACHE_BLOCKS)] if tiny_cache else []
+    spec = ServerSpec(model=model_dir(), port=free_port(),
+                      kv_transfer_config=connector, max_model_len=MAX_MODEL_LEN,
+                      threads=1, cpu_ids=cpu_ids, extra_args=extra,
+                      env={"VLLM_SERVER_DEV_MODE": "1"},
+                      log_path=log_dir / f"{name}.log")
+    return start_server(spec, timeout_s=600)
+
+
+def complete(server: ServerProcess, tokens: list[int], max_tokens: int = 12,
+             cache_salt: str | None = None) -> list[int]:
+    """Greedy completion of a token-id prompt; returns the generated token ids."""
+    body: dict[str, Any] = {"model": Path(server.spec.model).name, "prompt": tokens,
+                            "max_tokens": max_tokens, "temperature": 0.0,
+                            "return_token_ids": True, "ignore_eos": True}
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
+    resp.raise_for_status()
+    return list(resp.json()["choices"][0]["token_ids"])
+
+
+def reset_l0(server: ServerProcess) -> None:
+    """Empty vLLM's own prefix cache (L0) only; the connector's tiers keep their blocks."""
+    resp = httpx.post(server.url + "/reset_prefix_cache", timeout=60)
+    resp.raise_for_status()
+    assert resp.json().get("success", True) is not False, resp.text
+
+
+def metric(server: ServerProcess, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """Sum of the samples of Prometheus metric `name` (matching `labels`) on /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if not m:
+            continue
+        if labels and not all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            continue
+        total += float(m.group(2))
+    return total

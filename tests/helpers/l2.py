@@ -1,0 +1,117 @@
+"""Shared fixtures and helpers of the L2 tests: real servers, real FUSE mounts, real processes.
+
+Fixtures are module-scoped and always tear down (stop the server, unmount every mount), even
+when a test fails. Blocks are synthetic but deterministic: `make_block(seed, i, variant)` gives
+the same hash for every variant and a different payload per variant, so a test can tell which
+writer's bytes a reader got, and that they were never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import numpy as np
+import pytest
+
+from kvtier.core.codec import BlockMeta
+from kvtier.core.keys import BlockHash, ModelIdentity, Namespace, chain_hash, root_hash
+from kvtier.tools.l2ops.juicefs import (
+    JuiceFSMount,
+    JuiceFSVolume,
+    JuiceFSVolumeSpec,
+    fuse_available,
+    unmount_dead,
+)
+from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
+
+IDENTITY = ModelIdentity(model="l2-test-model", block_tokens=16)
+NAMESPACE: Namespace = IDENTITY.namespace()
+TOKENS = 16
+
+needs_fuse = pytest.mark.skipif(not fuse_available(), reason="FUSE mounts need root + /dev/fuse")
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parents[2]
+"""Workers run from the repository root so `tests.helpers.l2_worker` imports wherever pytest ran."""
+
+
+def block_hash(seed: int, index: int) -> BlockHash:
+    """Hash of block `index` of chain `seed` (chained like real blocks)."""
+    h = root_hash(seed.to_bytes(8, "little"))
+    for i in range(index + 1):
+        h = chain_hash(h, [seed, i] * (TOKENS // 2))
+    return h
+
+
+def make_block(seed: int, index: int, nbytes: int,
+               variant: int = 0) -> tuple[BlockHash, BlockMeta, bytes]:
+    """A block whose payload depends on (seed, index, variant) and whose hash does not."""
+    h = block_hash(seed, index)
+    parent = block_hash(seed, index - 1) if index else root_hash(seed.to_bytes(8, "little"))
+    rng = np.random.default_rng([seed, index, variant])
+    payload = rng.integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    return h, BlockMeta(num_tokens=TOKENS, dtype="uint8", shape=(nbytes,), parent=parent), payload
+
+
+def poll(fn: Callable[[], T | None], deadline_s: float, interval_s: float = 0.05) -> T | None:
+    """Call `fn` until it returns something truthy or the deadline passes (bounded wait)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        value = fn()
+        if value or time.monotonic() >= end:
+            return value
+        time.sleep(interval_s)
+
+
+def run_worker(*args: str, timeout_s: float = 120.0) -> dict[str, object]:
+    """Run `python -m tests.helpers.l2_worker ARGS` to completion; its JSON report."""
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.l2_worker", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def spawn_worker(*args: str) -> subprocess.Popen[str]:
+    """Start `python -m tests.helpers.l2_worker ARGS` in the background."""
+    return subprocess.Popen([sys.executable, "-m", "tests.helpers.l2_worker", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_worker(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> dict[str, object]:
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def valkey_server() -> Iterator[ValkeyServer]:
+    server = start_valkey(ValkeyServerSpec(maxmemory_bytes=512 * 1024**2))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def two_mounts(tmp_path_factory: pytest.TempPathFactory,
+               valkey_server: ValkeyServer) -> Iterator[tuple[JuiceFSMount, JuiceFSMount]]:
+    """One JuiceFS volume (Valkey metadata, objects in a local dir) mounted twice."""
+    if not fuse_available():
+        pytest.skip("FUSE mounts need root + /dev/fuse")
+    root = Path(tmp_path_factory.mktemp("juicefs"))
+    unmount_dead(str(root.parent.parent))  # mounts orphaned by an earlier, killed run
+    volume = JuiceFSVolume(JuiceFSVolumeSpec(root=str(root), meta_url=valkey_server.url + "/1"))
+    try:
+        yield volume.mount(), volume.mount()
+    finally:
+        volume.close()

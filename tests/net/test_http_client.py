@@ -1,0 +1,230 @@
+"""The router's upstream HTTP client against raw loopback servers that answer byte by byte as
+each test scripts: keep-alive reuse, stale sockets, streaming, timeouts, broken answers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+
+from kvtier.net.http_client import HttpPool
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
+"""Serves one connection: (reader, writer, index of the connection)."""
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+@dataclass
+class Peer:
+    """The server's side of one connection."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    index: int
+    """0 on the server's first connection, 1 on its second..."""
+    requests: list[bytes]
+    """Every request the server read, on any connection."""
+
+    async def request(self) -> bytes:
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        self.requests.append(head + await self.reader.readexactly(length))
+        return self.requests[-1]
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+
+Script = Callable[[Peer], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def raw_server(script: Script) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A loopback server running `script` per connection; yields its URL and the requests."""
+    requests: list[bytes] = []
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        try:
+            await script(Peer(reader, writer, connections - 1, requests))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", requests
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def run(coro: Awaitable[None]) -> None:
+    asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+async def answer_ok_forever(peer: Peer) -> None:
+    while True:
+        await peer.request()
+        await peer.send(OK)
+
+
+def test_a_second_request_reuses_the_connection_and_sends_body_and_headers() -> None:
+    connections: list[int] = []
+
+    async def script(peer: Peer) -> None:
+        connections.append(peer.index)
+        await answer_ok_forever(peer)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, requests):
+            pool = HttpPool(1.0, 5.0)
+            for body in (b'{"a": 1}', b'{"b": 2}'):
+                resp = await pool.post(url, "/v1/completions", body,
+                                       [("Content-Type", "application/json")])
+                assert resp.status == 200
+                assert (b"Content-Type", b"application/json") in resp.headers
+                assert await resp.read() == b"{}"
+                resp.close()
+            pool.close()
+        assert connections == [0]
+        assert len(requests) == 2
+        first = requests[0]
+        assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+        assert b"\r\nHost: 127.0.0.1:" in first and b"\r\nContent-Length: 8\r\n" in first
+        assert b"\r\nContent-Type: application/json\r\n" in first
+        assert first.endswith(b'\r\n\r\n{"a": 1}')
+    run(scenario())
+
+
+def test_an_answer_left_half_read_is_aborted_not_reused() -> None:
+    connections: list[int] = []
+
+    async def script(peer: Peer) -> None:
+        connections.append(peer.index)
+        await peer.request()
+        if peer.index == 0:
+            await peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+            assert await peer.reader.read() == b""  # the client hung up
+            return
+        await peer.send(OK)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            (await pool.post(url, "/x", b"{}", [])).close()
+            resp = await pool.post(url, "/x", b"{}", [])
+            assert await resp.read() == b"{}"
+            resp.close()
+            pool.close()
+        assert connections == [0, 1]
+    run(scenario())
+
+
+def test_a_stale_keep_alive_socket_is_retried_on_a_fresh_connection() -> None:
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(OK)
+        if peer.index == 0:  # the next request on this socket finds it closing, unanswered
+            await peer.request()
+            peer.writer.transport.abort()
+            return
+        await answer_ok_forever(peer)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, requests):
+            pool = HttpPool(1.0, 5.0)
+            for _ in range(2):
+                resp = await pool.post(url, "/x", b"{}", [])
+                assert resp.status == 200 and await resp.read() == b"{}"
+                resp.close()
+            pool.close()
+        assert len(requests) == 3  # the second request was sent twice
+    run(scenario())
+
+
+def test_a_chunked_stream_arrives_piece_by_piece() -> None:
+    step = asyncio.Event()
+
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n8\r\ndata: a\n\r\n")
+        await step.wait()
+        await peer.send(b"8\r\ndata: b\n\r\n0\r\n\r\n")
+        await peer.reader.read()
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            resp = await pool.post(url, "/x", b"{}", [])
+            assert await resp.chunk() == b"data: a\n"  # before the rest is even written
+            step.set()
+            assert await resp.read() == b"data: b\n"
+            resp.close()
+            pool.close()
+    run(scenario())
+
+
+def test_a_body_ended_by_closing_the_connection_is_read_whole() -> None:
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nhello ")
+        await peer.send(b"world")
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            resp = await pool.post(url, "/x", b"{}", [])
+            assert await resp.read() == b"hello world"
+            resp.close()
+            pool.close()
+    run(scenario())
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", ConnectionResetError),
+    (b"garbage\r\n\r\n", ConnectionError),
+])
+def test_a_cut_or_garbled_answer_raises_a_connection_error(answer: bytes,
+                                                           error: type[Exception]) -> None:
+    async def script(peer: Peer) -> None:
+        await peer.request()
+        await peer.send(answer)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            with pytest.raises(error):
+                resp = await pool.post(url, "/x", b"{}", [])
+                await resp.read()
+            pool.close()
+    run(scenario())
+
+
+def test_a_silent_replica_times_out_and_a_closed_port_is_refused() -> None:
+    async def silent(peer: Peer) -> None:
+        await peer.reader.read()
+
+    async def scenario() -> None:
+        async with raw_server(silent) as (url, _):
+            pool = HttpPool(1.0, 0.2)
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(TimeoutError):
+                await pool.post(url, "/x", b"{}", [])
+            assert asyncio.get_running_loop().time() - started < 5
+        with pytest.raises(ConnectionRefusedError):
+            await pool.post(url, "/x", b"{}", [])  # the server is gone now
+        with pytest.raises(ValueError, match="http://HOST"):
+            await pool.post("https://127.0.0.1:1", "/x", b"{}", [])
+    run(scenario())

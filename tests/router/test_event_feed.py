@@ -1,0 +1,127 @@
+"""KV events into the kvaware index: kvtier connector events and re-hashed vLLM events."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import msgspec
+
+from kvtier.core.events import EventKind, KVEvent, Tier
+from kvtier.net.kv_events import EventPublisher
+from kvtier.core.keys import block_hashes
+from kvtier.router.event_feed import EventFeed, KvtierApplier, VllmRehasher
+from kvtier.router.index import SHARED, PrefixIndex
+
+BLOCK = 4
+TOKENS = list(range(100, 116))  # 4 blocks
+HASHES = tuple(block_hashes(TOKENS, BLOCK))
+
+
+class Forgets:
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.calls: list[tuple[str, str]] = []
+
+    def __call__(self, replica: str, cause: str) -> None:
+        self.calls.append((replica, cause))
+        self.index.purge(replica)
+
+
+def kv(kind: EventKind, tier: Tier, hashes: tuple = HASHES, epoch: str = "e1",
+       replica: str = "r1", seq: int = 0) -> KVEvent:
+    return KVEvent(kind, replica, epoch, tier, hashes, seq)
+
+
+def test_kvtier_events_fill_tiers_and_l2_goes_to_the_shared_pseudo_replica() -> None:
+    index = PrefixIndex()
+    applier = KvtierApplier(index, Forgets(index))
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:2]), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L2), now=0.0)
+    assert index.match(HASHES, replicas=["r1", "r2"]) == {
+        "r1": [Tier.L1, Tier.L1, Tier.L2, Tier.L2], "r2": [Tier.L2] * 4}
+    applier.apply(kv(EventKind.REMOVED, Tier.L2, HASHES[2:]), now=1.0)
+    applier.apply(kv(EventKind.CLEARED, Tier.L1, ()), now=1.0)
+    assert index.match(HASHES, replicas=["r1"]) == {"r1": [Tier.L2, Tier.L2]}
+
+
+def test_a_new_epoch_purges_the_restarted_replica_but_not_the_shared_pool() -> None:
+    index = PrefixIndex()
+    forgets = Forgets(index)
+    applier = KvtierApplier(index, forgets)
+    applier.apply(kv(EventKind.STORED, Tier.L1), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L2, HASHES[:1]), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=1.0)
+    assert forgets.calls == [("r1", "restart")]
+    assert index.match(HASHES, replicas=["r1"]) == {"r1": [Tier.L1]}
+    assert SHARED in index.replicas()
+
+
+def vllm_batch(*events: dict) -> bytes:
+    return msgspec.msgpack.encode([time.time(), list(events), None])
+
+
+def stored(ext: list, tokens: list[int], parent: object = None) -> dict:
+    return {"type": "BlockStored", "block_hashes": ext, "parent_block_hash": parent,
+            "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
+            "lora_name": None}
+
+
+def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() -> None:
+    index = PrefixIndex()
+    rehasher = VllmRehasher("r1", index, Forgets(index))
+    counted: list[tuple[str, str]] = []
+    count = lambda source, kind: counted.append((source, kind))
+    rehasher.apply(0, vllm_batch(stored([b"seed-a", 77], TOKENS[:8])), 0.0, count)
+    rehasher.apply(1, vllm_batch(stored([b"x" * 32, 9], TOKENS[8:], parent=77)), 0.0, count)
+    assert index.match(HASHES) == {"r1": [Tier.L0] * 4}
+    rehasher.apply(2, vllm_batch({"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}),
+                   0.0, count)
+    assert index.match(HASHES) == {"r1": [Tier.L0] * 3}
+    rehasher.apply(3, vllm_batch({"type": "AllBlocksCleared"}), 0.0, count)
+    assert len(index) == 0
+    assert counted == [("vllm", "BlockStored"), ("vllm", "BlockStored"),
+                       ("vllm", "BlockRemoved"), ("vllm", "AllBlocksCleared")]
+
+
+def test_vllm_block_with_an_unknown_parent_is_skipped_not_misnamed() -> None:
+    index = PrefixIndex()
+    rehasher = VllmRehasher("r1", index, Forgets(index))
+    rehasher.apply(0, vllm_batch(stored([5], TOKENS[4:8], parent=4)), 0.0, lambda s, k: None)
+    assert len(index) == 0 and rehasher.unnamed == 1
+
+
+def test_vllm_sequence_going_backwards_means_a_restart_and_purges() -> None:
+    index = PrefixIndex()
+    forgets = Forgets(index)
+    rehasher = VllmRehasher("r1", index, forgets)
+    rehasher.apply(5, vllm_batch(stored([1], TOKENS[:4])), 0.0, lambda s, k: None)
+    rehasher.apply(0, vllm_batch(), 1.0, lambda s, k: None)
+    assert forgets.calls == [("r1", "restart")] and len(index) == 0
+
+
+def _free_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_event_feed_applies_published_kvtier_events_over_zmq() -> None:
+    async def scenario() -> None:
+        endpoint = _free_endpoint()
+        index = PrefixIndex()
+        with EventPublisher(endpoint, "r1") as pub:
+            feed = EventFeed(index, [endpoint], {}, Forgets(index), lambda s, k: None,
+                             time.monotonic, 1000)
+            feed.start()
+            try:
+                for _ in range(100):  # PUB/SUB drops until the subscription propagates
+                    pub.publish(EventKind.STORED, Tier.L1, HASHES)
+                    await asyncio.sleep(0.05)
+                    if len(index):
+                        break
+            finally:
+                await feed.close()
+        assert index.match(HASHES) == {"r1": [Tier.L1] * 4}
+    asyncio.run(asyncio.wait_for(scenario(), 30))

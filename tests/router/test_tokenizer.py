@@ -1,0 +1,126 @@
+"""Router-side tokenization: chunked, cached encoding equals the tokenizer's own."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.tools.bench.corpus import Corpus
+from kvtier.router.tokenizer import ChunkedEncoder, Prompt, PromptError
+from tests.helpers.router import tokenizer
+
+
+def whole(text: str) -> list[int]:
+    return list(tokenizer()._tok.encode(text, add_special_tokens=False))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunked_encoding_equals_whole_encoding_on_real_text(seed: int) -> None:
+    corpus = Corpus(tokenizer()._tok)
+    text = corpus.document(1500, seed) + "\n\nQuestion:   what   now?\t\n  "
+    encoder = ChunkedEncoder(whole, min_chars=64)
+    assert encoder.exact
+    assert encoder(text) == whole(text)
+    assert encoder(text) == whole(text)  # again, from the cache
+
+
+def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
+    calls: list[str] = []
+
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return whole(text)
+
+    encoder = ChunkedEncoder(counting, min_chars=100)
+    calls.clear()  # the self-check's calls
+    prefix = Corpus(tokenizer()._tok).document(800, 1)
+    encoder(prefix + " first question?")
+    first_calls = len(calls)
+    calls.clear()
+    assert encoder(prefix + " second question?") == whole(prefix + " second question?")
+    assert len(calls) == 1 and first_calls > 1  # only the tail was encoded
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(chat: bool) -> None:
+    tok = tokenizer()
+    text = Corpus(tok._tok).document(1200, 7) + "\nQuestion: which item comes next?"
+    body = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    exact = tok.chat_tokens(body) if chat else tok.completion_tokens(body)
+    prompt = tok.prompt(body, chat)
+    assert 0 < len(prompt.tail) <= 2 * 256 and exact[:len(prompt.ids)] == prompt.ids
+    assert tok.tokens(prompt) == exact and len(exact) <= prompt.max_tokens
+    assert abs(prompt.estimated_tokens - len(exact)) <= 20
+    full, routed = tok.hash(exact), tok.hash(prompt.ids)
+    assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // tok.block_tokens
+
+
+def test_a_repeated_head_skips_the_chunks_and_names_its_blocks_as_hashing_does() -> None:
+    tok = tokenizer()
+    document = Corpus(tok._tok).document(1200, 8)
+    first = tok.prompt({"prompt": document + "\nQuestion: one?"}, chat=False)
+    lookups = tok._encode._chunks._items.copy()
+    repeat = tok.prompt({"prompt": document + "\nQuestion: two?"}, chat=False)
+    assert repeat.head == first.head and repeat.ids == first.ids
+    assert list(tok._encode._chunks._items) == list(lookups)  # no chunk was looked up again
+    repeat.ids.append(0)  # callers get their own list: the memo is not changed
+    assert tok.prompt({"prompt": document + "\nQuestion: three?"}, chat=False).ids == first.ids
+    for salt in (None, "tenant-a"):
+        assert tok.block_names(first, salt) == tok.hash(first.ids, salt)
+        assert tok.block_names(first, salt) == tok.block_names(
+            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), salt)
+    assert tok.block_names(first) != tok.block_names(first, "tenant-a")
+    # the same head after a leading special token (a BOS; this tokenizer adds none itself)
+    with_bos = Prompt([1] + first.ids, first.tail, first.head)
+    assert tok.block_names(with_bos) == tok.hash(with_bos.ids) != tok.block_names(first)
+
+
+def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:
+    from kvtier.router.tokenizer import _Lru
+
+    memo = _Lru[str, int](10, len)
+    memo.put("aaaa", 1)
+    memo.put("bbbb", 2)
+    assert memo.get("aaaa") == 1  # now the most recent
+    memo.put("cccc", 3)  # over budget: the least recent ("bbbb") goes
+    assert memo.get("bbbb") is None and memo.get("aaaa") == 1 and memo.get("cccc") == 3
+    assert memo.put("x" * 11, 4) == 4 and memo.get("x" * 11) is None  # larger than the budget
+
+
+def test_text_with_nowhere_to_cut_is_encoded_whole_for_routing() -> None:
+    tok = tokenizer()
+    body = {"prompt": "word " + "x" * 3000}
+    prompt = tok.prompt(body, chat=False)
+    assert prompt.tail == "" and prompt.ids == tok.completion_tokens(body)
+
+
+def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
+    def marked(text: str) -> list[int]:  # SentencePiece-like: a marker at every start
+        return [1] + [ord(c) for c in text]
+
+    encoder = ChunkedEncoder(marked, min_chars=4)
+    assert not encoder.exact
+    text = "some words here and there " * 20
+    assert encoder(text) == marked(text)
+
+
+def test_chat_tokens_render_tools_and_text_parts() -> None:
+    tok = tokenizer()
+    plain = tok.chat_tokens({"messages": [{"role": "user", "content": "a\nb"}]})
+    parts = tok.chat_tokens({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
+        {"type": "text", "text": "b"}]}]})
+    assert parts == plain
+    with pytest.raises(PromptError) as err:
+        tok.chat_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]})
+    assert err.value.param == "messages[0].content"
+
+
+def test_completion_prompt_forms() -> None:
+    tok = tokenizer()
+    assert tok.completion_tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
+    assert tok.completion_tokens({"prompt": [[5, 6], [7]]}) == [5, 6]
+    assert tok.completion_tokens({"prompt": ["hello", "x"]}) == \
+        tok.completion_tokens({"prompt": "hello"})
+    for bad in ([], [True], [-1], [[1], "x"], {"a": 1}):
+        with pytest.raises(PromptError):
+            tok.completion_tokens({"prompt": bad})

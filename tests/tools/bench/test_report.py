@@ -1,0 +1,51 @@
+import json
+from pathlib import Path
+
+from kvtier.tools.bench.report import Run, markdown_table, percentile, plot, summarize, write_json
+from kvtier.tools.bench.workload import Record
+
+
+def record(round_: int, ttft: float, prompt: int, cached: int, reusable: int,
+           error: str | None = None) -> Record:
+    return Record("s", round_, float(round_), ttft, ttft + 100, prompt, cached, reusable, error)
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 90) == 90.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_summary_counts_served_reusable_tokens_only_up_to_what_was_reusable() -> None:
+    run = Run("S2", "cfg", (
+        record(0, 300.0, 500, 0, 0),
+        record(1, 100.0, 700, 512, 384),   # served more than reusable: capped at 384
+        record(2, 120.0, 900, 256, 640),
+        record(3, 0.0, 900, 0, 640, error="boom"),  # errors are excluded from figures
+    ), {"l1_hit_tokens": 7})
+    row = summarize(run)
+    assert row["requests"] == 3 and row["errors"] == 1
+    assert row["ttft_p50_ms"] == 120.0
+    assert row["cached_token_share"] == round(768 / 2100, 4)
+    assert row["reusable_token_share_served"] == round((384 + 256) / (384 + 640), 4)
+    assert row["l1_hit_tokens"] == 7
+
+
+def test_markdown_table_reports_speed_up_against_the_baseline() -> None:
+    rows = [{"config": "base", "ttft_p50_ms": 300.0}, {"config": "fast", "ttft_p50_ms": 100.0}]
+    table = markdown_table(rows, baseline="base")
+    assert table.splitlines()[2].endswith("| 1.00x |")
+    assert table.splitlines()[3].endswith("| 3.00x |")
+
+
+def test_plots_and_json_are_written(tmp_path: Path) -> None:
+    runs = [Run("S2", name, (record(0, 300.0, 500, 0, 0), record(1, t, 700, 384, 384)), {})
+            for name, t in (("a", 200.0), ("b", 50.0))]
+    paths = plot(runs, tmp_path, "S2")
+    assert [p.name for p in paths] == ["s2_ttft.png", "s2_ttft_by_round.png", "s2_hit_share.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)
+    write_json([summarize(r) for r in runs], tmp_path / "rows.json")
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["config"] for r in rows] == ["a", "b"]

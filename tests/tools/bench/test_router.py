@@ -1,0 +1,107 @@
+"""Benchmark S3's workload, peer commands and overhead reference (the run itself needs engines:
+`kvtier bench router`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+from kvtier.tools.bench.corpus import Corpus
+from kvtier.tools.bench.router import (
+    BLOCK,
+    PASSTHROUGH,
+    ROUTERS,
+    Replica,
+    RouterProcess,
+    build_workload,
+    ideal_hit_tokens,
+    measure_overhead,
+    router_command,
+    start_fake_replica,
+)
+from tests.helpers.router import tokenizer
+
+
+def test_workload_interleaves_rounds_and_counts_the_ideal_hits() -> None:
+    tok = tokenizer()._tok
+    workload = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256)
+    assert len(workload.prompts) == 12
+    heads = [p.split(".\n", 1)[0] for p in workload.prompts]
+    for r in range(3):  # every prefix once per round
+        assert Counter(heads[4 * r:4 * r + 4]) == {f"Document t-{p}": 1 for p in range(4)}
+    # each repeat can hit at most its 2 full 128-token prefix blocks
+    assert workload.ideal_hit_tokens == 4 * 2 * 256
+
+
+def test_unique_contexts_leave_only_the_prefix_shared() -> None:
+    tok = tokenizer()._tok
+    workload = build_workload(tok, Corpus(tok), "t", prefixes=2, suffixes=2, prefix_tokens=256,
+                              suffix_tokens=300)
+    first, repeat = workload.prompts[0], workload.prompts[2]
+    assert first.split(".\n", 1)[0] == repeat.split(".\n", 1)[0]  # the same document
+    assert len(tok.encode(repeat)) > 256 + 300 - 20
+    assert workload.ideal_hit_tokens == 2 * 256  # the contexts differ: only the prefix can hit
+
+
+def test_ideal_hits_count_full_blocks_shared_with_any_earlier_request() -> None:
+    a = list(range(3 * BLOCK))
+    b = a[:2 * BLOCK] + [7] * BLOCK  # shares 2 blocks with a
+    c = a[:BLOCK] + [9] * 2 * BLOCK  # shares 1 with a and b
+    assert ideal_hit_tokens([a]) == 0
+    assert ideal_hit_tokens([a, b, c]) == (2 + 1) * BLOCK
+    assert ideal_hit_tokens([a, a]) == 2 * BLOCK  # the last token is always computed
+
+
+def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests() -> None:
+    tok = tokenizer()._tok
+    plain = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256)
+    shared = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
+                            system_tokens=256)
+    system = shared.prompts[0].split("Document t-", 1)[0]
+    assert system.startswith("System t.") and all(p.startswith(system) for p in shared.prompts)
+    assert [p[len(system):] for p in shared.prompts] == list(plain.prompts)
+    # every prompt after the first can hit the system prompt's 2 blocks; repeats also their
+    # document's 2
+    assert shared.ideal_hit_tokens == 7 * 256 + plain.ideal_hit_tokens
+
+
+def test_every_router_has_a_command_on_the_given_port() -> None:
+    replicas = [Replica("http://127.0.0.1:1", "ipc:///a"), Replica("http://127.0.0.1:2")]
+    for name in ROUTERS:
+        cmd = router_command(name, replicas, 4242)
+        assert "4242" in cmd and "http://127.0.0.1:2" in " ".join(cmd)
+    assert "http://127.0.0.1:1=ipc:///a" in router_command("kvtier-kvaware", replicas, 1)
+
+
+def test_rust_routers_get_their_own_loopback_metrics_port() -> None:
+    replicas = [Replica("http://127.0.0.1:1"), Replica("http://127.0.0.1:2")]
+    ports = []
+    for name in ("sglang-router", "vllm-router"):
+        cmd = router_command(name, replicas, 4242)
+        assert cmd[cmd.index("--prometheus-host") + 1] == "127.0.0.1"
+        ports.append(cmd[cmd.index("--prometheus-port") + 1])
+    assert len(set(ports)) == 2 and "29000" not in ports
+
+
+def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
+    fake, url = start_fake_replica(tmp_path)
+    passthrough = RouterProcess(PASSTHROUGH, [Replica(url)], tmp_path)
+    try:
+        asyncio.run(passthrough.wait_ready(30))
+        figures = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url}, url,
+                                               ["a b c"], pairs=20))
+        streaks = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url, "direct": url},
+                                               url, ["a b c"], pairs=20, streak=7,
+                                               prefix="overhead_cold"))
+    finally:
+        passthrough.stop()
+        os.killpg(fake.pid, signal.SIGKILL)
+        fake.wait()
+    row = figures[PASSTHROUGH]
+    assert 0 < row["overhead_p50_ms"] <= row["overhead_p99_ms"] < 1000
+    assert set(streaks) == {PASSTHROUGH, "direct"}
+    assert set(streaks["direct"]) == {"overhead_cold_p50_ms", "overhead_cold_p99_ms"}
+    assert streaks["direct"]["overhead_cold_p50_ms"] < row["overhead_p50_ms"]  # no hop at all

@@ -1,0 +1,102 @@
+"""`kvtier l2 status|gc|verify` on a real directory and a real Valkey server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import pytest
+import valkey
+
+from kvtier.tools.l2ops import cli
+from kvtier.tools.l2ops.valkey_server import ValkeyServer
+from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, valkey_server
+
+__all__ = ["valkey_server"]  # the fixture, re-exported for pytest
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="kvtier")
+    cli.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(list(argv))
+    return int(args.func(args))
+
+
+def stored_dir(tmp_path: Path, count: int) -> list[str]:
+    tier = PosixTier(str(tmp_path), NAMESPACE, IDENTITY.manifest())
+    paths = []
+    for i in range(count):
+        h, meta, payload = make_block(40, i, 8192)
+        tier.put(h, meta, payload)
+        paths.append(tier.path(h))
+    return paths
+
+
+def test_parse_size_understands_binary_units() -> None:
+    assert [cli.parse_size(s) for s in ("123", "512M", "10GiB", "1.5k")] == \
+        [123, 512 * 1024**2, 10 * 1024**3, 1536]
+    with pytest.raises(ValueError, match="size"):
+        cli.parse_size("lots")
+
+
+def test_status_shows_usage_and_gc_evicts_to_the_low_watermark(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = stored_dir(tmp_path, 10)
+    for i, path in enumerate(paths):
+        os.utime(path, (1000 + i, 1000 + i))
+    assert run("l2", "status", str(tmp_path), "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    assert (status["blocks"], status["block_bytes"]) == (10, 10 * (4096 + 8192))
+    assert status["janitor"] == "none" and status["last_pass"] is None
+    capacity = str(12 * (4096 + 8192))  # 10 of 12 slots: below the high watermark
+    assert run("l2", "gc", str(tmp_path), "--capacity", capacity, "--high", "0.9",
+               "--low", "0.5", "--json") == 0
+    assert json.loads(capsys.readouterr().out)["trigger"] is None
+    assert run("l2", "gc", str(tmp_path), "--capacity", capacity, "--high", "0.9",
+               "--low", "0.5", "--to-low", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["trigger"], report["evicted_blocks"]) == ("forced", 4)  # down to 6 slots
+    assert [os.path.exists(p) for p in paths] == [False] * 4 + [True] * 6
+    assert run("l2", "status", str(tmp_path), "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["blocks"] == 6 and status["last_pass"]["evicted_blocks"] == 4
+    assert "expired" in status["janitor"]  # gc released the lease when done
+
+
+def test_verify_finds_and_removes_a_corrupt_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = stored_dir(tmp_path, 3)
+    with open(paths[1], "r+b") as f:
+        f.seek(4096 + 100)
+        f.write(b"\x00garbage")
+    assert run("l2", "verify", str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert f"BAD {paths[1]}" in out and "checksum" in out
+    assert run("l2", "verify", str(tmp_path), "--remove", "--json") == 0
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1]) == \
+        {"checked": 3, "bad": 1, "removed": 1}
+    assert not os.path.exists(paths[1]) and os.path.exists(paths[0])
+
+
+@pytest.mark.valkey
+def test_status_and_verify_on_a_valkey_l2(valkey_server: ValkeyServer,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    tier = ValkeyTier(ValkeyTierConfig(valkey_server.url), NAMESPACE, IDENTITY.manifest())
+    hashes = []
+    for i in range(4):
+        h, meta, payload = make_block(41, i, 8192)
+        tier.put(h, meta, payload)
+        hashes.append(h)
+    valkey.Valkey.from_url(valkey_server.url).setrange(f"{NAMESPACE}:{hashes[2].hex()}",
+                                                       5000, b"\xff")
+    assert run("l2", "status", valkey_server.url, "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["policy"] == "allkeys-lru" and status["keys"] >= 5
+    assert run("l2", "verify", valkey_server.url, "--remove") == 0
+    out = capsys.readouterr().out
+    assert f"BAD {NAMESPACE}:{hashes[2].hex()}" in out
+    assert tier.contains_many(hashes) == [True, True, False, True]

@@ -1,0 +1,83 @@
+"""`kvtier sim` and `kvtier plan` from the command line: help, JSON keys, plots, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from tests.helpers.sim import MOONCAKE
+
+REQUIRED = {"hit_rate", "ideal_hit_rate", "hit_rate_by_tier", "ttft_p50_ms", "ttft_p99_ms",
+            "load_max_over_mean", "requests", "wall_s"}
+
+
+@pytest.mark.parametrize("command, phrase", [
+    ("sim", "discrete-event model of N replicas"),
+    ("plan", "how much L1 (or L2, or L0) do I need"),
+])
+def test_help_describes_the_command(command: str, phrase: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert phrase in " ".join(capsys.readouterr().out.split())
+
+
+def test_sim_writes_the_documented_json(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run.json"
+    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "500", "--replicas", "4",
+                 "--strategy", "kvaware", "--policy-opt", "queue_weight=0.5",
+                 "--l2-blocks", "inf", "--json", str(out), "--quiet"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert REQUIRED <= doc.keys()
+    assert doc["requests"] == 500
+    assert doc["config"]["l2_blocks"] == "inf"
+    assert doc["config"]["l0_blocks"] == 292  # gpu-7b default: 8 GiB of 512-token blocks
+    assert doc["config"]["strategy_options"] == {"queue_weight": 0.5}
+    assert "hit rate" in capsys.readouterr().out
+
+
+def test_sim_sweep_writes_points_and_a_png_beside_the_json(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "300", "--replicas", "1",
+                 "--l0-blocks", "0", "--l2-blocks", "0", "--costs", "cpu-smollm2",
+                 "--sweep", "l1=0,50,inf", "--json", str(out), "--quiet"])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert [p["x"] for p in doc["points"]] == [0, 50, "inf"]
+    assert REQUIRED <= doc["points"][0].keys()
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_prints_the_answer_and_exits_1_when_out_of_reach(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["plan", "--trace", str(MOONCAKE), "--limit", "300", "--replicas", "1",
+              "--l0-blocks", "0", "--l2-blocks", "0", "--tier", "l1", "--quiet"]
+    out = tmp_path / "plan.json"
+    assert main(common + ["--target-hit-rate", "0.05", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["reachable"] and doc["blocks"] > 0 and doc["hit_rate"] >= 0.05
+    assert "l1:" in capsys.readouterr().out
+    assert main(common + ["--target-hit-rate", "0.99"]) == 1
+
+
+def test_bad_values_exit_2_with_the_field_named(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "10", "--cost", "warp=9",
+                 "--quiet"])
+    assert code == 2
+    assert "unknown field 'warp'" in capsys.readouterr().err
+
+
+def test_public_surface_of_the_sim_package_is_pinned() -> None:
+    import kvtier.tools.sim
+
+    assert kvtier.tools.sim.__all__ == sorted(kvtier.tools.sim.__all__)
+    assert set(kvtier.tools.sim.__all__) == {
+        "CostModel", "FleetConfig", "PlanAnswer", "SimResult", "SweepAxis", "Trace",
+        "TraceRequest", "load_costs", "load_trace", "parse_sweep", "plan_capacity", "run_sweep",
+        "simulate"}
