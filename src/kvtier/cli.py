@@ -18,7 +18,7 @@ COMMAND_MODULES = (
     "kvtier.tools.demo",
     "kvtier.tools.embedded_model",
     "kvtier.tools.serve",
-    "kvtier.router.cli",
+    "kvtier.tools.router_cli",
     "kvtier.tools.sim.cli",
     "kvtier.tools.cluster.cli",
     "kvtier.tools.l2ops.cli",

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.codec import BlockMeta
-from kvtier.core.settings import StoreConfig
 from kvtier.core.errors import CodecError, ConfigError
-from kvtier.core.events import EventKind, Tier
+from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, root_hash
+from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers.base import PutResult, StoredBlock, TierStats
+from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierStats
 from kvtier.core.tiers.posix import PosixTier
 from tests.helpers.tiers import payload_for
 
@@ -37,10 +37,10 @@ def payload(i: int) -> bytes:
     return payload_for(CHAIN[i], NBYTES)
 
 
-def config(tmp_path: Path | None, **kw: object) -> StoreConfig:
+def config(tmp_path: Path | None, **kw: object) -> StoreSettings:
     values: dict[str, object] = {"l1_bytes": L1_BLOCKS * NBYTES,
                                  "l2_path": None if tmp_path is None else str(tmp_path)} | kw
-    return StoreConfig(**values)  # type: ignore[arg-type]
+    return StoreSettings(**values)  # type: ignore[arg-type]
 
 
 def save_chain(store: TieredStore, n: int) -> None:
@@ -463,4 +463,4 @@ def test_manifest_is_written_beside_the_blocks(tmp_path: Path) -> None:
 ])
 def test_config_rejects_invalid_fields(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        StoreConfig(**kwargs)  # type: ignore[arg-type]
+        StoreSettings(**kwargs)  # type: ignore[arg-type]

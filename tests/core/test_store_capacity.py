@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 from kvtier.core.codec import HEADER_BYTES
-from kvtier.core.settings import StoreConfig
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
-from kvtier.core.tiers.lease import FileLease
+from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import Tier
 from kvtier.core.tiers.janitor import control_dir, read_status, scan
+from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.posix import PosixTier
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, poll
 
@@ -29,14 +29,14 @@ CAPACITY = 10 * FILE
 LOW_FILES = 4  # the most whole files at or below the low watermark (4.5 files)
 
 
-def store_config(root: Path, **kw: object) -> StoreConfig:
+def store_config(root: Path, **kw: object) -> StoreSettings:
     """L1 off, so every read goes to L2; one writer thread, so blocks publish in save order."""
     values: dict[str, object] = {"l1_bytes": 0, "l2_path": str(root), "l2_exists_ttl_s": 0,
                                  "io_threads": 1} | kw
-    return StoreConfig(**values)  # type: ignore[arg-type]
+    return StoreSettings(**values)  # type: ignore[arg-type]
 
 
-def capacity_config(root: Path) -> StoreConfig:
+def capacity_config(root: Path) -> StoreSettings:
     return store_config(root, l2_capacity_bytes=CAPACITY, l2_high_watermark=0.85,
                         l2_low_watermark=0.45, l2_janitor_interval_s=0.1)
 

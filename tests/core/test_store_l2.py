@@ -2,26 +2,25 @@
 
 Warm restart: a store that starts after others wrote L2 (a restarted or brand-new replica)
 sees every block at once; there is no index to rebuild. The Valkey stores are configured by
-`StoreConfig.l2_url` alone, as a replica is.
+`StoreSettings.l2_url` alone, as a replica is.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 import pytest
 
 from kvtier.core.codec import HEADER_BYTES, BlockMeta
-from kvtier.core.settings import StoreConfig
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
-from kvtier.tools.l2ops.juicefs import JuiceFSMount
-from kvtier.core.tiers.lease import FileLease
-from kvtier.tools.l2ops.valkey_server import ValkeyServer, start_valkey
+from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import Tier
 from kvtier.core.tiers.janitor import control_dir, scan
+from kvtier.core.tiers.lease import FileLease
+from kvtier.tools.l2ops.juicefs import JuiceFSMount
+from kvtier.tools.l2ops.valkey_server import ValkeyServer, start_valkey
 from tests.helpers.l2 import (
     IDENTITY,
     make_block,
@@ -63,9 +62,9 @@ def assert_all_from_l2(store: TieredStore, seed: int) -> None:
 def test_a_new_store_on_another_mount_finds_every_block_without_a_rebuild(
         two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
     a, b = two_mounts
-    with TieredStore(StoreConfig(l1_bytes=64 * 1024**2, l2_path=a.path), IDENTITY) as writer:
+    with TieredStore(StoreSettings(l1_bytes=64 * 1024**2, l2_path=a.path), IDENTITY) as writer:
         write_through(writer, 50)
-    with TieredStore(StoreConfig(l1_bytes=64 * 1024**2, l2_path=b.path,
+    with TieredStore(StoreSettings(l1_bytes=64 * 1024**2, l2_path=b.path,
                                  l2_exists_ttl_s=0), IDENTITY) as reader:
         assert_all_from_l2(reader, 50)
         stats = reader.stats()
@@ -79,7 +78,7 @@ def test_a_store_process_reads_what_another_process_wrote_through_the_other_moun
     a, b = two_mounts
     run_worker("write", f"posix:{a.path}", "--seed", "51", "--count", str(COUNT),
                "--bytes", str(256 * KIB))
-    with TieredStore(StoreConfig(l1_bytes=0, l2_path=b.path, l2_exists_ttl_s=0),
+    with TieredStore(StoreSettings(l1_bytes=0, l2_path=b.path, l2_exists_ttl_s=0),
                      IDENTITY) as reader:
         assert_all_from_l2(reader, 51)
 
@@ -94,11 +93,11 @@ def test_stores_on_two_mounts_share_one_janitor_that_bounds_the_volume(
     root_b = os.path.join(b.path, "bounded")
     assert poll(lambda: os.path.isdir(root_b), deadline_s=10)
     file_bytes = 256 * KIB + HEADER_BYTES
-    config = StoreConfig(l1_bytes=0, l2_path=root, l2_exists_ttl_s=0, l2_profile="juicefs",
+    config = StoreSettings(l1_bytes=0, l2_path=root, l2_exists_ttl_s=0, l2_profile="juicefs",
                          l2_capacity_bytes=10 * file_bytes, l2_high_watermark=0.85,
                          l2_low_watermark=0.45, l2_janitor_interval_s=0.2)
     with TieredStore(config, IDENTITY) as on_a, \
-            TieredStore(replace(config, l2_path=root_b), IDENTITY) as on_b:
+            TieredStore(config.replaced(l2_path=root_b), IDENTITY) as on_b:
         write_through(on_a, 55)
         write_through(on_b, 56)  # 12 blocks into room for 10: above the high watermark
         assert poll(lambda: scan(root, 600, time.time()).used_bytes <= 4 * file_bytes, 30)
@@ -121,7 +120,7 @@ def test_stores_on_two_mounts_share_one_janitor_that_bounds_the_volume(
 
 def valkey_store(url: str, *, l1_bytes: int = 0) -> TieredStore:
     """A store whose L2 is the Valkey server at `url`, built from the config alone."""
-    return TieredStore(StoreConfig(l1_bytes=l1_bytes, l2_url=url, l2_exists_ttl_s=0), IDENTITY)
+    return TieredStore(StoreSettings(l1_bytes=l1_bytes, l2_url=url, l2_exists_ttl_s=0), IDENTITY)
 
 
 @pytest.mark.valkey

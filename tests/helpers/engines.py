@@ -14,10 +14,10 @@ from typing import Any
 
 import httpx
 
-from kvtier.tools.embedded_model import resolve_model
 from kvtier.net.ports import free_port
-from kvtier.vllm import settings as config
+from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.vllm_server import ServerProcess, ServerSpec, start_server
+from kvtier.vllm import settings as config
 
 MAX_MODEL_LEN = 4096
 TINY_CACHE_BLOCKS = 40
@@ -48,8 +48,8 @@ def prompt_ids(n_tokens: int, seed: int) -> list[int]:
 
 
 def kv_transfer_config(**settings: Any) -> dict[str, Any]:
-    """`--kv-transfer-config` for the connector with `ConnectorConfig(**settings)`."""
-    return config.kv_transfer_config(config.ConnectorConfig(**settings))
+    """`--kv-transfer-config` for the connector with `ConnectorSettings(**settings)`."""
+    return config.kv_transfer_config(config.ConnectorSettings(**settings))
 
 
 def start(log_dir: Path, name: str, *, connector: Mapping[str, Any] | None = None,

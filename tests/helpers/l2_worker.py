@@ -25,7 +25,7 @@ import time
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
 from kvtier.core.tiers.posix import PosixTier
-from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from tests.helpers.l2 import IDENTITY, make_block
 
 
@@ -34,7 +34,7 @@ def open_tier(backend: str, identity: ModelIdentity = IDENTITY) -> BlockTier:
     if kind == "posix":
         return PosixTier(where, identity.namespace(), identity.manifest(), exists_ttl_s=0)
     if kind == "valkey":
-        return ValkeyTier(ValkeyTierConfig(where, backoff_initial_s=0.05, backoff_max_s=0.2),
+        return ValkeyTier(ValkeyTierSettings(url=where, backoff_initial_s=0.05, backoff_max_s=0.2),
                           identity.namespace(), identity.manifest())
     raise SystemExit(f"unknown backend {backend!r}")
 
@@ -77,11 +77,11 @@ def read(args: argparse.Namespace) -> dict[str, object]:
 def fill(args: argparse.Namespace) -> dict[str, object]:
     """Write fresh blocks for `seconds`, logging (started, finished, bytes) per publish; with
     `--capacity`, also run a janitor thread as a replica would."""
-    from kvtier.core.tiers.janitor import Janitor, JanitorConfig
+    from kvtier.core.tiers.janitor import Janitor, JanitorSettings
     tier = open_tier(f"posix:{args.dir}")
     janitor = None
     if args.capacity:
-        janitor = Janitor(args.dir, JanitorConfig(
+        janitor = Janitor(args.dir, JanitorSettings(
             capacity_bytes=args.capacity, high_watermark=args.high, low_watermark=args.low,
             lease_ttl_s=args.lease_ttl, interval_s=args.interval, grace_s=args.grace),
             holder=f"writer-{args.writer}")
@@ -108,8 +108,8 @@ def fill(args: argparse.Namespace) -> dict[str, object]:
 
 def janitor(args: argparse.Namespace) -> dict[str, object]:
     """Run only a janitor (a replica that does not write) for `seconds`."""
-    from kvtier.core.tiers.janitor import Janitor, JanitorConfig
-    j = Janitor(args.dir, JanitorConfig(
+    from kvtier.core.tiers.janitor import Janitor, JanitorSettings
+    j = Janitor(args.dir, JanitorSettings(
         capacity_bytes=args.capacity, high_watermark=args.high, low_watermark=args.low,
         lease_ttl_s=args.lease_ttl, interval_s=args.interval, grace_s=args.grace),
         holder=args.holder)

@@ -1,8 +1,8 @@
 """In-process fake replicas and a router on loopback, for the router's unit tests.
 
-A `FakeReplica` is a real aiohttp server on a free port that speaks enough of vLLM's API
-(/health, /v1/models, completions with and without SSE) and misbehaves on demand: 500s, resets
-before answering, hangs, streams that die half way.
+Fake replicas are `kvtier.tools.fake_replica.FakeReplica` servers on free ports that speak
+enough of vLLM's API and misbehave on demand (500s, resets, hangs, streams that die half way).
+Clients are `httpx` (a test dependency only).
 """
 
 from __future__ import annotations
@@ -13,126 +13,52 @@ import json
 import socket
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Self, TypeVar
 
-import aiohttp
-from aiohttp import web
+import httpx
 
-from kvtier.tools.embedded_model import resolve_model
 from kvtier.router.app import Router, serving
-from kvtier.router.settings import ReplicaConfig, RouterConfig
+from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.fake_replica import SSE_CHUNKS, FakeReplica
+
+__all__ = ["MAX_MODEL_LEN", "MODEL", "SSE_CHUNKS", "FakeReplica", "RouterThread",
+           "RunningRouter", "completion", "dumps", "fakes", "free_endpoint", "running_router",
+           "sse_bytes"]
 
 T = TypeVar("T")
 MODEL = "smol"
 MAX_MODEL_LEN = 2048
-SSE_CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
-              b"data: [DONE]\n\n"]
-
-_TOKENIZER: Tokenizer | None = None
-
-
-def tokenizer() -> Tokenizer:
-    """The embedded model's tokenizer at 16-token blocks (loaded once per test process)."""
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        _TOKENIZER = Tokenizer(resolve_model(None), block_tokens=16)
-    return _TOKENIZER
-
-
-@dataclass
-class FakeReplica:
-    mode: str = "ok"
-    """ok | error500 | reset | hang | die_mid_stream | slow_stream"""
-    healthy: bool = True
-    received: list[dict] = field(default_factory=list)
-    release: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set it to let a `slow_stream` replica send its last chunks."""
-    url: str = ""
-    _runner: web.AppRunner | None = None
-
-    async def start(self) -> FakeReplica:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        self._runner = web.AppRunner(app, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
-
-    async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "max_model_len": MAX_MODEL_LEN}]})
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.received.append(body)
-        if self.mode == "error500":
-            return web.json_response({"error": "boom"}, status=500)
-        if self.mode == "reset":
-            assert request.transport is not None
-            request.transport.abort()
-            await asyncio.sleep(3600)
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
-        if not body.get("stream"):
-            return web.json_response({"id": "x", "object": "text_completion",
-                                      "choices": [{"text": "ok", "index": 0}],
-                                      "served_by": self.url})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(SSE_CHUNKS[0])
-        if self.mode == "die_mid_stream":
-            await asyncio.sleep(0.05)
-            assert request.transport is not None
-            request.transport.abort()
-            await asyncio.sleep(3600)
-        if self.mode == "slow_stream":
-            await self.release.wait()
-        for chunk in SSE_CHUNKS[1:]:
-            await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+BLOCK_TOKENS = 16
+"""The fake replicas' engine block size: small, so short test prompts span several blocks."""
 
 
 @dataclass
 class RunningRouter:
     router: Router
     url: str
-    client: aiohttp.ClientSession
+    client: httpx.AsyncClient
 
 
 @contextlib.asynccontextmanager
-async def running_router(replicas: list[FakeReplica], **options: object
+async def running_router(tokenizer: Tokenizer, replicas: list[FakeReplica], **options: object
                          ) -> AsyncIterator[RunningRouter]:
-    """A router on a free port in front of `replicas`, plus a client session."""
+    """A router on a free port in front of `replicas`, plus a client."""
     options.setdefault("health_interval_s", 0.2)
     options.setdefault("connect_timeout_s", 1.0)
     options.setdefault("seed", 0)
-    config = RouterConfig(replicas=tuple(ReplicaConfig(r.url) for r in replicas), port=0,
-                          block_tokens=16, **options)  # type: ignore[arg-type]
-    router = Router(config, tokenizer=tokenizer())
+    config = RouterSettings(replicas=[r.url for r in replicas], port=0, **options)
+    router = Router(config, tokenizer=tokenizer)
     async with serving(router, "127.0.0.1", 0) as listening, \
-            aiohttp.ClientSession() as client:
+            httpx.AsyncClient(timeout=60) as client:
         yield RunningRouter(router, listening.url, client)
 
 
 @contextlib.asynccontextmanager
 async def fakes(*modes: str) -> AsyncIterator[list[FakeReplica]]:
-    replicas = [await FakeReplica(mode=m).start() for m in modes]
+    replicas = [await FakeReplica(mode=m, model=MODEL, max_model_len=MAX_MODEL_LEN,
+                                  block_tokens=BLOCK_TOKENS).start() for m in modes]
     try:
         yield replicas
     finally:
@@ -166,7 +92,7 @@ class RouterThread:
             httpx.post(rt.url + "/v1/completions", ...)
     """
 
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
         self.router = Router(config, tokenizer=tokenizer)
         self.url = ""
         self._ready = threading.Event()

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import pytest
+import trustme
 
+from kvtier.core.errors import ConfigError
 from kvtier.net.http_client import HttpPool
+from kvtier.tools.fake_replica import FakeReplica
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 """Serves one connection: (reader, writer, index of the connection)."""
@@ -225,6 +229,28 @@ def test_a_silent_replica_times_out_and_a_closed_port_is_refused() -> None:
             assert asyncio.get_running_loop().time() - started < 5
         with pytest.raises(ConnectionRefusedError):
             await pool.post(url, "/x", b"{}", [])  # the server is gone now
-        with pytest.raises(ValueError, match="http://HOST"):
-            await pool.post("https://127.0.0.1:1", "/x", b"{}", [])
+        with pytest.raises(ConfigError, match=r"http\(s\)://HOST"):
+            await pool.post("ftp://127.0.0.1:1", "/x", b"{}", [])
+    run(scenario())
+
+
+def test_https_is_spoken_with_the_pools_trusted_cas_and_a_stranger_is_refused() -> None:
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_tls)
+    trusting = ssl.create_default_context()
+    ca.configure_trust(trusting)
+
+    async def scenario() -> None:
+        replica = await FakeReplica(tls=server_tls).start()
+        try:
+            assert replica.url.startswith("https://")
+            for _ in range(2):  # a fresh connection, then a reused one
+                resp = await HttpPool(2.0, 5.0, tls=trusting).get(replica.url, "/health")
+                assert (resp.status, await resp.read()) == (200, b"ok")
+                resp.close()
+            with pytest.raises(ConnectionError, match="TLS to 127.0.0.1:.* failed.*CERTIFICATE"):
+                await HttpPool(2.0, 5.0).get(replica.url, "/health")  # the system's CAs only
+        finally:
+            await replica.stop()
     run(scenario())

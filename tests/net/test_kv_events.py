@@ -9,9 +9,10 @@ import time
 import pytest
 
 from kvtier.core.errors import CodecError, ConfigError
-from kvtier.core.events import EventKind, KVEvent, Tier
-from kvtier.net.kv_events import EventPublisher, EventSubscriber, decode, encode
+from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import block_hashes
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventPublisher, EventSubscriber, decode, encode
 
 
 def _free_endpoint() -> str:

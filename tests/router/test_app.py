@@ -6,25 +6,30 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import ssl
+from pathlib import Path
 
 import pytest
+import trustme
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import EventKind, Tier
+from kvtier.core.events import EventKind
+from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventPublisher
 from kvtier.router.app import Router, serving
-from kvtier.router.settings import ReplicaConfig, RouterConfig
+from kvtier.router.settings import RouterSettings
+from kvtier.router.tokenizer import Tokenizer
 from tests.helpers.router import (
     MAX_MODEL_LEN,
     MODEL,
     SSE_CHUNKS,
+    FakeReplica,
     completion,
     dumps,
     fakes,
     free_endpoint,
     running_router,
     sse_bytes,
-    tokenizer,
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
@@ -48,50 +53,50 @@ def metric(text: str, sample: str) -> float:
 
 
 def in_flight(rr) -> dict[str, int]:
-    return {r.name: r.in_flight for r in rr.router.fleet}
+    return {r.name: r.in_flight for r in rr.router.replicas}
 
 
 def queued(rr) -> dict[str, int]:
-    return {r.name: r.queued_prefill_tokens for r in rr.router.fleet}
+    return {r.name: r.queued_prefill_tokens for r in rr.router.replicas}
 
 
 # ----- passthrough -----
 
-def test_non_streaming_response_is_passed_through_with_the_chosen_replica() -> None:
+def test_non_streaming_response_is_passed_through_with_the_chosen_replica(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a]) as rr:
-            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
-                assert resp.status == 200
-                assert resp.headers["x-kvtier-replica"] == a.url
-                assert (await resp.json())["served_by"] == a.url
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 200
+            assert resp.headers["x-kvtier-replica"] == a.url
+            assert resp.json()["served_by"] == a.url
             assert a.received == [completion()]
             assert in_flight(rr) == {a.url: 0} and queued(rr) == {a.url: 0}
     run(scenario())
 
 
-def test_streaming_response_is_relayed_byte_for_byte() -> None:
+def test_streaming_response_is_relayed_byte_for_byte(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         chat = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
-        async with fakes("ok") as (a,), running_router([a]) as rr, \
-                rr.client.post(rr.url + "/v1/chat/completions", json=chat) as resp:
-            assert resp.status == 200
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            resp = await rr.client.post(rr.url + "/v1/chat/completions", json=chat)
+            assert resp.status_code == 200
             assert resp.headers["Content-Type"].startswith("text/event-stream")
-            assert await resp.read() == sse_bytes()
+            assert resp.content == sse_bytes()
     run(scenario())
 
 
-def test_models_and_health_and_metrics_endpoints_answer() -> None:
+def test_models_and_health_and_metrics_endpoints_answer(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok", "ok") as reps, running_router(reps) as rr:
+        async with fakes("ok", "ok") as reps, running_router(tokenizer, reps) as rr:
             await rr.client.post(rr.url + "/v1/completions", json=completion())
-            async with rr.client.get(rr.url + "/v1/models") as resp:
-                assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
-            async with rr.client.get(rr.url + "/health") as resp:
-                doc = await resp.json()
-                assert resp.status == 200 and sorted(doc["healthy_replicas"]) == \
-                    sorted(r.url for r in reps)
-            async with rr.client.get(rr.url + "/metrics") as resp:
-                text = await resp.text()
+            resp = await rr.client.get(rr.url + "/v1/models")
+            assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+            resp = await rr.client.get(rr.url + "/health")
+            doc = resp.json()
+            assert resp.status_code == 200 and sorted(doc["healthy_replicas"]) == \
+                sorted(r.url for r in reps)
+            resp = await rr.client.get(rr.url + "/metrics")
+            text = resp.text
             assert 'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' \
                 in text
             assert 'kvtier_router_decisions_total{reason="cold",strategy="prefixaware"} 1.0' \
@@ -105,42 +110,42 @@ def test_models_and_health_and_metrics_endpoints_answer() -> None:
 
 # ----- routing -----
 
-def test_prefixaware_sends_a_repeated_long_prompt_to_the_same_replica() -> None:
+def test_prefixaware_sends_a_repeated_long_prompt_to_the_same_replica(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok", "ok") as reps, running_router(reps) as rr:
+        async with fakes("ok", "ok") as reps, running_router(tokenizer, reps) as rr:
             chosen = []
             for suffix in ("one", "two", "three", "four"):
-                async with rr.client.post(rr.url + "/v1/completions",
-                                          json=completion(LONG_PROMPT + suffix)) as resp:
-                    chosen.append(resp.headers["x-kvtier-replica"])
+                resp = await rr.client.post(rr.url + "/v1/completions",
+                                            json=completion(LONG_PROMPT + suffix))
+                chosen.append(resp.headers["x-kvtier-replica"])
             assert len(set(chosen)) == 1
     run(scenario())
 
 
-def test_session_strategy_sticks_to_the_header_session() -> None:
+def test_session_strategy_sticks_to_the_header_session(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok", "ok", "ok") as reps, \
-                running_router(reps, strategy="session") as rr:
+                running_router(tokenizer, reps, strategy="session") as rr:
             chosen = set()
             for i in range(5):
-                async with rr.client.post(rr.url + "/v1/completions",
-                                          json=completion(f"q{i}"),
-                                          headers={"x-session-id": "alice"}) as resp:
-                    chosen.add(resp.headers["x-kvtier-replica"])
+                resp = await rr.client.post(rr.url + "/v1/completions",
+                                            json=completion(f"q{i}"),
+                                            headers={"x-session-id": "alice"})
+                chosen.add(resp.headers["x-kvtier-replica"])
             assert len(chosen) == 1
     run(scenario())
 
 
-def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix() -> None:
+def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         endpoint = free_endpoint()
         async with fakes("ok", "ok", "ok") as reps:
             holder = reps[2]
             with EventPublisher(endpoint, holder.url, epoch="one") as pub:
-                async with running_router(reps, strategy="kvaware", events=(endpoint,)) as rr:
+                async with running_router(tokenizer, reps, strategy="kvaware", events=(endpoint,)) as rr:
                     body = completion(LONG_PROMPT)
-                    hashes = rr.router.tokenizer.hash(
-                        rr.router.tokenizer.completion_tokens(body))
+                    hashes = rr.router.tokenizer.hash_ids(
+                        rr.router.tokenizer.request_tokens(body, chat=False), 16)
                     for _ in range(200):  # PUB/SUB drops until the subscription propagates
                         pub.publish(EventKind.STORED, Tier.L1, hashes)
                         await asyncio.sleep(0.02)
@@ -148,24 +153,24 @@ def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix() ->
                             break
                     assert rr.router.index.match(hashes)[holder.url] == [Tier.L1] * len(hashes)
                     for _ in range(3):
-                        async with rr.client.post(rr.url + "/v1/completions", json=body) as resp:
-                            assert resp.headers["x-kvtier-replica"] == holder.url
+                        resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+                        assert resp.headers["x-kvtier-replica"] == holder.url
     run(scenario())
 
 
 # ----- failover -----
 
 @pytest.mark.parametrize("bad_mode", ["error500", "reset", "hang", "stopped"])
-def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str) -> None:
+def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok" if bad_mode == "stopped" else bad_mode, "ok") as (bad, good), \
-                running_router([bad, good], strategy="roundrobin", read_timeout_s=0.5) as rr:
+                running_router(tokenizer, [bad, good], strategy="roundrobin", read_timeout_s=0.5) as rr:
             if bad_mode == "stopped":
                 await bad.stop()
             for _ in range(2):  # round robin visits the bad replica first or second
-                async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
-                    assert resp.status == 200
-                    assert resp.headers["x-kvtier-replica"] == good.url
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200
+                assert resp.headers["x-kvtier-replica"] == good.url
             assert in_flight(rr) == {bad.url: 0, good.url: 0}
             assert queued(rr) == {bad.url: 0, good.url: 0}
             text = rr.router.metrics.render().decode()
@@ -175,54 +180,54 @@ def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str) -
     run(scenario())
 
 
-def test_every_replica_failing_is_a_502_with_an_openai_error() -> None:
+def test_every_replica_failing_is_a_502_with_an_openai_error(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("error500", "error500") as reps, running_router(reps) as rr:
-            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
-                assert resp.status == 502
-                error = (await resp.json())["error"]
-                assert error["code"] == "upstream_failed" and error["type"] == "upstream_error"
+        async with fakes("error500", "error500") as reps, running_router(tokenizer, reps) as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 502
+            error = resp.json()["error"]
+            assert error["code"] == "upstream_failed" and error["type"] == "upstream_error"
             assert sorted(len(r.received) for r in reps) == [1, 1]  # each tried exactly once
             assert in_flight(rr) == {r.url: 0 for r in reps}
             # they answered, so they stay candidates: one bad request does not empty the fleet
-            assert all(r.healthy for r in rr.router.fleet)
+            assert all(r.healthy for r in rr.router.replicas)
     run(scenario())
 
 
-def test_no_healthy_replica_is_a_503() -> None:
+def test_no_healthy_replica_is_a_503(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a]) as rr:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
             a.healthy = False
-            await wait_for(lambda: not rr.router.fleet[a.url].healthy, "replica down")
-            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
-                assert resp.status == 503
-                assert (await resp.json())["error"]["code"] == "no_healthy_replica"
-            async with rr.client.get(rr.url + "/health") as resp:
-                assert resp.status == 503
+            await wait_for(lambda: not rr.router.replicas[a.url].healthy, "replica down")
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 503
+            assert resp.json()["error"]["code"] == "no_healthy_replica"
+            resp = await rr.client.get(rr.url + "/health")
+            assert resp.status_code == 503
     run(scenario())
 
 
-def test_a_replica_going_down_is_purged_from_the_index_and_comes_back() -> None:
+def test_a_replica_going_down_is_purged_from_the_index_and_comes_back(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a]) as rr:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
             await rr.client.post(rr.url + "/v1/completions", json=completion(LONG_PROMPT))
             assert len(rr.router.policy.speculative) > 0
             a.healthy = False
             await wait_for(lambda: len(rr.router.policy.speculative) == 0, "index purge")
             a.healthy = True
-            await wait_for(lambda: rr.router.fleet[a.url].healthy, "replica back")
+            await wait_for(lambda: rr.router.replicas[a.url].healthy, "replica back")
     run(scenario())
 
 
 # ----- streams that end badly -----
 
-def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> None:
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("die_mid_stream") as (a,), running_router([a]) as rr:
-            async with rr.client.post(rr.url + "/v1/completions",
-                                      json=completion(stream=True)) as resp:
-                assert resp.status == 200
-                body = await resp.read()
+        async with fakes("die_mid_stream") as (a,), running_router(tokenizer, [a]) as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions",
+                                        json=completion(stream=True))
+            assert resp.status_code == 200
+            body = resp.content
             assert body.startswith(SSE_CHUNKS[0])
             event = json.loads(body[len(SSE_CHUNKS[0]):].removeprefix(b"data: "))
             assert event["error"]["type"] == "upstream_error"
@@ -232,26 +237,27 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event() -> Non
     run(scenario())
 
 
-def test_a_client_leaving_mid_stream_releases_the_in_flight_counter() -> None:
+def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("slow_stream") as (a,), running_router([a]) as rr:
-            resp = await rr.client.post(rr.url + "/v1/completions",
-                                        json=completion(LONG_PROMPT, stream=True))
-            assert await resp.content.readany() == SSE_CHUNKS[0]
+        async with fakes("slow_stream") as (a,), running_router(tokenizer, [a]) as rr:
+            request = rr.client.build_request("POST", rr.url + "/v1/completions",
+                                              json=completion(LONG_PROMPT, stream=True))
+            resp = await rr.client.send(request, stream=True)
+            assert await anext(resp.aiter_raw()) == SSE_CHUNKS[0]
             assert in_flight(rr) == {a.url: 1}
             assert queued(rr) == {a.url: 0}  # the first byte came back
-            resp.close()  # the client hangs up mid-stream
+            await resp.aclose()  # the client hangs up mid-stream
             await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
             a.release.set()
     run(scenario())
 
 
-def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte() -> None:
+def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("hang") as (a,), running_router([a], read_timeout_s=30) as rr:
+        async with fakes("hang") as (a,), running_router(tokenizer, [a], read_timeout_s=30) as rr:
             task = asyncio.create_task(rr.client.post(rr.url + "/v1/completions",
                                                       json=completion(LONG_PROMPT)))
-            exact = len(rr.router.tokenizer.completion_tokens(completion(LONG_PROMPT)))
+            exact = len(rr.router.tokenizer.request_tokens(completion(LONG_PROMPT), chat=False))
             tokens = rr.router.tokenizer.prompt(completion(LONG_PROMPT), chat=False) \
                 .estimated_tokens  # the router weighs the unencoded tail by its bytes
             assert abs(tokens - exact) <= exact // 10
@@ -296,94 +302,129 @@ BAD = [
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
 def test_bad_input_gets_a_4xx_openai_error_and_reaches_no_replica(
-        path: str, body: bytes, status: int, param: str | None) -> None:
+        path: str, body: bytes, status: int, param: str | None, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a]) as rr:
-            async with rr.client.post(rr.url + path, data=body,
-                                      headers={"Content-Type": "application/json"}) as resp:
-                assert resp.status == status
-                error = (await resp.json())["error"]
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            resp = await rr.client.post(rr.url + path, content=body,
+                                        headers={"Content-Type": "application/json"})
+            assert resp.status_code == status
+            error = resp.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert error["param"] == param
             assert a.received == []
             # the router still serves
-            async with rr.client.post(rr.url + path.replace("chat/", ""),
-                                      json=completion()) as resp:
-                assert resp.status == 200
+            resp = await rr.client.post(rr.url + path.replace("chat/", ""),
+                                        json=completion())
+            assert resp.status_code == 200
     run(scenario())
 
 
-def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors() -> None:
+def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a], max_body_bytes=1024) as rr:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a], max_body_bytes=1024) as rr:
             for method, path, body, status in [
                     ("POST", "/v1/completions", b"x" * 4096, 413),
                     ("POST", "/v1/nothing", b"{}", 404),
                     ("GET", "/v1/completions", b"", 405)]:
-                async with rr.client.request(method, rr.url + path, data=body) as resp:
-                    assert resp.status == status
-                    assert set((await resp.json())["error"]) == {"message", "type", "param",
-                                                                 "code"}
+                resp = await rr.client.request(method, rr.url + path, content=body)
+                assert resp.status_code == status
+                assert set(resp.json()["error"]) == {"message", "type", "param",
+                                                             "code"}
     run(scenario())
 
 
-def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served() -> None:
+def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a], max_body_bytes=1024) as rr:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a], max_body_bytes=1024) as rr:
             async def chunks(n: int):
                 for _ in range(n):
                     yield b" " * 512
-            async with rr.client.post(rr.url + "/v1/completions", data=chunks(4),
-                                      headers={"Content-Type": "application/json"}) as resp:
-                assert resp.status == 413  # no Content-Length to refuse up front
-                assert (await resp.json())["error"]["type"] == "invalid_request_error"
-            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                      expect100=True) as resp:
-                assert resp.status == 200
+            resp = await rr.client.post(rr.url + "/v1/completions", content=chunks(4),
+                                        headers={"Content-Type": "application/json"})
+            assert resp.status_code == 413  # no Content-Length to refuse up front
+            assert resp.json()["error"]["type"] == "invalid_request_error"
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                        headers={"Expect": "100-continue"})
+            assert resp.status_code == 200
             assert len(a.received) == 1
     run(scenario())
 
 
-def test_a_port_already_taken_is_a_config_error_naming_it() -> None:
+def test_a_port_already_taken_is_a_config_error_naming_it(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         with socket.create_server(("127.0.0.1", 0)) as taken:
             port = taken.getsockname()[1]
-            router = Router(RouterConfig(replicas=(ReplicaConfig("http://127.0.0.1:1"),)),
-                            tokenizer=tokenizer())
+            router = Router(RouterSettings(replicas=["http://127.0.0.1:1"]),
+                            tokenizer=tokenizer)
             with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
                 async with serving(router, "127.0.0.1", port):
                     pass
     run(scenario())
 
 
-def test_api_key_is_required_on_v1_but_not_on_health() -> None:
+def test_api_key_is_required_on_v1_but_not_on_health(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok") as (a,), running_router([a], api_key="s3cret") as rr:
-            async with rr.client.post(rr.url + "/v1/completions", json=completion()) as resp:
-                assert resp.status == 401
-                assert (await resp.json())["error"]["code"] == "invalid_api_key"
-            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                      headers={"Authorization": "Bearer wrong"}) as resp:
-                assert resp.status == 401
-            async with rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                      headers={"Authorization": "Bearer s3cret"}) as resp:
-                assert resp.status == 200
-            async with rr.client.get(rr.url + "/health") as resp:
-                assert resp.status == 200
+        async with fakes("ok") as (a,), running_router(tokenizer, [a], api_key="s3cret") as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 401
+            assert resp.json()["error"]["code"] == "invalid_api_key"
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                        headers={"Authorization": "Bearer wrong"})
+            assert resp.status_code == 401
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
+                                        headers={"Authorization": "Bearer s3cret"})
+            assert resp.status_code == 200
+            resp = await rr.client.get(rr.url + "/health")
+            assert resp.status_code == 200
     run(scenario())
 
 
-def test_many_concurrent_requests_leave_every_counter_at_zero() -> None:
+def test_many_concurrent_requests_leave_every_counter_at_zero(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok", "error500", "ok") as reps, running_router(reps) as rr:
+        async with fakes("ok", "error500", "ok") as reps, running_router(tokenizer, reps) as rr:
             async def one(i: int) -> int:
-                async with rr.client.post(rr.url + "/v1/completions",
-                                          json=completion(f"p{i % 3} " + LONG_PROMPT,
-                                                          stream=i % 2 == 0)) as resp:
-                    await resp.read()
-                    return resp.status
+                resp = await rr.client.post(rr.url + "/v1/completions",
+                                            json=completion(f"p{i % 3} " + LONG_PROMPT,
+                                                            stream=i % 2 == 0))
+                resp.content
+                return resp.status_code
             statuses = await asyncio.gather(*(one(i) for i in range(30)))
             assert statuses == [200] * 30
             assert set(in_flight(rr).values()) == {0} and set(queued(rr).values()) == {0}
     run(scenario())
 
+
+
+def test_an_https_replica_is_served_with_its_ca_and_refused_without(
+        tmp_path: Path, tokenizer: Tokenizer) -> None:
+    ca = trustme.CA()
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_tls)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+
+    async def scenario() -> None:
+        replica = await FakeReplica(tls=server_tls, model=MODEL, block_tokens=16).start()
+        try:
+            async with running_router(tokenizer, [replica],
+                                      replica_ca_file=str(ca_file)) as rr:
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200 and resp.json()["served_by"] == replica.url
+            async with running_router(tokenizer, [replica]) as rr:  # the system's CAs only
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 503  # its health checks fail: not a 500
+                assert resp.json()["error"]["code"] == "no_healthy_replica"
+        finally:
+            await replica.stop()
+    run(scenario())
+
+
+def test_a_missing_ca_file_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        router = Router(RouterSettings(replicas=["https://127.0.0.1:1"],
+                                       replica_ca_file=str(tmp_path / "none.pem")),
+                        tokenizer=tokenizer)
+        with pytest.raises(ConfigError, match="^replica_ca_file: cannot load"):
+            async with serving(router, "127.0.0.1", 0):
+                pass
+    run(scenario())

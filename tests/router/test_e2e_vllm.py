@@ -19,10 +19,10 @@ import httpx
 import pytest
 
 from kvtier.core.keys import block_hashes
-from kvtier.tools.embedded_model import resolve_model
 from kvtier.net.ports import free_port
-from kvtier.router.settings import ReplicaConfig, RouterConfig
+from kvtier.router.settings import ReplicaSettings, RouterSettings
 from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.vllm_server import ServerProcess, ServerSpec
 from tests.helpers.router import RouterThread
 
@@ -30,8 +30,6 @@ pytestmark = pytest.mark.engine
 
 BLOCK = 128
 MAX_LEN = 4096
-
-
 
 
 @dataclass
@@ -78,15 +76,11 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
             engine.process.stop()
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(resolve_model(None), BLOCK)
-
-
-def router_config(engines: list[Engine], strategy: str, events: bool = False) -> RouterConfig:
-    return RouterConfig(
-        replicas=tuple(ReplicaConfig(e.url, vllm_events=e.events if events else None)
-                       for e in engines),
+def router_config(engines: list[Engine], strategy: str, events: bool = False) -> RouterSettings:
+    """No block size given: the router reads the engines' own from their /metrics."""
+    return RouterSettings(
+        replicas=[ReplicaSettings(url=e.url, vllm_events=e.events if events else None)
+                  for e in engines],
         strategy=strategy, port=0, health_interval_s=0.5, seed=1)
 
 
@@ -110,6 +104,7 @@ def test_shared_prefix_requests_land_where_the_prefix_is_cached(
     before = [e.prefix_hits() for e in engines]
     chosen: dict[int, set[str]] = {p: set() for p in prefixes}
     with RouterThread(router_config(engines, "prefixaware"), tokenizer) as rt:
+        assert rt.call(lambda: rt.router.block_tokens) == BLOCK  # read from the engines
         for suffix in range(3):
             for p, prefix in prefixes.items():
                 resp = post(rt.url, {"prompt": prefix + token_prompt(100 + suffix, 20),
@@ -151,7 +146,7 @@ def test_chat_with_tools_and_bad_input_through_the_router(
         ok = httpx.post(rt.url + "/v1/chat/completions", timeout=120, json=chat)
         assert ok.status_code == 200, ok.text
         # the router tokenized exactly as the engine did (template, tools, content parts)
-        assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.chat_tokens(chat))
+        assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.request_tokens(chat, chat=True))
         for body, status, param in [
                 ({"prompt": "x" * 10}, 400, "model"),
                 ({"model": "nope", "prompt": "x"}, 404, "model"),

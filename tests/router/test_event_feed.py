@@ -8,9 +8,10 @@ import time
 
 import msgspec
 
-from kvtier.core.events import EventKind, KVEvent, Tier
-from kvtier.net.kv_events import EventPublisher
+from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import block_hashes
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventPublisher
 from kvtier.router.event_feed import EventFeed, KvtierApplier, VllmRehasher
 from kvtier.router.index import SHARED, PrefixIndex
 

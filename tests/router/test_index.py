@@ -1,7 +1,7 @@
 """PrefixIndex: per-replica, per-tier prefix matching with LRU bounds and purges."""
 
-from kvtier.core.events import Tier
 from kvtier.core.keys import block_hashes
+from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 
 CHAIN = block_hashes(list(range(40)), 4)  # 10 chained block hashes

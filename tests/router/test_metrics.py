@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvtier.router.replicas import Fleet
 from kvtier.router.metrics import RouterMetrics
+from kvtier.router.replicas import ReplicaSet
 
 
 def sample(text: str, line_start: str) -> float:
@@ -14,7 +14,7 @@ def sample(text: str, line_start: str) -> float:
 
 
 def test_hot_histogram_buckets_are_cumulative_with_inclusive_bounds_count_and_sum() -> None:
-    metrics = RouterMetrics(Fleet(()), "prefixaware", dict)
+    metrics = RouterMetrics(ReplicaSet(()), "prefixaware", dict)
     for seconds in (0.0005, 0.0007, 0.003, 500.0):  # on a bound, between two, above the last
         metrics.latency.observe(seconds, "/v1/completions")
     metrics.overhead.observe(0.0002)
@@ -34,7 +34,7 @@ def test_hot_histogram_buckets_are_cumulative_with_inclusive_bounds_count_and_su
 
 
 def test_hot_counters_count_per_label_set() -> None:
-    metrics = RouterMetrics(Fleet(()), "prefixaware", dict)
+    metrics = RouterMetrics(ReplicaSet(()), "prefixaware", dict)
     for status in ("200", "200", "400"):
         metrics.requests.inc("/v1/completions", status)
     metrics.routed.inc("r1")

@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 
 from kvtier.core.errors import ConfigError, RoutingError
-from kvtier.core.events import Tier
 from kvtier.core.keys import block_hashes
+from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import (
     POLICIES,

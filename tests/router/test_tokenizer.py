@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
+from kvtier.core.lru import Lru
+from kvtier.router.chunked_encoder import ChunkedEncoder
+from kvtier.router.openai_request import BadRequest
+from kvtier.router.tokenizer import Prompt, Tokenizer
 from kvtier.tools.bench.corpus import Corpus
-from kvtier.router.tokenizer import ChunkedEncoder, Prompt, PromptError
-from tests.helpers.router import tokenizer
 
 
-def whole(text: str) -> list[int]:
-    return list(tokenizer()._tok.encode(text, add_special_tokens=False))
+@pytest.fixture(scope="module")
+def whole(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
+    """The tokenizer's own encoding of a whole text, without special tokens."""
+    return lambda text: list(tokenizer.hf.encode(text, add_special_tokens=False))
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_chunked_encoding_equals_whole_encoding_on_real_text(seed: int) -> None:
-    corpus = Corpus(tokenizer()._tok)
+def test_chunked_encoding_equals_whole_encoding_on_real_text(
+        seed: int, tokenizer: Tokenizer, whole: Callable[[str], list[int]]) -> None:
+    corpus = Corpus(tokenizer.hf)
     text = corpus.document(1500, seed) + "\n\nQuestion:   what   now?\t\n  "
     encoder = ChunkedEncoder(whole, min_chars=64)
     assert encoder.exact
@@ -23,7 +30,8 @@ def test_chunked_encoding_equals_whole_encoding_on_real_text(seed: int) -> None:
     assert encoder(text) == whole(text)  # again, from the cache
 
 
-def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
+def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost(
+        tokenizer: Tokenizer, whole: Callable[[str], list[int]]) -> None:
     calls: list[str] = []
 
     def counting(text: str) -> list[int]:
@@ -32,7 +40,7 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
 
     encoder = ChunkedEncoder(counting, min_chars=100)
     calls.clear()  # the self-check's calls
-    prefix = Corpus(tokenizer()._tok).document(800, 1)
+    prefix = Corpus(tokenizer.hf).document(800, 1)
     encoder(prefix + " first question?")
     first_calls = len(calls)
     calls.clear()
@@ -41,43 +49,45 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost() -> None:
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(chat: bool) -> None:
-    tok = tokenizer()
-    text = Corpus(tok._tok).document(1200, 7) + "\nQuestion: which item comes next?"
+def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(
+        chat: bool, tokenizer: Tokenizer) -> None:
+    tok = tokenizer
+    text = Corpus(tok.hf).document(1200, 7) + "\nQuestion: which item comes next?"
     body = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
-    exact = tok.chat_tokens(body) if chat else tok.completion_tokens(body)
+    exact = tok.request_tokens(body, chat)
     prompt = tok.prompt(body, chat)
     assert 0 < len(prompt.tail) <= 2 * 256 and exact[:len(prompt.ids)] == prompt.ids
     assert tok.tokens(prompt) == exact and len(exact) <= prompt.max_tokens
     assert abs(prompt.estimated_tokens - len(exact)) <= 20
-    full, routed = tok.hash(exact), tok.hash(prompt.ids)
-    assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // tok.block_tokens
+    full, routed = tok.hash_ids(exact, 16), tok.hash_ids(prompt.ids, 16)
+    assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // 16
 
 
-def test_a_repeated_head_skips_the_chunks_and_names_its_blocks_as_hashing_does() -> None:
-    tok = tokenizer()
-    document = Corpus(tok._tok).document(1200, 8)
+def test_a_repeated_head_skips_the_chunks_and_hashes_its_blocks_as_hashing_does(
+        tokenizer: Tokenizer) -> None:
+    tok = tokenizer
+    document = Corpus(tok.hf).document(1200, 8)
     first = tok.prompt({"prompt": document + "\nQuestion: one?"}, chat=False)
-    lookups = tok._encode._chunks._items.copy()
+    encoded = tok.encoder.encoded_chunks
     repeat = tok.prompt({"prompt": document + "\nQuestion: two?"}, chat=False)
     assert repeat.head == first.head and repeat.ids == first.ids
-    assert list(tok._encode._chunks._items) == list(lookups)  # no chunk was looked up again
+    assert tok.encoder.encoded_chunks == encoded  # no chunk was encoded again
     repeat.ids.append(0)  # callers get their own list: the memo is not changed
     assert tok.prompt({"prompt": document + "\nQuestion: three?"}, chat=False).ids == first.ids
     for salt in (None, "tenant-a"):
-        assert tok.block_names(first, salt) == tok.hash(first.ids, salt)
-        assert tok.block_names(first, salt) == tok.block_names(
-            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), salt)
-    assert tok.block_names(first) != tok.block_names(first, "tenant-a")
+        assert tok.block_hashes(first, 16, salt) == tok.hash_ids(first.ids, 16, salt)
+        assert tok.block_hashes(first, 16, salt) == tok.block_hashes(
+            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), 16, salt)
+    assert tok.block_hashes(first, 16) != tok.block_hashes(first, 16, "tenant-a")
+    assert tok.block_hashes(first, 32) == tok.hash_ids(first.ids, 32)  # the block size counts
     # the same head after a leading special token (a BOS; this tokenizer adds none itself)
     with_bos = Prompt([1] + first.ids, first.tail, first.head)
-    assert tok.block_names(with_bos) == tok.hash(with_bos.ids) != tok.block_names(first)
+    assert tok.block_hashes(with_bos, 16) == tok.hash_ids(with_bos.ids, 16) != \
+        tok.block_hashes(first, 16)
 
 
 def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:
-    from kvtier.router.tokenizer import _Lru
-
-    memo = _Lru[str, int](10, len)
+    memo: Lru[str, int] = Lru(10, lambda key, _: len(key))
     memo.put("aaaa", 1)
     memo.put("bbbb", 2)
     assert memo.get("aaaa") == 1  # now the most recent
@@ -86,11 +96,11 @@ def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:
     assert memo.put("x" * 11, 4) == 4 and memo.get("x" * 11) is None  # larger than the budget
 
 
-def test_text_with_nowhere_to_cut_is_encoded_whole_for_routing() -> None:
-    tok = tokenizer()
+def test_text_with_nowhere_to_cut_is_encoded_whole_for_routing(tokenizer: Tokenizer) -> None:
+    tok = tokenizer
     body = {"prompt": "word " + "x" * 3000}
     prompt = tok.prompt(body, chat=False)
-    assert prompt.tail == "" and prompt.ids == tok.completion_tokens(body)
+    assert prompt.tail == "" and prompt.ids == tok.request_tokens(body, chat=False)
 
 
 def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
@@ -103,24 +113,25 @@ def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
     assert encoder(text) == marked(text)
 
 
-def test_chat_tokens_render_tools_and_text_parts() -> None:
-    tok = tokenizer()
-    plain = tok.chat_tokens({"messages": [{"role": "user", "content": "a\nb"}]})
-    parts = tok.chat_tokens({"messages": [{"role": "user", "content": [
+def test_chat_tokens_render_tools_and_text_parts(tokenizer: Tokenizer) -> None:
+    tok = tokenizer
+    plain = tok.request_tokens({"messages": [{"role": "user", "content": "a\nb"}]}, chat=True)
+    parts = tok.request_tokens({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
-        {"type": "text", "text": "b"}]}]})
+        {"type": "text", "text": "b"}]}]}, chat=True)
     assert parts == plain
-    with pytest.raises(PromptError) as err:
-        tok.chat_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]})
-    assert err.value.param == "messages[0].content"
+    with pytest.raises(BadRequest) as err:
+        tok.request_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]},
+                           chat=True)
+    assert (err.value.status, err.value.param) == (400, "messages[0].content")
 
 
-def test_completion_prompt_forms() -> None:
-    tok = tokenizer()
-    assert tok.completion_tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
-    assert tok.completion_tokens({"prompt": [[5, 6], [7]]}) == [5, 6]
-    assert tok.completion_tokens({"prompt": ["hello", "x"]}) == \
-        tok.completion_tokens({"prompt": "hello"})
+def test_completion_prompt_forms(tokenizer: Tokenizer) -> None:
+    tok = tokenizer
+    assert tok.request_tokens({"prompt": [5, 6, 7]}, chat=False) == [5, 6, 7]
+    assert tok.request_tokens({"prompt": [[5, 6], [7]]}, chat=False) == [5, 6]
+    assert tok.request_tokens({"prompt": ["hello", "x"]}, chat=False) == \
+        tok.request_tokens({"prompt": "hello"}, chat=False)
     for bad in ([], [True], [-1], [[1], "x"], {"a": 1}):
-        with pytest.raises(PromptError):
-            tok.completion_tokens({"prompt": bad})
+        with pytest.raises(BadRequest):
+            tok.request_tokens({"prompt": bad}, chat=False)

@@ -4,7 +4,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.errors import ModelError
-from kvtier.tools.embedded_model import PACKAGE, VERIFY_EXPECT, default_model_dir, prepare, resolve_model
+from kvtier.tools.embedded_model import (
+    PACKAGE,
+    VERIFY_EXPECT,
+    default_model_dir,
+    prepare,
+    resolve_model,
+)
 
 
 def test_default_model_is_a_verified_bf16_safetensors_directory() -> None:

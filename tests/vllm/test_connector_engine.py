@@ -27,12 +27,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.events import EventKind, Tier
-from kvtier.net.kv_events import EventSubscriber
+from kvtier.core.events import EventKind
 from kvtier.core.keys import block_hashes, extra_key
-from kvtier.vllm.settings import ConnectorConfig
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventSubscriber
 from kvtier.tools.vllm_server import ServerProcess
-
 from tests.helpers.engines import (
     complete,
     free_port,
@@ -45,7 +44,8 @@ from tests.helpers.engines import (
 
 pytestmark = pytest.mark.engine
 
-BLOCK = ConnectorConfig().block_tokens
+BLOCK = 128
+"""vLLM's CPU block size, which the connector takes as its own by default."""
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 

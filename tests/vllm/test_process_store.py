@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 from kvtier.core.codec import BlockMeta
-from kvtier.core.events import EventKind, Tier
-from kvtier.net.kv_events import EventSubscriber
+from kvtier.core.events import EventKind
 from kvtier.core.keys import ModelIdentity, block_hashes, root_hash
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventSubscriber
 from kvtier.vllm import process_store
-from kvtier.vllm.settings import ConnectorConfig
+from kvtier.vllm.settings import ConnectorSettings
 
 
 def _endpoint() -> str:
@@ -26,7 +27,7 @@ def _identity(rank: int = 0) -> ModelIdentity:
 
 
 def test_scheduler_and_worker_of_one_process_share_one_store_per_rank() -> None:
-    config = ConnectorConfig(l1_bytes=1 << 20)
+    config = ConnectorSettings(l1_bytes=1 << 20)
     worker = process_store.acquire(config, _identity(0), publish=False)
     scheduler = process_store.acquire(config, _identity(0), publish=False)
     other_rank = process_store.acquire(config, _identity(1), publish=False)
@@ -42,7 +43,7 @@ def test_scheduler_and_worker_of_one_process_share_one_store_per_rank() -> None:
 def test_stored_and_evicted_blocks_are_published_as_engine_block_hashes(tmp_path: Path) -> None:
     endpoint = _endpoint()
     payload = bytes(600_000)
-    config = ConnectorConfig(l1_bytes=1_000_000, events_endpoint=endpoint, replica_id="r1")
+    config = ConnectorSettings(l1_bytes=1_000_000, events_endpoint=endpoint, replica_id="r1")
     rt = process_store.acquire(config, _identity(), publish=True)
     # Two unrelated one-block prompts: L1 fits one, so the second evicts the first.
     prompts = [list(range(256)), list(range(1000, 1256))]

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from kvtier.core.codec import BlockMeta
-from kvtier.core.events import EventKind, Tier
+from kvtier.core.events import EventKind
 from kvtier.core.keys import ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.core.tiers.base import Tier
 from kvtier.vllm import process_store
-from kvtier.vllm.settings import ConnectorConfig
 from kvtier.vllm.metadata import KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import ConnectorCounters
 
 BLOCK, ENGINE = 256, 128
@@ -54,7 +55,7 @@ class FakeSchedulerOutput:
 @pytest.fixture
 def rt() -> Iterator[process_store.ProcessStore]:
     identity = ModelIdentity(model="unit", kv_layout="test", block_tokens=BLOCK)
-    shared = process_store.acquire(ConnectorConfig(l1_bytes=1 << 20), identity, publish=False)
+    shared = process_store.acquire(ConnectorSettings(l1_bytes=1 << 20), identity, publish=False)
     yield shared
     process_store.release(shared)
 

@@ -1,55 +1,97 @@
-"""ConnectorConfig: extra-config keys beat KVTIER_* variables, which beat defaults."""
+"""ConnectorSettings: extra-config keys beat KVTIER_* variables, which beat defaults; every
+store setting is reachable through the connector."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
 from kvtier.core.errors import ConfigError
-from kvtier.vllm.settings import ConnectorConfig, kv_transfer_config
+from kvtier.core.settings import StoreSettings
+from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
+
+# A non-default value for every store setting, valid together.
+STORE_VALUES: dict[str, Any] = {
+    "l1_bytes": 1 << 20, "l2_path": "/mnt/kv", "l2_url": None, "l2_profile": "juicefs",
+    "l2_capacity_bytes": 1 << 30, "l2_high_watermark": 0.8, "l2_low_watermark": 0.5,
+    "l2_janitor_interval_s": 2.5, "l2_touch_interval_s": 30.0, "l2_exists_ttl_s": 0.25,
+    "admission": "min-tokens", "admission_min_tokens": 512, "write_queue_blocks": 8,
+    "io_threads": 3,
+}
+
+
+def test_the_table_covers_every_store_setting() -> None:
+    assert set(STORE_VALUES) == set(StoreSettings.model_fields)
 
 
 def test_defaults_without_extra_config_or_environment() -> None:
-    assert ConnectorConfig.from_sources(None, {}) == ConnectorConfig()
-    assert ConnectorConfig().block_tokens == 128
+    assert ConnectorSettings.from_sources(None, {}) == ConnectorSettings()
+    assert ConnectorSettings().block_tokens is None  # the engine's block size
+
+
+@pytest.mark.parametrize("name", sorted(StoreSettings.model_fields))
+def test_every_store_setting_is_reachable_through_the_extra_config(name: str) -> None:
+    value = STORE_VALUES[name]
+    extra = {"l2_path": "/mnt/kv", name: value} if name != "l2_url" else \
+        {"l2_url": "redis://127.0.0.1:6379/0"}
+    connector = ConnectorSettings.from_sources(extra, {})
+    expected = value if name != "l2_url" else "redis://127.0.0.1:6379/0"
+    assert getattr(connector.store_settings(), name) == expected
+
+
+@pytest.mark.parametrize("name", sorted(StoreSettings.model_fields))
+def test_every_store_setting_is_reachable_through_the_environment(name: str) -> None:
+    value = STORE_VALUES[name] if name != "l2_url" else "redis://127.0.0.1:6379/0"
+    environ = {f"KVTIER_{name.upper()}": str(value)}
+    if name not in ("l2_path", "l2_url"):
+        environ["KVTIER_L2_PATH"] = "/mnt/kv"
+    connector = ConnectorSettings.from_sources({}, environ)
+    assert getattr(connector.store_settings(), name) == value
 
 
 def test_environment_fills_what_the_extra_config_leaves_out() -> None:
-    config = ConnectorConfig.from_sources(
+    config = ConnectorSettings.from_sources(
         {"l2_path": "/mnt/kv", "block_tokens": 512},
-        {"KVTIER_L2_PATH": "/ignored", "KVTIER_L1_BYTES": "1048576",
-         "KVTIER_EVENTS_ENDPOINT": "tcp://127.0.0.1:5601", "KVTIER_LOOKUP_TTL_S": "0.5"})
+        {"KVTIER_L2_PATH": "/ignored", "KVTIER_L1_BYTES": "1GiB",
+         "KVTIER_EVENTS_ENDPOINT": "tcp://127.0.0.1:5601", "KVTIER_LOOKUP_TTL_S": "0.5",
+         "KVTIER_LOAD_ASYNC": "true"})
     assert config.l2_path == "/mnt/kv"
     assert config.block_tokens == 512
-    assert config.l1_bytes == 1048576
+    assert config.l1_bytes == 1024**3
     assert config.events_endpoint == "tcp://127.0.0.1:5601"
     assert config.lookup_ttl_s == 0.5
+    assert config.load_async is True
 
 
-def test_unknown_key_is_rejected_by_name() -> None:
-    with pytest.raises(ConfigError, match="l2_pth"):
-        ConnectorConfig.from_sources({"l2_pth": "/mnt/kv"}, {})
+def test_unknown_key_is_rejected_by_name_with_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match=r"l2_pth: unknown setting \(known: .*l2_path"):
+        ConnectorSettings.from_sources({"l2_pth": "/mnt/kv"}, {})
 
 
 @pytest.mark.parametrize(("extra", "field"), [
     ({"l1_bytes": -1}, "l1_bytes"),
+    ({"l1_bytes": "lots"}, "l1_bytes"),
     ({"block_tokens": 0}, "block_tokens"),
     ({"block_tokens": "many"}, "block_tokens"),
     ({"events_endpoint": "127.0.0.1:5601"}, "events_endpoint"),
     ({"io_threads": 0}, "io_threads"),
     ({"load_threads": 0}, "load_threads"),
+    ({"l2_low_watermark": 0.95, "l2_path": "/x"}, "l2_low_watermark"),
+    ({"admission": "sometimes"}, "admission"),
 ])
 def test_invalid_values_name_their_field(extra: dict[str, object], field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
-        ConnectorConfig.from_sources(extra, {})
+    with pytest.raises(ConfigError, match=f"^{field}:"):
+        ConnectorSettings.from_sources(extra, {})
 
 
 def test_invalid_environment_value_names_the_variable() -> None:
-    with pytest.raises(ConfigError, match="KVTIER_L1_BYTES"):
-        ConnectorConfig.from_sources({}, {"KVTIER_L1_BYTES": "2GiB"})
+    with pytest.raises(ConfigError, match="^KVTIER_L1_BYTES: cannot read 'lots'"):
+        ConnectorSettings.from_sources({}, {"KVTIER_L1_BYTES": "lots"})
 
 
 def test_transfer_config_loads_the_connector_and_recomputes_failed_loads() -> None:
-    config = ConnectorConfig(l2_path="/mnt/kv", l1_bytes=1024)
+    config = ConnectorSettings(l2_path="/mnt/kv", l1_bytes="1KiB")
     transfer = kv_transfer_config(config)
     assert transfer == {
         "kv_connector": "KvtierConnector",
@@ -57,4 +99,4 @@ def test_transfer_config_loads_the_connector_and_recomputes_failed_loads() -> No
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"l1_bytes": 1024, "l2_path": "/mnt/kv"},
     }
-    assert ConnectorConfig.from_sources(transfer["kv_connector_extra_config"], {}) == config
+    assert ConnectorSettings.from_sources(transfer["kv_connector_extra_config"], {}) == config

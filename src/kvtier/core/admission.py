@@ -15,14 +15,13 @@ Each policy is a small class with a `name` and one decision, `admit`, called by
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import ClassVar, Protocol
 
 from kvtier.core.codec import BlockMeta
-from kvtier.core.settings import StoreConfig
-from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
+from kvtier.core.lru import Lru
+from kvtier.core.settings import AdmissionName, StoreSettings
 
 
 class AdmissionPolicy(Protocol):
@@ -58,32 +57,26 @@ class ReusedAdmit:
     name: ClassVar[str] = "reused"
 
     def __init__(self, remember: int = 1 << 16) -> None:
-        self._remember = remember
-        self._seen: OrderedDict[BlockHash, None] = OrderedDict()
+        self._seen: Lru[BlockHash, bool] = Lru(remember)
         self._lock = threading.Lock()
 
     def admit(self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool,
               prefix_tokens: int | None) -> bool:
         with self._lock:
             if reused or block_hash in self._seen:
-                self._seen.pop(block_hash, None)
+                self._seen.pop(block_hash)
                 return True
-            self._seen[block_hash] = None
-            if len(self._seen) > self._remember:
-                self._seen.popitem(last=False)
+            self._seen.put(block_hash, True)
             return False
 
 
-POLICIES: dict[str, Callable[[StoreConfig], AdmissionPolicy]] = {
+POLICIES: dict[AdmissionName, Callable[[StoreSettings], AdmissionPolicy]] = {
     AlwaysAdmit.name: lambda config: AlwaysAdmit(),
     MinTokensAdmit.name: lambda config: MinTokensAdmit(config.admission_min_tokens),
     ReusedAdmit.name: lambda config: ReusedAdmit(),
 }
 
 
-def make_policy(config: StoreConfig) -> AdmissionPolicy:
-    factory = POLICIES.get(config.admission)
-    if factory is None:
-        raise ConfigError(f"admission: unknown policy {config.admission!r}; "
-                          f"choose one of {sorted(POLICIES)}")
-    return factory(config)
+def make_policy(config: StoreSettings) -> AdmissionPolicy:
+    """The policy `config.admission` names (validated by `StoreSettings`)."""
+    return POLICIES[config.admission](config)

@@ -12,14 +12,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from kvtier.core.keys import BlockHash
-
-
-class Tier(StrEnum):
-    """Where a block lives. L0 is the engine's own cache; L2 is shared by all replicas."""
-
-    L0 = "l0"
-    L1 = "l1"
-    L2 = "l2"
+from kvtier.core.tiers.base import Tier
 
 
 class EventKind(StrEnum):

@@ -1,113 +1,303 @@
-"""Component configurations, validated on construction.
+"""kvtier's settings model: every setting declared once, validated once, reachable everywhere.
 
-Each config is a frozen slotted dataclass with a docstring under every field; `__post_init__`
-raises `ConfigError` naming the offending field. CLI flags derive from these fields. This module
-imports only the standard library, `kvtier.core.errors`, and `kvtier.core.tiers.profiles` (plain data about
-file systems, to check `l2_profile` by name).
+A settings class is a frozen pydantic model (`Settings`) whose fields carry their type, bounds,
+default and a docstring. Everything else derives from it:
+
+- the vLLM connector's `kv_connector_extra_config` and the `KVTIER_*` environment
+  (`kvtier.vllm.settings`),
+- the deployment file of `kvtier up` (`kvtier.tools.cluster.spec`),
+- command-line flags (`add_flags` / `from_flags`: `--l1-bytes 4GiB` for field `l1_bytes`),
+- the docs' settings tables (`describe_fields`).
+
+Units are stated once, by the field's name: `_bytes` fields take a byte count or a size with a
+binary unit ("512MiB", "4G"), `_s` fields seconds, `_ms` fields milliseconds. A bad value or an
+unknown key raises `ConfigError` naming the full key (`kvtier.connector.l1_bytes: ...`).
+
+`StoreSettings` (one replica's `TieredStore`) lives here; the other layers declare theirs on top
+of `Settings` next to the code they configure.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Annotated, Any, Literal, Self, get_args, get_origin
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.profiles import get_profile
+
+__all__ = [
+    "L2_URL_SCHEMES", "AdmissionName", "ByteSize", "L2ProfileName", "Settings", "StoreSettings",
+    "add_flags", "describe_fields", "from_flags", "parse_bytes", "to_flags",
+]
+
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtKMGT]?)(?:i?[bB])?\s*")
+
+
+def parse_bytes(value: object) -> object:
+    """A byte count from an int or a size string ("123", "512M", "10GiB", "1.5T": binary
+    units); anything else is passed on for the field's own type check to reject."""
+    if isinstance(value, str):
+        match = _SIZE.fullmatch(value)
+        if match is None:
+            raise ValueError(f"cannot read {value!r} as a size (e.g. 4096, 512MiB, 10G)")
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
+"""A number of bytes; accepts "4GiB"-style strings."""
+
+L2ProfileName = Literal["local", "juicefs", "curvine", "nfs", "efs"]
+"""File systems an L2 directory may live on (`kvtier.core.tiers.profiles` has their numbers)."""
+
+AdmissionName = Literal["always", "min-tokens", "reused"]
+"""Admission policies of the store (`kvtier.core.admission`)."""
 
 L2_URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
-"""URL schemes of a Valkey/Redis L2 (`StoreConfig.l2_url`, `ValkeyTierConfig.url`)."""
+"""URL schemes of a Valkey/Redis L2."""
 
 
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
-    """Settings of one replica's `TieredStore` (L1 host memory + optional shared L2).
+class Settings(BaseModel):
+    """Base of every settings class: frozen, unknown keys rejected, field docstrings kept."""
 
-        StoreConfig(l1_bytes=4 * 1024**3, l2_path="/mnt/shared/kvtier", admission="min-tokens",
-                    admission_min_tokens=1024)
-        StoreConfig(l2_path="/mnt/jfs/kvtier", l2_profile="juicefs",
-                    l2_capacity_bytes=500 * 1024**3)          # + the capacity janitor
-        StoreConfig(l2_url="redis://10.0.0.5:6379/0")         # L2 on Valkey/Redis
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
+                              validate_default=True, populate_by_name=True)
+
+    def __init__(self, **values: Any) -> None:
+        """Keyword arguments only; a bad value raises `ConfigError` naming its key."""
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise config_error(type(self), exc) from None
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], *, where: str = "") -> Self:
+        """Validate `values`; a `ConfigError` names the full key, prefixed by `where`."""
+        try:
+            return cls.model_validate(dict(values))
+        except ValidationError as exc:
+            raise config_error(cls, exc, where) from None
+
+    def replaced(self, **changes: Any) -> Self:
+        """A copy with `changes` applied and validated again."""
+        return type(self).from_mapping({**self.model_dump(), **changes})
+
+    def non_default(self) -> dict[str, Any]:
+        """The fields that differ from their defaults, as plain values."""
+        return self.model_dump(exclude_defaults=True)
+
+
+def config_error(cls: type[BaseModel], exc: ValidationError, where: str = "") -> ConfigError:
+    """One readable error from pydantic's: the first problem, with its full key."""
+    error = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in error["loc"]]
+    message = str(error["msg"]).removeprefix("Value error, ")
+    named = re.match(r"([\w.]+): (.*)", message, re.DOTALL)
+    if named and error["type"] == "value_error":  # a check that names its key
+        key = named.group(1)
+        loc = key.split(".") if key.startswith(".".join(loc) + ".") else [*loc, key]
+        message = named.group(2)
+    key = ".".join(loc)
+    full = f"{where}.{key}" if where and key else where or key or cls.__name__
+    if error["type"] == "extra_forbidden":
+        known = ", ".join(sorted(f.alias or name for name, f in _fields_at(cls, error["loc"])))
+        return ConfigError(f"{full}: unknown setting (known: {known})")
+    if error["type"] == "missing":
+        return ConfigError(f"{full}: required")
+    given = error.get("input")
+    shown = "" if isinstance(given, dict) or given is None or repr(given) in message \
+        else f", got {given!r}"
+    return ConfigError(f"{full}: {message[0].lower()}{message[1:]}{shown}")
+
+
+def _fields_at(cls: type[BaseModel], loc: Sequence[int | str]) -> list[tuple[str, FieldInfo]]:
+    """The fields of the model that holds the key at `loc` (for "known: ..." lists)."""
+    model: type[BaseModel] = cls
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part)) or next(
+            (f for f in model.model_fields.values() if f.alias == part), None)
+        inner = _model_in(field.annotation) if field is not None else None
+        if inner is None:
+            break
+        model = inner
+    return list(model.model_fields.items())
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+# ----- the store ------------------------------------------------------------------------------
+
+class StoreSettings(Settings):
+    """One replica's `TieredStore`: L1 host memory and an optional shared L2.
+
+        StoreSettings(l1_bytes="4GiB", l2_path="/mnt/shared/kvtier")
+        StoreSettings(l2_path="/mnt/jfs/kvtier", l2_profile="juicefs", l2_capacity_bytes="500G")
+        StoreSettings(l2_url="redis://10.0.0.5:6379/0")           # L2 on Valkey/Redis
 
     L2 is at most one of `l2_path` and `l2_url`. Capacity (`l2_capacity_bytes`, watermarks,
-    janitor interval) applies to `l2_path` only: a Valkey server bounds itself (`maxmemory`
-    with an LRU policy).
+    janitor interval) applies to `l2_path` only: a Valkey server bounds itself (`maxmemory`).
     """
 
-    l1_bytes: int = 2 * 1024**3
-    """L1 host-memory budget in bytes (payload plus buffer overhead); 0 disables L1."""
-    l2_path: str | None = None
-    """Shared POSIX directory for L2 (a FUSE/NFS mount or a local dir); None: no directory L2."""
-    admission: str = "always"
-    """Name of the admission policy deciding which saved blocks are kept (see `kvtier.core.store`)."""
-    admission_min_tokens: int = 0
-    """For "min-tokens": admit a block only if its prefix (block index + 1) x tokens reaches this."""
-    write_queue_blocks: int = 64
-    """Capacity of the asynchronous L2 write queue in blocks; a full queue drops and counts."""
-    io_threads: int = 2
-    """Threads writing to L2 in the background (and checking existence in batched lookups)."""
-    l2_exists_ttl_s: float = 1.0
-    """How long an L2 existence answer is reused: by `lookup` (present or absent), and by
-    `save`, which skips the write-through of a block confirmed in L2 this recently; 0 disables."""
+    l1_bytes: ByteSize = 2 * 1024**3
+    """L1 host-memory budget (payload plus buffer overhead); 0 disables L1."""
+    l2_path: Annotated[str, Field(min_length=1)] | None = None
+    """Shared directory for L2 (a FUSE/NFS mount or a local directory); unset: no directory L2."""
     l2_url: str | None = None
-    """Valkey/Redis server for L2 (`redis://host:port[/db]`); the store connects to it itself.
-    None: no Valkey L2. Exclusive with `l2_path`."""
-    l2_profile: str = "local"
-    """File system under `l2_path` (`kvtier.core.tiers.profiles`: local, juicefs, curvine, nfs, efs):
-    sets the janitor's tolerance for stale attributes and whether evictions go through a grace
-    period (file systems where an unlink breaks other nodes' open readers)."""
-    l2_capacity_bytes: int | None = None
-    """Bytes the `l2_path` directory may hold, all replicas and models together. Set, this
-    replica runs a capacity janitor; one holds a lease and acts at a time cluster-wide, so set the
-    same value on every replica. None: no capacity enforcement from this replica."""
-    l2_high_watermark: float = 0.9
+    """Valkey/Redis server for L2 (redis://host:port[/db]); unset: no Valkey L2."""
+    l2_profile: L2ProfileName = "local"
+    """File system under `l2_path`: sets the janitor's tolerance for stale attributes and
+    whether evictions wait out a grace period (see docs/l2.md)."""
+    l2_capacity_bytes: ByteSize | None = None
+    """Bytes the `l2_path` directory may hold, all replicas and models together; set, this
+    replica may run the capacity janitor (one acts at a time cluster-wide: set the same value on
+    every replica). Unset: no capacity enforcement from this replica."""
+    l2_high_watermark: Annotated[float, Field(gt=0, le=1)] = 0.9
     """Fraction of `l2_capacity_bytes` above which the janitor evicts."""
-    l2_low_watermark: float = 0.75
+    l2_low_watermark: Annotated[float, Field(gt=0, le=1)] = 0.75
     """Fraction of `l2_capacity_bytes` an eviction brings usage down to (and an idle L2 is
-    trimmed to, so the next burst of writes starts with headroom)."""
-    l2_janitor_interval_s: float = 5.0
+    trimmed to)."""
+    l2_janitor_interval_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between janitor passes (a pass scans the whole directory)."""
-    l2_touch_interval_s: float = 60.0
-    """A read hit in `l2_path` refreshes the block's mtime, the shared access record the janitor
-    evicts by (least recently used first), when it is older than this: hot blocks cost one
-    metadata write per interval. Recorded whether or not this replica runs the janitor."""
+    l2_touch_interval_s: Annotated[float, Field(ge=0)] = 60.0
+    """A read hit refreshes the block's mtime (the shared recency the janitor evicts by) when it
+    is older than this: hot blocks cost one metadata write per interval."""
+    l2_exists_ttl_s: Annotated[float, Field(ge=0)] = 1.0
+    """How long an L2 existence answer is reused by lookups and by saves (which skip writing a
+    block confirmed in L2 this recently); 0 disables the reuse."""
+    admission: AdmissionName = "always"
+    """Which saved blocks the store keeps: always, min-tokens, reused."""
+    admission_min_tokens: Annotated[int, Field(ge=0)] = 0
+    """For "min-tokens": keep a block only if the prefix it ends is at least this many tokens."""
+    write_queue_blocks: Annotated[int, Field(gt=0)] = 64
+    """Capacity of the asynchronous L2 write queue in blocks; a full queue drops and counts."""
+    io_threads: Annotated[int, Field(gt=0)] = 2
+    """Threads writing to L2 in the background."""
 
-    def __post_init__(self) -> None:
-        if self.l1_bytes < 0:
-            raise ConfigError(f"l1_bytes: must be >= 0, got {self.l1_bytes}")
-        if self.l2_path is not None and not self.l2_path:
-            raise ConfigError("l2_path: must be None or a non-empty path")
-        if not self.admission:
-            raise ConfigError("admission: must name a policy")
-        if self.admission_min_tokens < 0:
-            raise ConfigError(
-                f"admission_min_tokens: must be >= 0, got {self.admission_min_tokens}")
-        if self.write_queue_blocks <= 0:
-            raise ConfigError(
-                f"write_queue_blocks: must be positive, got {self.write_queue_blocks}")
-        if self.io_threads <= 0:
-            raise ConfigError(f"io_threads: must be positive, got {self.io_threads}")
-        if self.l2_exists_ttl_s < 0:
-            raise ConfigError(f"l2_exists_ttl_s: must be >= 0, got {self.l2_exists_ttl_s}")
-        self._check_l2()
-
-    def _check_l2(self) -> None:
+    @model_validator(mode="after")
+    def _check_l2(self) -> Self:
         if self.l2_url is not None:
             if not self.l2_url.startswith(L2_URL_SCHEMES):
-                raise ConfigError(f"l2_url: expected redis://host:port[/db], got {self.l2_url!r}")
+                raise ValueError(f"l2_url: expected redis://host:port[/db], got {self.l2_url!r}")
             if self.l2_path is not None:
-                raise ConfigError("l2_url: set either l2_path or l2_url, not both")
+                raise ValueError("l2_url: set either l2_path or l2_url, not both")
             if self.l2_capacity_bytes is not None:
-                raise ConfigError("l2_capacity_bytes: applies to l2_path only; a Valkey L2 is "
-                                  "bounded by its server's maxmemory")
-        get_profile(self.l2_profile)  # raises ConfigError naming l2_profile
-        if self.l2_capacity_bytes is not None and self.l2_capacity_bytes <= 0:
-            raise ConfigError(
-                f"l2_capacity_bytes: must be positive or None, got {self.l2_capacity_bytes}")
-        if not 0 < self.l2_low_watermark <= self.l2_high_watermark <= 1:
-            raise ConfigError(f"l2_low_watermark/l2_high_watermark: need 0 < low <= high <= 1, "
-                              f"got {self.l2_low_watermark}/{self.l2_high_watermark}")
-        if self.l2_janitor_interval_s <= 0:
-            raise ConfigError(
-                f"l2_janitor_interval_s: must be positive, got {self.l2_janitor_interval_s}")
-        if self.l2_touch_interval_s < 0:
-            raise ConfigError(
-                f"l2_touch_interval_s: must be >= 0, got {self.l2_touch_interval_s}")
+                raise ValueError("l2_capacity_bytes: applies to l2_path only; a Valkey L2 is "
+                                 "bounded by its server's maxmemory")
+        if self.l2_capacity_bytes == 0:
+            raise ValueError("l2_capacity_bytes: must be positive or unset")
+        if self.l2_low_watermark > self.l2_high_watermark:
+            raise ValueError(f"l2_low_watermark: must not exceed l2_high_watermark "
+                             f"({self.l2_high_watermark}), got {self.l2_low_watermark}")
+        return self
+
+
+# ----- flags and docs -------------------------------------------------------------------------
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool or (get_origin(annotation) is None and annotation == bool)
+
+
+def _is_sequence(annotation: Any) -> bool:
+    origin = get_origin(annotation)
+    if origin in (tuple, list):
+        return True
+    return any(_is_sequence(a) for a in get_args(annotation) if a is not type(None))
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type[Settings], *,
+              only: Iterable[str] | None = None, skip: Iterable[str] = (),
+              flags: Mapping[str, str] | None = None,
+              metavars: Mapping[str, str] | None = None) -> None:
+    """One flag per field of `cls` (`--l2-path` for `l2_path`, or the name `flags` gives), its
+    help from the field's docstring and default; a sequence field takes several values and may
+    be repeated. Values stay strings until `from_flags` validates them."""
+    skip = set(skip)
+    names = list(only) if only is not None else [n for n in cls.model_fields if n not in skip]
+    for name in names:
+        field = cls.model_fields[name]
+        default = field.get_default(call_default_factory=True)
+        help_text = (field.description or "").replace("%", "%%")
+        if default is not None and default != () and not _is_bool(field.annotation):
+            help_text += f" (default: {default})"
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_text}
+        if _is_bool(field.annotation):
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["help"] += f" (default: {'on' if default else 'off'})"
+        elif _is_sequence(field.annotation):
+            kwargs.update(action="extend", nargs="+")
+        if metavars and name in metavars:
+            kwargs["metavar"] = metavars[name]
+        parser.add_argument((flags or {}).get(name, _flag(name)), **kwargs)
+
+
+def from_flags(cls: type[Settings], args: argparse.Namespace,
+               base: Mapping[str, Any] | None = None,
+               flags: Mapping[str, str] | None = None) -> Any:
+    """`cls` from the flags `add_flags` declared (those given override `base`); an error names
+    the flag."""
+    values = dict(base or {})
+    for name, field in cls.model_fields.items():
+        given = getattr(args, name, None)
+        if given is not None:
+            values[field.alias or name] = given
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        message = str(config_error(cls, exc))
+        key = message.split(":", 1)[0].split(".")[0]
+        if key in cls.model_fields:
+            message = (flags or {}).get(key, _flag(key)) + message[len(key):]
+        raise ConfigError(message) from None
+
+
+def to_flags(cls: type[Settings], values: Mapping[str, Any],
+             flags: Mapping[str, str] | None = None) -> list[str]:
+    """The command-line arguments `add_flags` reads back as `values` (for child processes)."""
+    args: list[str] = []
+    for name, value in values.items():
+        flag = (flags or {}).get(name, _flag(name))
+        if _is_bool(cls.model_fields[name].annotation):
+            args.append(flag if value else "--no-" + flag.removeprefix("--"))
+        elif isinstance(value, (list, tuple)):
+            args += [flag, *map(str, value)]
+        elif value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def describe_fields(cls: type[Settings]) -> list[tuple[str, str, str]]:
+    """(name, default, description) of every field, for docs tables."""
+    rows = []
+    for name, field in cls.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        rows.append((field.alias or name, "unset" if default is None else str(default),
+                     " ".join((field.description or "").split())))
+    return rows

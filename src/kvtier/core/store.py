@@ -26,23 +26,22 @@ must not block; exceptions it raises are logged and counted.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 from kvtier.core.admission import make_policy
 from kvtier.core.codec import BlockMeta, byte_view, check_payload_length
-from kvtier.core.settings import StoreConfig
 from kvtier.core.errors import TierError
-from kvtier.core.events import EventKind, Tier
+from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, ModelIdentity
-from kvtier.core.tiers.base import BlockTier, PutResult, StoredBlock, TierStats
+from kvtier.core.settings import StoreSettings
+from kvtier.core.tiers.base import BlockTier, PutResult, StoredBlock, Tier, TierStats
 from kvtier.core.tiers.memory import MemoryTier
 from kvtier.core.tiers.shared import SharedL2, open_shared_l2
+from kvtier.core.write_behind import WriteBehind
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -53,7 +52,6 @@ EventSink = Callable[[EventKind, Tier, Sequence[BlockHash]], None]
 
 __all__ = ["LoadedBlock", "StoreStats", "TieredStore"]
 
-_CONFIRMED_MAX = 1 << 16
 L2_BATCH = 16
 """Blocks per L2 existence check or read batch: one round trip for a network tier, while a
 prefix that ends early costs a directory tier at most this many wasted checks."""
@@ -98,17 +96,10 @@ class StoreStats:
     event_errors: int
 
 
-@dataclass(frozen=True, slots=True)
-class _WriteJob:
-    block_hash: BlockHash
-    meta: BlockMeta
-    payload: memoryview
-
-
 class TieredStore:
     """Longest-prefix lookup, promotion, admission and write-through over L1 and L2."""
 
-    def __init__(self, config: StoreConfig, identity: ModelIdentity,
+    def __init__(self, config: StoreSettings, identity: ModelIdentity,
                  on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """The store builds the L2 `config` names (`l2_path` or `l2_url`, with the capacity
@@ -133,23 +124,14 @@ class TieredStore:
             if self._shared is not None:
                 self._l2 = self._shared.tier
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending: set[BlockHash] = set()  # queued or being written; guarded by _lock
-        # Blocks a writer recently saw in L2, oldest first, with when; guarded by _lock.
-        self._confirmed: OrderedDict[BlockHash, float] = OrderedDict()
-        self._clock = clock
         self._counts = dict.fromkeys(
-            ("saves", "admission_rejected", "l2_queued", "l2_dropped", "l2_abandoned",
-             "l2_write_errors", "lookups", "lookup_blocks", "lookup_hit_blocks",
+            ("saves", "admission_rejected", "lookups", "lookup_blocks", "lookup_hit_blocks",
              "event_errors"), 0)
         self._closed = False
-        self._abandon = False
-        self._queue: queue.Queue[_WriteJob | None] = queue.Queue(config.write_queue_blocks)
-        self._writers = [threading.Thread(target=self._write_loop, name=f"kvtier-l2-writer-{i}",
-                                          daemon=True)
-                         for i in range(config.io_threads if self._l2 is not None else 0)]
-        for thread in self._writers:
-            thread.start()
+        self._writes = None if self._l2 is None else WriteBehind(
+            self._l2, queue_blocks=config.write_queue_blocks, threads=config.io_threads,
+            confirm_ttl_s=config.l2_exists_ttl_s, clock=clock,
+            on_written=lambda result, h: self._record(result, Tier.L2, h))
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -218,23 +200,29 @@ class TieredStore:
             if held is None:
                 self._record(self._l1.put(block_hash, meta, view), Tier.L1, block_hash)
                 held = self._l1.peek(block_hash)
-        if self._l2 is not None:
-            self._enqueue(block_hash, meta, view, held)
+        if self._writes is not None:
+            # Write from L1's immutable copy when there is one; else take a private copy,
+            # since the caller may overwrite its buffer as soon as save() returns.
+            self._writes.offer(block_hash, meta,
+                               held.payload if held is not None else memoryview(bytes(view)))
         return True
 
     def stats(self) -> StoreStats:
         with self._lock:
             counts = dict(self._counts)
-            depth = len(self._pending)
+        writes = self._writes.snapshot() if self._writes is not None else {}
         return StoreStats(
             l1=None if self._l1 is None else self._l1.stats(),
             l2=None if self._l2 is None else self._l2.stats(),
-            l2_disabled_reason=self._l2_disabled_reason, l2_queue_depth=depth, **counts)
+            l2_disabled_reason=self._l2_disabled_reason,
+            l2_queued=writes.get("queued", 0), l2_dropped=writes.get("dropped", 0),
+            l2_abandoned=writes.get("abandoned", 0),
+            l2_write_errors=writes.get("write_errors", 0),
+            l2_queue_depth=writes.get("depth", 0), **counts)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued L2 write has finished; False if `timeout_s` ran out first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: not self._pending, timeout_s)
+        return True if self._writes is None else self._writes.flush(timeout_s)
 
     def close(self, *, drain: bool = True, timeout_s: float | None = None) -> None:
         """Stop accepting saves, then finish (`drain`) or abandon queued L2 writes.
@@ -251,15 +239,8 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if self._writers:
-            if not (drain and self.flush(timeout_s)):
-                self._abandon = True
-                self._discard_queued()
-            for _ in self._writers:
-                self._queue.put(None)
-            for thread in self._writers:
-                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._writes is not None:
+            self._writes.close(drain=drain, timeout_s=timeout_s)
         if self._shared is not None:
             self._shared.close()
 
@@ -326,74 +307,6 @@ class TieredStore:
             self._emit(EventKind.REMOVED, tier, result.evicted)
         if result.stored:
             self._emit(EventKind.STORED, tier, (block_hash,))
-
-    def _enqueue(self, block_hash: BlockHash, meta: BlockMeta, view: memoryview,
-                 held: StoredBlock | None) -> None:
-        with self._lock:
-            if block_hash in self._pending or self._recently_in_l2(block_hash):
-                return
-            if self._queue.full():
-                self._counts["l2_dropped"] += 1
-                return
-            self._pending.add(block_hash)
-        # Write from L1's immutable copy when there is one; else take a private copy, since
-        # the caller may overwrite its buffer as soon as save() returns.
-        payload = held.payload if held is not None else memoryview(bytes(view))
-        try:
-            self._queue.put_nowait(_WriteJob(block_hash, meta, payload))
-        except queue.Full:
-            self._finish(block_hash, l2_dropped=1)
-            return
-        self._count(l2_queued=1)
-
-    def _recently_in_l2(self, block_hash: BlockHash) -> bool:
-        """Did a write-through confirm this block in L2 within `l2_exists_ttl_s`? (lock held)
-
-        Re-saving a hot prefix then costs no queue slot and no I/O; after the TTL the writer
-        checks L2 again, in case the janitor removed the block meanwhile."""
-        confirmed = self._confirmed.get(block_hash)
-        return confirmed is not None and self._clock() - confirmed < self.config.l2_exists_ttl_s
-
-    def _confirm(self, block_hash: BlockHash) -> None:
-        with self._lock:
-            self._confirmed[block_hash] = self._clock()
-            self._confirmed.move_to_end(block_hash)
-            if len(self._confirmed) > _CONFIRMED_MAX:
-                self._confirmed.popitem(last=False)
-
-    def _write_loop(self) -> None:
-        l2 = self._l2
-        while l2 is not None and (job := self._queue.get()) is not None:
-            if self._abandon:
-                self._finish(job.block_hash, l2_abandoned=1)
-                continue
-            try:
-                result = l2.put(job.block_hash, job.meta, job.payload)
-            except Exception:  # a tier must not raise; never let one kill the writer
-                log.exception("kvtier: L2 write of %s failed", job.block_hash.hex())
-                self._finish(job.block_hash, l2_write_errors=1)
-                continue
-            self._record(result, Tier.L2, job.block_hash)
-            if result.stored or self._l2_exists([job.block_hash])[0]:
-                self._confirm(job.block_hash)
-            self._finish(job.block_hash)
-
-    def _discard_queued(self) -> None:
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                self._finish(job.block_hash, l2_abandoned=1)
-
-    def _finish(self, block_hash: BlockHash, **counts: int) -> None:
-        with self._idle:
-            self._pending.discard(block_hash)
-            for name, delta in counts.items():
-                self._counts[name] += delta
-            if not self._pending:
-                self._idle.notify_all()
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 keep-alive client for the router's hot path: forwarding to replicas.
+"""A lean HTTP/1.1 keep-alive client: the router's one client for its replicas (forwarding,
+health checks, model lists), and the benchmarks' load client.
 
 Why not aiohttp's client: per request it builds a request object, a timer context, a tracing
 and cookie pass and a response wrapper; on a slow 2-core host that alone costs ~0.3 ms of the
@@ -6,10 +7,12 @@ router's added latency. This client writes head and body in one call and parses 
 with `httptools` (llhttp, the parser in uvicorn), so a forward costs little more than the
 socket work.
 
-One `ReplicaConnection` carries one request at a time; `HttpPool` keeps idle ones per replica
+One `ReplicaConnection` carries one request at a time; `HttpPool` keeps idle ones per base URL
 (LIFO, dropped after `idle_s`, below uvicorn's 5 s keep-alive so a replica rarely closes one
 under us). A request on a reused connection that dies before any response byte is retried once
-on a fresh connection: that is a stale keep-alive socket, not a dead replica.
+on a fresh connection: that is a stale keep-alive socket, not a dead replica. `https://` base
+URLs are spoken over TLS, verified against the pool's `ssl.SSLContext` (the system's CAs by
+default); the certificate must name the URL's host.
 
 Failures surface as `OSError`s: `ConnectionError` (refused, reset, closed early, garbled answer)
 or `TimeoutError` (connect, or no byte for `read_timeout_s` while an answer is due).
@@ -18,13 +21,17 @@ or `TimeoutError` (connect, or no byte for `read_timeout_s` while an answer is d
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+
+from kvtier.core.errors import ConfigError
 
 __all__ = ["HttpPool", "Response"]
 
@@ -208,23 +215,36 @@ class Response:
 
 
 class HttpPool:
-    """Keep-alive connections per replica base URL (`http://host:port`)."""
+    """Keep-alive connections per base URL (`http://host:port` or `https://host:port`)."""
 
     def __init__(self, connect_timeout_s: float | None, read_timeout_s: float | None,
-                 idle_s: float = 4.0) -> None:
+                 idle_s: float = 4.0, tls: ssl.SSLContext | None = None) -> None:
+        """`tls` verifies https:// servers (default: the system's trusted CAs)."""
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._idle_s = idle_s
+        self._tls = tls
         self._idle: dict[str, list[ReplicaConnection]] = {}
-        self._addresses: dict[str, tuple[str, int, str]] = {}
+        self._addresses: dict[str, _Address] = {}
 
     async def post(self, base_url: str, path: str, body: bytes,
                    headers: Iterable[tuple[str, str]]) -> Response:
         """POST `body`; returns once the status line and headers are in."""
-        host, port, netloc = self._address(base_url)
+        return await self.request("POST", base_url, path, body, headers)
+
+    async def get(self, base_url: str, path: str,
+                  headers: Iterable[tuple[str, str]] = ()) -> Response:
+        """GET `path`; returns once the status line and headers are in."""
+        return await self.request("GET", base_url, path, b"", headers)
+
+    async def request(self, method: str, base_url: str, path: str, body: bytes,
+                      headers: Iterable[tuple[str, str]]) -> Response:
+        """Send one request; returns once the status line and headers are in. Raises
+        `ConfigError` for a URL it cannot speak to, `OSError`s for the rest."""
+        address = self._address(base_url)
         fields = "".join(f"{name}: {value}\r\n" for name, value in headers)
-        head = (f"POST {path} HTTP/1.1\r\nHost: {netloc}\r\nContent-Length: {len(body)}\r\n"
-                f"{fields}\r\n").encode("latin-1")
+        head = (f"{method} {path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+                f"Content-Length: {len(body)}\r\n{fields}\r\n").encode("latin-1")
         conn = self._take_idle(base_url)
         if conn is not None:
             try:
@@ -233,7 +253,7 @@ class HttpPool:
                 if conn.got_bytes:
                     raise
                 # a stale keep-alive socket (the replica closed it while idle): retry once
-        conn = await self._connect(host, port)
+        conn = await self._connect(address)
         return await self._exchange(base_url, conn, head, body)
 
     async def _exchange(self, key: str, conn: ReplicaConnection, head: bytes,
@@ -272,20 +292,36 @@ class HttpPool:
             conn.abort()
         return None
 
-    async def _connect(self, host: str, port: int) -> ReplicaConnection:
+    async def _connect(self, address: _Address) -> ReplicaConnection:
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(self._connect_timeout_s):
-            _, conn = await loop.create_connection(
-                lambda: ReplicaConnection(loop, self._read_timeout_s), host, port)
+        tls = None
+        if address.tls:
+            tls = self._tls if self._tls is not None else ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self._connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: ReplicaConnection(loop, self._read_timeout_s), address.host,
+                    address.port, ssl=tls, server_hostname=address.host if tls else None)
+        except ssl.SSLError as exc:  # a certificate or handshake failure: cannot connect
+            raise ConnectionRefusedError(f"TLS to {address.netloc} failed: {exc}") from exc
         return conn
 
-    def _address(self, base_url: str) -> tuple[str, int, str]:
+    def _address(self, base_url: str) -> _Address:
         address = self._addresses.get(base_url)
         if address is None:
             parts = urlsplit(base_url)
-            if parts.scheme != "http" or not parts.hostname:
-                raise ValueError(f"replica URL must be http://HOST[:PORT], got {base_url!r}")
-            port = parts.port or 80
-            address = (parts.hostname, port, parts.netloc)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ConfigError(f"url: expected http(s)://HOST[:PORT], got {base_url!r}")
+            tls = parts.scheme == "https"
+            address = _Address(parts.hostname, parts.port or (443 if tls else 80),
+                               parts.netloc, tls)
             self._addresses[base_url] = address
         return address
+
+
+@dataclass(frozen=True, slots=True)
+class _Address:
+    host: str
+    port: int
+    netloc: str
+    tls: bool

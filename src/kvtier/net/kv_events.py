@@ -35,8 +35,9 @@ from typing import Any, Self
 import zmq
 
 from kvtier.core.errors import CodecError, ConfigError
-from kvtier.core.events import EventKind, KVEvent, Tier
+from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import HASH_BYTES, BlockHash
+from kvtier.core.tiers.base import Tier
 
 __all__ = ["TOPIC", "WIRE_VERSION", "EventPublisher", "EventSubscriber", "decode", "encode",
            "new_epoch"]

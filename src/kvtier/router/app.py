@@ -26,15 +26,14 @@ import logging
 import os
 import random
 import socket
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-import msgspec
-
 from kvtier.core.errors import ConfigError, RoutingError
+from kvtier.net.http_client import HttpPool
 from kvtier.router.asgi import (
     JSON_HEADERS,
     BodyTooLarge,
@@ -45,15 +44,15 @@ from kvtier.router.asgi import (
     Send,
     server,
 )
-from kvtier.router.settings import RouterConfig
 from kvtier.router.event_feed import EventFeed
-from kvtier.router.replicas import Fleet
 from kvtier.router.health import HealthChecker
-from kvtier.net.http_client import HttpPool
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvtier.router.openai_request import BadRequest, parse_body, requested_tokens
 from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
-from kvtier.router.tokenizer import Prompt, PromptError, Tokenizer
+from kvtier.router.replicas import ReplicaSet
+from kvtier.router.settings import RouterSettings
+from kvtier.router.tokenizer import Prompt, Tokenizer
 from kvtier.router.upstream import Forward, Upstream, UpstreamFailed
 
 __all__ = ["Listening", "Router", "serve", "serving"]
@@ -62,53 +61,15 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Exchange], Awaitable[int]]
 
-# field -> (accepted types, description) for the OpenAI fields the router reads or checks
-_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    "model": ((str,), "a string"),
-    "stream": ((bool,), "a boolean"),
-    "max_tokens": ((int,), "an integer"),
-    "max_completion_tokens": ((int,), "an integer"),
-    "n": ((int,), "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_p": ((int, float), "a number"),
-    "user": ((str,), "a string"),
-    "cache_salt": ((str,), "a string"),
-    "stop": ((str, list), "a string or a list of strings"),
-}
-
-
-_decode_json = msgspec.json.Decoder().decode  # 2-3x faster than json.loads on long prompts
-
-
-class BadRequest(Exception):
-    """Answered `status` with an OpenAI error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.param, self.code, self.type = status, param, code, type_
-
-    def body(self) -> dict[str, object]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def _check_types(body: Mapping[str, Any]) -> None:
-    for field, (types, what) in _TYPES.items():
-        value = body.get(field)
-        if value is None:
-            continue
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise BadRequest(400, f"'{field}' must be {what}", field)
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        if body.get(field) is not None and body[field] < 1:
-            raise BadRequest(400, f"'{field}' must be at least 1", field)
-
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
+        """`tokenizer` replaces the one built from `config.model_dir` (tests share one)."""
+        if tokenizer is None and config.model_dir is None:
+            raise ConfigError("model_dir: required: the router tokenizes with the model's own "
+                              "tokenizer")
         self.config = config
-        self.fleet = Fleet(config.replicas)
+        self.replicas = ReplicaSet(config.replicas)
         self.index = PrefixIndex(config.max_blocks)
         """Event-fed index (kvaware); the other strategies keep their own."""
         options: dict[str, object] = {}
@@ -119,9 +80,8 @@ class Router:
         self.policy = make_policy(config.strategy, **options)
         self.rng = random.Random(config.seed)
         self.clock = time.monotonic
-        self.metrics = RouterMetrics(self.fleet, config.strategy, self._index_sizes)
+        self.metrics = RouterMetrics(self.replicas, config.strategy, self._index_sizes)
         self.tokenizer = tokenizer
-        self._session: aiohttp.ClientSession | None = None
         self._pool: HttpPool | None = None
         self._upstream: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -138,18 +98,20 @@ class Router:
 
     async def start(self) -> None:
         if self.tokenizer is None:
-            from kvtier.tools.embedded_model import resolve_model
-            self.tokenizer = Tokenizer(resolve_model(self.config.model_dir),
-                                       self.config.block_tokens)
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.read_timeout_s)
-        self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=None),
-            auto_decompress=False)
-        self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s)
-        self._upstream = Upstream(self._pool, self.fleet, self.policy, self.rng, self.clock,
+            assert self.config.model_dir is not None  # checked in __init__
+            self.tokenizer = Tokenizer(self.config.model_dir)
+        tls = None
+        if self.config.replica_ca_file is not None:
+            try:
+                tls = ssl.create_default_context(cafile=self.config.replica_ca_file)
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(f"replica_ca_file: cannot load "
+                                  f"{self.config.replica_ca_file}: {exc}") from exc
+        self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s,
+                              tls=tls)
+        self._upstream = Upstream(self._pool, self.replicas, self.policy, self.rng, self.clock,
                                   self.metrics)
-        health = HealthChecker(self._session, self.fleet, self.config.health_interval_s,
+        health = HealthChecker(self._pool, self.replicas, self.config.health_interval_s,
                                self.config.health_timeout_s, self.config.unhealthy_after,
                                lambda name: self.forget(name, "down"))
         await health.check_all()
@@ -168,8 +130,6 @@ class Router:
             await self._feed.close()
         if self._pool is not None:
             self._pool.close()
-        if self._session is not None:
-            await self._session.close()
 
     def forget(self, replica: str, cause: str) -> None:
         """Purge what the router knows of a replica's cache (restart, clear, gone)."""
@@ -249,14 +209,16 @@ class Router:
     async def _generate(self, exchange: Exchange, endpoint: str, chat: bool) -> int:
         arrived = time.perf_counter()
         raw = await exchange.body(self.config.max_body_bytes)
-        body = self._parse(raw)
-        prompt = self._prompt(body, chat)
+        body = parse_body(raw, chat=chat)
+        self._check_model(body["model"])
         assert self.tokenizer is not None  # set in start()
-        hashes = self.tokenizer.block_names(prompt, body.get("cache_salt"))
+        prompt = self.tokenizer.prompt(body, chat)
+        block_tokens = self.block_tokens
+        hashes = () if block_tokens is None else self.tokenizer.block_hashes(
+            prompt, block_tokens, body.get("cache_salt"))
         self._check_length(body, prompt, chat)
         session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
-        route = RouteRequest(hashes, self.config.block_tokens,
-                             prompt.estimated_tokens, session)
+        route = RouteRequest(hashes, block_tokens or 1, prompt.estimated_tokens, session)
         headers = [("Content-Type", "application/json"),
                    ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity"))]
         if not self.config.api_key and "authorization" in exchange.headers:
@@ -266,39 +228,23 @@ class Router:
         assert self._upstream is not None
         return await exchange.cancel_on_disconnect(self._upstream.forward(exchange, fwd))
 
-    def _parse(self, raw: bytes) -> dict[str, Any]:
-        try:
-            body = _decode_json(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest(400, "request body must be a JSON object")
-        _check_types(body)
-        model = body.get("model")
-        if model is None:
-            raise BadRequest(400, "'model' is required", "model")
-        served = self.fleet.models()
+    @property
+    def block_tokens(self) -> int | None:
+        """The engines' block size prompts are hashed by: configured, else the replicas'
+        (None until a replica reported it: requests are then routed without prefix hashes)."""
+        return self.config.block_tokens or self.replicas.block_tokens()
+
+    def _check_model(self, model: str) -> None:
+        served = self.replicas.models()
         if served and model not in served:
             raise BadRequest(404, f"the model '{model}' does not exist; served: "
                                   f"{', '.join(sorted(served))}", "model", "model_not_found")
-        return body
-
-    def _prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
-        assert self.tokenizer is not None
-        field = "messages" if chat else "prompt"
-        if field not in body:
-            raise BadRequest(400, f"'{field}' is required", field)
-        try:
-            return self.tokenizer.prompt(body, chat)
-        except PromptError as exc:
-            raise BadRequest(400, str(exc), exc.param) from exc
 
     def _check_length(self, body: Mapping[str, Any], prompt: Prompt, chat: bool) -> None:
-        limit = self.config.max_model_len or self.fleet.max_model_len()
+        limit = self.config.max_model_len or self.replicas.max_model_len()
         if limit is None:
             return
-        wanted = body.get("max_completion_tokens") if chat else None
-        wanted = wanted or body.get("max_tokens") or 0
+        wanted = requested_tokens(body, chat=chat)
         if prompt.max_tokens < limit and prompt.max_tokens + wanted <= limit:
             return  # fits even at one byte per token: no need to encode the tail
         assert self.tokenizer is not None
@@ -311,23 +257,28 @@ class Router:
                              "context_length_exceeded")
 
     async def _models(self, exchange: Exchange) -> int:
-        assert self._session is not None
-        replicas = self.fleet.healthy()
+        assert self._pool is not None
+        replicas = self.replicas.healthy()
         self.rng.shuffle(replicas)
         for replica in replicas:
             try:
-                async with self._session.get(replica.config.url + "/v1/models") as resp:
-                    if resp.status == 200:
-                        await exchange.respond(200, await resp.read(), JSON_HEADERS)
-                        return 200
-            except (TimeoutError, aiohttp.ClientError, OSError):
+                async with asyncio.timeout(self.config.health_timeout_s):
+                    resp = await self._pool.get(replica.settings.url, "/v1/models")
+                    try:
+                        body = await resp.read()
+                    finally:
+                        resp.close()
+            except (TimeoutError, OSError):
                 continue
+            if resp.status == 200:
+                await exchange.respond(200, body, JSON_HEADERS)
+                return 200
         raise RoutingError("no healthy replica answered /v1/models")
 
     async def _health(self, exchange: Exchange) -> int:
-        healthy = [r.name for r in self.fleet.healthy()]
+        healthy = [r.name for r in self.replicas.healthy()]
         doc = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy,
-               "replicas": len(self.fleet)}
+               "replicas": len(self.replicas)}
         status = 200 if healthy else 503
         await exchange.respond_json(status, doc)
         return status
@@ -383,7 +334,7 @@ async def serve(router: Router) -> None:
         gc.collect()
         gc.freeze()
         log.info("kvtier router on %s (%s, %d replicas)", listening.url, config.strategy,
-                 len(router.fleet))
+                 len(router.replicas))
         try:
             await asyncio.shield(listening.closed)
         finally:

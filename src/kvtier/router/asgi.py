@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-__all__ = ["BodyTooLarge", "ClientGone", "Exchange", "Header", "server"]
+__all__ = ["BodyTooLarge", "ClientGone", "Exchange", "Header", "fast_loop_factory", "server"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -120,6 +120,15 @@ class Exchange:
         if not self.done:  # (a complete answer also reads as a disconnect)
             self.client_gone = True
             task.cancel()
+
+
+def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop factory when present (faster; a vLLM dependency), else None."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def server(app: Callable[..., Awaitable[None]], host: str, port: int) -> uvicorn.Server:

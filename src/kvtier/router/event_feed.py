@@ -26,9 +26,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvtier.core.events import EventKind, KVEvent, Tier
-from kvtier.net.kv_events import EventSubscriber
+from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import BlockHash, chain_hash, root_hash
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventSubscriber
 from kvtier.router.index import SHARED, PrefixIndex
 
 __all__ = ["EventFeed", "KvtierApplier", "VllmRehasher"]

@@ -2,38 +2,49 @@
 
 A replica is down after `unhealthy_after` consecutive failed checks: it leaves the candidate set
 and `on_down(name)` purges what the router knew of its cache (a restart empties it). One good
-check brings it back; its /v1/models is then (re)read for model ids and `max_model_len`.
-A failed forward marks a replica suspect at once (`healthy = False`, no purge) so concurrent
-requests avoid it until the next good check.
+check brings it back; its /v1/models is then (re)read for model ids and `max_model_len`, and its
+/metrics for the engine's KV block size (`vllm:cache_config_info`), which the router hashes
+prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no purge) so
+concurrent requests avoid it until the next good check.
 
-Owner: the router app; `run()` is one asyncio task, cancelled on shutdown.
+Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
+through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import Callable
 
-import aiohttp
+from kvtier.net.http_client import HttpPool
+from kvtier.router.replicas import Replica, ReplicaSet
 
-from kvtier.router.replicas import Fleet, Replica
+__all__ = ["HealthChecker", "engine_block_tokens"]
 
-__all__ = ["HealthChecker"]
+_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+
+def engine_block_tokens(metrics_text: bytes) -> int | None:
+    """The engine's KV block size from a vLLM /metrics page (None when it does not say)."""
+    match = _BLOCK_SIZE.search(metrics_text)
+    return int(match.group(1)) if match else None
 
 
 class HealthChecker:
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, interval_s: float,
+    def __init__(self, pool: HttpPool, replicas: ReplicaSet, interval_s: float,
                  timeout_s: float, unhealthy_after: int,
                  on_down: Callable[[str], None]) -> None:
-        self._session = session
-        self._fleet = fleet
+        self._pool = pool
+        self._replicas = replicas
         self._interval_s = interval_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._unhealthy_after = unhealthy_after
         self._on_down = on_down
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in self._fleet))
+        await asyncio.gather(*(self._check(r) for r in self._replicas))
 
     async def run(self) -> None:
         while True:
@@ -41,10 +52,9 @@ class HealthChecker:
             await self.check_all()
 
     async def _check(self, replica: Replica) -> None:
-        ok = await self._get_ok(replica.config.url + "/health")
-        if ok:
+        if await self._get(replica, "/health") is not None:
             if not replica.healthy or not replica.models:
-                await self._learn_models(replica)
+                await self._learn(replica)
             replica.failed_checks = 0
             replica.healthy = True
             return
@@ -53,20 +63,28 @@ class HealthChecker:
         if replica.failed_checks == self._unhealthy_after:
             self._on_down(replica.name)
 
-    async def _get_ok(self, url: str) -> bool:
+    async def _get(self, replica: Replica, path: str) -> bytes | None:
+        """The body of a 200 answer within the timeout, else None."""
         try:
-            async with self._session.get(url, timeout=self._timeout) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            return False
+            async with asyncio.timeout(self._timeout_s):
+                resp = await self._pool.get(replica.settings.url, path)
+                try:
+                    body = await resp.read()
+                finally:
+                    resp.close()
+        except (TimeoutError, OSError):
+            return None
+        return body if resp.status == 200 else None
 
-    async def _learn_models(self, replica: Replica) -> None:
+    async def _learn(self, replica: Replica) -> None:
+        """Model ids and lengths from /v1/models, the engine block size from /metrics."""
+        metrics = await self._get(replica, "/metrics")
+        if metrics is not None:
+            replica.block_tokens = engine_block_tokens(metrics) or replica.block_tokens
+        body = await self._get(replica, "/v1/models")
         try:
-            async with self._session.get(replica.config.url + "/v1/models",
-                                         timeout=self._timeout) as resp:
-                doc = await resp.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            doc = json.loads(body) if body is not None else None
+        except ValueError:
             return
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):

@@ -25,16 +25,13 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import TIER_ORDER, Tier
 
-__all__ = ["SHARED", "TIER_ORDER", "PrefixIndex"]
+__all__ = ["SHARED", "PrefixIndex"]
 
 SHARED = "*"
 """Pseudo-replica holding L2 (shared pool) blocks: they count for every replica."""
-
-TIER_ORDER: tuple[Tier, ...] = (Tier.L0, Tier.L1, Tier.L2)
-"""Tiers from best (cheapest to load) to worst."""
 
 _BIT = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from kvtier.router.replicas import Fleet
+from kvtier.router.replicas import ReplicaSet
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -87,11 +87,11 @@ class HotHistogram:
 
 
 class RouterMetrics:
-    def __init__(self, fleet: Fleet, strategy: str,
+    def __init__(self, replicas: ReplicaSet, strategy: str,
                  index_sizes: Callable[[], dict[str, int]]) -> None:
         self.registry = CollectorRegistry()
         self.strategy = strategy
-        self._fleet = fleet
+        self._replicas = replicas
         self._index_sizes = index_sizes
         r = self.registry
         self.requests = HotCounter("kvtier_router_requests", "Requests answered.",
@@ -135,7 +135,7 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The exposition text; gauges are sampled from live state here, not on every change."""
-        for replica in self._fleet:
+        for replica in self._replicas:
             self.in_flight.labels(replica.name).set(replica.in_flight)
             self.queued.labels(replica.name).set(replica.queued_prefill_tokens)
             self.healthy.labels(replica.name).set(1 if replica.healthy else 0)

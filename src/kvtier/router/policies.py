@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.core.errors import ConfigError, RoutingError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import Tier
 from kvtier.router.index import PrefixIndex
 
 __all__ = [

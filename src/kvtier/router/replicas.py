@@ -1,9 +1,10 @@
-"""The replicas behind the router: health, load counters and the leases that keep them honest.
+"""The replicas behind the router: health, load counters and the claims that keep them honest.
 
-Every forwarded request holds a `Lease` on its replica from routing to the end of the response;
-the lease counts it in `in_flight` and its uncached prompt tokens in `queued_prefill_tokens`
-until the first byte comes back. `Fleet.lease` is a context manager, so the counters are
-released on every path: success, upstream error, failover, client disconnect, cancellation.
+Every forwarded request holds a `LoadClaim` on its replica from routing to the end of the
+response; the claim counts it in `in_flight` and its uncached prompt tokens in
+`queued_prefill_tokens` until the first byte comes back. `ReplicaSet.claim` is a context
+manager, so the counters are released on every path: success, upstream error, failover, client
+disconnect, cancellation.
 
 Owned by the router's event loop (single-threaded: no locks).
 """
@@ -14,15 +15,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Self
 
-from kvtier.router.settings import ReplicaConfig
 from kvtier.router.policies import ReplicaView
+from kvtier.router.settings import ReplicaSettings
 
-__all__ = ["Fleet", "Lease", "Replica"]
+__all__ = ["LoadClaim", "Replica", "ReplicaSet"]
 
 
 @dataclass(slots=True)
 class Replica:
-    config: ReplicaConfig
+    settings: ReplicaSettings
     healthy: bool = True
     """False while down (health checks) or suspect (a forward just failed)."""
     failed_checks: int = 0
@@ -31,17 +32,19 @@ class Replica:
     models: tuple[str, ...] = ()
     """Model ids its /v1/models lists (learned by the health checker)."""
     max_model_len: int | None = None
+    block_tokens: int | None = None
+    """The engine's KV block size, read from its /metrics (learned by the health checker)."""
 
     @property
     def name(self) -> str:
-        return self.config.name
+        return self.settings.name
 
     def view(self, excluded: bool = False) -> ReplicaView:
         return ReplicaView(self.name, self.in_flight, self.queued_prefill_tokens,
                            self.healthy and not excluded)
 
 
-class Lease:
+class LoadClaim:
     """One request's claim on a replica's load counters; `release` is idempotent."""
 
     __slots__ = ("_done", "_prefill", "replica")
@@ -72,8 +75,8 @@ class Lease:
         self.release()
 
 
-class Fleet:
-    def __init__(self, replicas: tuple[ReplicaConfig, ...]) -> None:
+class ReplicaSet:
+    def __init__(self, replicas: tuple[ReplicaSettings, ...]) -> None:
         self.replicas = {r.name: Replica(r) for r in replicas}
 
     def __getitem__(self, name: str) -> Replica:
@@ -98,6 +101,11 @@ class Fleet:
         lens = [r.max_model_len for r in self.replicas.values() if r.max_model_len]
         return min(lens) if lens else None
 
-    def lease(self, replica: Replica, prefill_tokens: int) -> Lease:
-        """Use as `with fleet.lease(...) as lease:` (released on leaving the block)."""
-        return Lease(replica, prefill_tokens)
+    def block_tokens(self) -> int | None:
+        """The engines' block size, as the replicas report it (the most common answer)."""
+        sizes = [r.block_tokens for r in self.replicas.values() if r.block_tokens]
+        return max(set(sizes), key=sizes.count) if sizes else None
+
+    def claim(self, replica: Replica, prefill_tokens: int) -> LoadClaim:
+        """Use as `with replicas.claim(...) as claim:` (released on leaving the block)."""
+        return LoadClaim(replica, prefill_tokens)

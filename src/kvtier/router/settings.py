@@ -1,117 +1,129 @@
 """Router settings and the replica list file.
 
-    RouterConfig(replicas=(ReplicaConfig("http://127.0.0.1:8001"),
-                           ReplicaConfig("http://127.0.0.1:8002")),
-                 strategy="kvaware", events=("tcp://127.0.0.1:5601",))
+    RouterSettings(replicas=["http://127.0.0.1:8001", "http://127.0.0.1:8002"],
+                   strategy="kvaware", events=["tcp://127.0.0.1:5601"])
 
-A replicas file is YAML or JSON: a list of URLs or of objects
-`{url, name?, vllm_events?}`, or an object `{"replicas": [...]}`.
+A replica is given as a URL, `URL=VLLM_EVENTS_ENDPOINT`, or an object `{url, name?,
+vllm_events?}`. A replicas file is YAML or JSON: a list of those, or `{"replicas": [...]}`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
+from pydantic import Field, model_validator
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.settings import ByteSize, Settings
 
-__all__ = ["ReplicaConfig", "RouterConfig", "load_replicas_file"]
+__all__ = ["STRATEGIES", "ReplicaSettings", "RouterSettings", "Strategy", "load_replicas_file"]
+
+Strategy = Literal["prefixaware", "kvaware", "session", "roundrobin", "leastload"]
+"""Routing strategies served by `kvtier router` (see `kvtier.router.policies`)."""
+STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaConfig:
+def replica_fields(text: str) -> dict[str, Any]:
+    """The fields a replica given as "URL" or "URL=VLLM_EVENTS_ENDPOINT" stands for."""
+    url, _, events = text.partition("=")
+    return {"url": url, "vllm_events": events or None}
+
+
+class ReplicaSettings(Settings):
+    """One vLLM replica behind the router."""
+
     url: str
-    """Base URL of a vLLM OpenAI server, e.g. http://127.0.0.1:8001."""
+    """Base URL of a vLLM OpenAI server, e.g. http://127.0.0.1:8001 (https:// with TLS)."""
     name: str = ""
     """Name in metrics and KV events; defaults to the URL (what the kvtier connector uses)."""
     vllm_events: str | None = None
     """ZMQ endpoint of vLLM's own KV events (`--kv-events-config`), feeding L0 of `kvaware`."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, value: Any) -> Any:
+        return replica_fields(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ConfigError(f"replica url: {self.url!r} is not an http(s) base URL")
-        if self.url.endswith("/"):
-            object.__setattr__(self, "url", self.url.rstrip("/"))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"url: {self.url!r} is not an http(s) base URL")
+        object.__setattr__(self, "url", self.url.rstrip("/"))
         if not self.name:
             object.__setattr__(self, "name", self.url)
+        return self
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    replicas: tuple[ReplicaConfig, ...]
+class RouterSettings(Settings):
+    """Everything `kvtier router` and the `Router` app take."""
+
+    replicas: tuple[ReplicaSettings, ...]
     """The vLLM replicas behind the router."""
-    strategy: str = "prefixaware"
-    """Routing strategy (see `kvtier.router.policies.POLICIES`)."""
+    strategy: Strategy = "prefixaware"
+    """Routing strategy: prefixaware remembers what it routed; kvaware follows the replicas' KV
+    events; session sticks on a header or the body's `user`; roundrobin and leastload ignore
+    the cache."""
     host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    """When set, requests must carry `Authorization: Bearer <api_key>` (`/health` excepted)."""
+    """Listen address."""
+    port: Annotated[int, Field(ge=0, lt=65536)] = 8000
+    """Listen port (0: any free port)."""
+    api_key: Annotated[str, Field(min_length=1)] | None = None
+    """When set, requests to /v1/* must carry `Authorization: Bearer <api_key>`."""
     model_dir: str | None = None
-    """Local HF model directory for the tokenizer; None: the embedded model."""
-    block_tokens: int = 128
-    """Tokens per hashed block: the ENGINE's block size (128 on vLLM CPU)."""
-    max_model_len: int | None = None
-    """Longest prompt + 1 a replica accepts; None: learned from the replicas' /v1/models."""
+    """Local HF model directory for the tokenizer and chat template; unset: the embedded
+    model."""
+    block_tokens: Annotated[int, Field(gt=0)] | None = None
+    """Tokens per hashed block, the engines' block size; unset: read from the replicas
+    (`vllm:cache_config_info` on their /metrics)."""
+    max_model_len: Annotated[int, Field(gt=0)] | None = None
+    """Longest prompt + 1 a replica accepts; unset: learned from the replicas' /v1/models."""
     events: tuple[str, ...] = ()
-    """ZMQ endpoints of kvtier connector KV events (L1/L2 tiers), for `kvaware`."""
-    session_header: str = "x-session-id"
+    """ZMQ endpoints of kvtier connector KV events (L1/L2 tiers), for kvaware."""
+    session_header: Annotated[str, Field(min_length=1)] = "x-session-id"
     """Header naming a sticky session for `session` (falls back to the body's `user`)."""
-    max_blocks: int = 1_000_000
+    max_blocks: Annotated[int, Field(gt=0)] = 1_000_000
     """Bound of each prefix index, in (replica, block) entries."""
-    health_interval_s: float = 1.0
+    health_interval_s: Annotated[float, Field(gt=0)] = 1.0
     """Seconds between active health checks of each replica."""
-    health_timeout_s: float = 2.0
-    unhealthy_after: int = 2
+    health_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    """Timeout of one health check."""
+    unhealthy_after: Annotated[int, Field(gt=0)] = 2
     """Consecutive failed checks before a replica is down (and its index entries purged)."""
-    connect_timeout_s: float = 3.0
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 3.0
     """Connecting to a replica; a timeout fails over to another replica."""
-    read_timeout_s: float = 600.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Longest silence from a replica mid-response before the request fails."""
-    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes: Annotated[ByteSize, Field(gt=0)] = 16 * 1024 * 1024
+    """Largest request body accepted (413 beyond)."""
+    replica_ca_file: str | None = None
+    """CA bundle (PEM) that signs the https:// replicas' certificates; unset: the system's."""
     seed: int | None = None
-    """Seed of the tie-breaking random generator (None: from the OS)."""
+    """Seed of the tie-breaking random generator; unset: from the OS."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="before")
+    @classmethod
+    def _replica_list(cls, value: Any) -> Any:
+        if isinstance(value, dict) and isinstance(value.get("replicas"), str):
+            value = {**value, "replicas": [value["replicas"]]}
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
         if not self.replicas:
-            raise ConfigError("replicas: at least one replica is required")
+            raise ValueError("replicas: at least one replica is required (--replica URL or "
+                             "--replicas-file FILE)")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
-            raise ConfigError(f"replicas: duplicate names in {names}")
-        if not 0 <= self.port < 65536:
-            raise ConfigError(f"port: {self.port} is not a TCP port")
-        for field in ("block_tokens", "max_blocks", "unhealthy_after", "max_body_bytes"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"{field}: must be positive, got {getattr(self, field)}")
-        for field in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
-                      "read_timeout_s"):
-            if getattr(self, field) <= 0:
-                raise ConfigError(f"{field}: must be positive, got {getattr(self, field)}")
-        if self.max_model_len is not None and self.max_model_len <= 0:
-            raise ConfigError(f"max_model_len: must be positive, got {self.max_model_len}")
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("api_key: must not be empty when given")
-        if not self.session_header:
-            raise ConfigError("session_header: must not be empty")
+            raise ValueError(f"replicas: duplicate names in {names}")
+        return self
 
 
-def _replica(entry: object, where: str) -> ReplicaConfig:
-    if isinstance(entry, str):
-        return ReplicaConfig(entry)
-    if isinstance(entry, dict) and isinstance(entry.get("url"), str):
-        unknown = set(entry) - {"url", "name", "vllm_events"}
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
-        return ReplicaConfig(entry["url"], str(entry.get("name") or ""),
-                             entry.get("vllm_events"))
-    raise ConfigError(f"{where}: expected a URL or an object with 'url'")
-
-
-def load_replicas_file(path: str | Path) -> tuple[ReplicaConfig, ...]:
+def load_replicas_file(path: str | Path) -> tuple[ReplicaSettings, ...]:
     """Replicas listed in a YAML or JSON file (JSON is YAML)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
@@ -121,4 +133,12 @@ def load_replicas_file(path: str | Path) -> tuple[ReplicaConfig, ...]:
         doc = doc.get("replicas")
     if not isinstance(doc, Sequence) or isinstance(doc, str) or not doc:
         raise ConfigError(f"replicas_file: {path} holds no list of replicas")
-    return tuple(_replica(e, f"replicas_file {path} entry {i}") for i, e in enumerate(doc))
+    entries = []
+    for i, entry in enumerate(doc):
+        if not isinstance(entry, (str, dict)):
+            raise ConfigError(f"replicas_file {path} entry {i}: expected a URL or an object "
+                              "with 'url'")
+        entries.append(ReplicaSettings.from_mapping(
+            entry if isinstance(entry, dict) else replica_fields(entry),
+            where=f"replicas_file {path} entry {i}"))
+    return tuple(entries)

@@ -1,7 +1,7 @@
 """Forwarding to a replica, with failover before the first byte and SSE passthrough.
 
 For each attempt: the policy chooses among healthy replicas minus those already failed for this
-request (affinity is never re-applied to a dead replica), the decision is recorded, a `Lease`
+request (affinity is never re-applied to a dead replica), the decision is recorded, a `LoadClaim`
 holds the replica's load counters, and the original body is POSTed. An attempt fails over when
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
 before the first body byte: nothing has reached the client yet, so another replica can serve it.
@@ -11,7 +11,7 @@ its next good health check); one that answered 5xx is only excluded for this req
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
 cancels the forward (`Exchange.cancel_on_disconnect`), which aborts the upstream connection
-(vLLM aborts the request). The lease is released on every path.
+(vLLM aborts the request). The claim is released on every path.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.errors import RoutingError
-from kvtier.router.asgi import Exchange, Header
-from kvtier.router.replicas import Fleet, Lease, Replica
 from kvtier.net.http_client import HttpPool, Response
+from kvtier.router.asgi import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Policy, RouteRequest
+from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet
 
 __all__ = ["Forward", "Upstream", "UpstreamFailed"]
 
@@ -62,10 +62,10 @@ def sse_error(message: str, code: int) -> bytes:
 
 
 class Upstream:
-    def __init__(self, pool: HttpPool, fleet: Fleet, policy: Policy,
+    def __init__(self, pool: HttpPool, replicas: ReplicaSet, policy: Policy,
                  rng: random.Random, clock: Callable[[], float], metrics: RouterMetrics) -> None:
         self._pool = pool
-        self._fleet = fleet
+        self._replicas = replicas
         self._policy = policy
         self._rng = rng
         self._clock = clock
@@ -76,10 +76,10 @@ class Upstream:
         UpstreamFailed if none can."""
         excluded: set[str] = set()
         last_error = ""
-        for _ in range(len(self._fleet)):
+        for _ in range(len(self._replicas)):
             now = self._clock()
             try:
-                decision = self._policy.choose(fwd.route, self._fleet.views(excluded),
+                decision = self._policy.choose(fwd.route, self._replicas.views(excluded),
                                                self._rng, now)
             except RoutingError:
                 if not excluded:
@@ -87,13 +87,13 @@ class Upstream:
                 break
             self._policy.observe_routed(fwd.route, decision, now)
             self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
-            replica = self._fleet[decision.replica]
+            replica = self._replicas[decision.replica]
             self._metrics.routed.inc(replica.name)
             uncached = fwd.route.prompt_tokens - decision.cached_tokens
-            with self._fleet.lease(replica, uncached) as lease:
+            with self._replicas.claim(replica, uncached) as claim:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
                 try:
-                    return await self._attempt(exchange, fwd, replica, lease)
+                    return await self._attempt(exchange, fwd, replica, claim)
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
                     if retry.unreachable:
@@ -104,9 +104,9 @@ class Upstream:
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
     async def _attempt(self, exchange: Exchange, fwd: Forward, replica: Replica,
-                       lease: Lease) -> int:
+                       claim: LoadClaim) -> int:
         try:
-            resp = await self._pool.post(replica.config.url, fwd.endpoint, fwd.body,
+            resp = await self._pool.post(replica.settings.url, fwd.endpoint, fwd.body,
                                          fwd.headers)
         except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
@@ -117,7 +117,7 @@ class Upstream:
                 first = await resp.chunk()
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
-            lease.first_byte()
+            claim.first_byte()
             self._metrics.first_byte.observe(time.perf_counter() - fwd.arrived, fwd.endpoint)
             headers = _passthrough(resp.headers, replica)
             if not fwd.stream or resp.status != 200:

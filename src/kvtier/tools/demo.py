@@ -30,19 +30,29 @@ def s1_table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def _cmd(args: argparse.Namespace) -> int:
-    from kvtier.cli import main
+def _bench(argv: list[str]) -> int:
+    """Run `kvtier bench ARGV...` (chat or tiers) through the benchmark's own command."""
+    from kvtier.tools.bench import fleet_runs, tiers
 
+    parser = argparse.ArgumentParser(prog="kvtier bench")
+    scenarios = parser.add_subparsers(dest="scenario", required=True)
+    fleet_runs.register(scenarios)
+    tiers.register(scenarios)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     print("kvtier demo 1/2: S2 multi-round chat on a 2-replica fleet", flush=True)
-    code = main(["bench", "chat", "--users", "3", "--rounds", "3",
+    code = _bench(["chat", "--users", "3", "--rounds", "3",
                  "--configs", "roundrobin-l0,kvtier-l1l2-kvaware", "--report-dir", str(out),
                  "--json", str(out / "s2.json")])
     if code:
         return code
     print("\nkvtier demo 2/2: S1 time to first token by tier", flush=True)
-    code = main(["bench", "tiers", "--lengths", "1024,2500", "--runs", "1", "--skip-peers",
+    code = _bench(["tiers", "--lengths", "1024,2500", "--runs", "1", "--skip-peers",
                  "--json", str(out / "s1.json")])
     if code:
         return code

@@ -21,8 +21,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.tiers.base import Tier
 from kvtier.vllm import compat, process_store
 from kvtier.vllm.compat import (
     CacheHitSource,
@@ -32,9 +31,9 @@ from kvtier.vllm.compat import (
     KVConnectorStats,
     KVConnectorWorkerMetadata,
 )
-from kvtier.vllm.settings import ConnectorConfig
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
+from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
 from kvtier.vllm.worker_side import WorkerSide
 
@@ -65,11 +64,9 @@ class KvtierConnector(KVConnectorBase_V1):
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         compat.check_version()
-        self.config = ConnectorConfig.from_sources(compat.extra_config(vllm_config))
+        self.config = ConnectorSettings.from_sources(compat.extra_config(vllm_config))
         geometry = compat.engine_geometry(vllm_config)
-        if self.config.block_tokens % geometry.engine_block_tokens:
-            raise ConfigError(f"block_tokens: {self.config.block_tokens} is not a multiple of "
-                              f"vLLM's block size {geometry.engine_block_tokens}")
+        block_tokens = process_store.block_tokens(self.config, geometry)
         model = compat.model_path(vllm_config)
         self.counters = ConnectorCounters()
         self._scheduler: SchedulerSide | None = None
@@ -81,7 +78,7 @@ class KvtierConnector(KVConnectorBase_V1):
                                 publish=False)
                 for rank in range(geometry.tp_size)]
             self._scheduler = SchedulerSide(
-                self._stores, self.config.block_tokens, geometry.engine_block_tokens,
+                self._stores, block_tokens, geometry.engine_block_tokens,
                 self.config.lookup_ttl_s, self.counters,
                 lookup_wait_s=self.config.lookup_wait_ms / 1000,
                 events=self.config.events_endpoint is not None,
@@ -91,10 +88,10 @@ class KvtierConnector(KVConnectorBase_V1):
             identity = process_store.model_identity(self.config, geometry, model, rank)
             self._stores = [process_store.acquire(self.config, identity, publish=rank == 0)]
             self._worker = WorkerSide(self._stores[0], geometry, rank,
-                                      self.config.block_tokens, self.config.load_threads,
+                                      block_tokens, self.config.load_threads,
                                       self.counters)
         log.info("kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
-                 role.name, [r.namespace for r in self._stores], self.config.block_tokens,
+                 role.name, [r.namespace for r in self._stores], block_tokens,
                  self.config.l1_bytes, self.config.l2_path)
 
     @property

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import Tier
 from kvtier.vllm.compat import KVConnectorMetadata, KVConnectorWorkerMetadata
 from kvtier.vllm.process_store import L1Change
 

@@ -21,18 +21,20 @@ import logging
 import os
 import socket
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from kvtier.core.events import EventKind, Tier
-from kvtier.net.kv_events import EventPublisher
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, ModelIdentity, Namespace
+from kvtier.core.lru import Lru
 from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import Tier
+from kvtier.net.kv_events import EventPublisher
 from kvtier.vllm.compat import EngineGeometry
-from kvtier.vllm.settings import ConnectorConfig
+from kvtier.vllm.settings import ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,17 @@ def weights_digest(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def model_identity(config: ConnectorConfig, geometry: EngineGeometry, model_path: str,
+def block_tokens(config: ConnectorSettings, geometry: EngineGeometry) -> int:
+    """Tokens per kvtier block: the configured multiple of the engine's block, else the
+    engine's own block size."""
+    tokens = config.block_tokens or geometry.engine_block_tokens
+    if tokens % geometry.engine_block_tokens:
+        raise ConfigError(f"block_tokens: {tokens} is not a multiple of vLLM's block size "
+                          f"{geometry.engine_block_tokens}")
+    return tokens
+
+
+def model_identity(config: ConnectorSettings, geometry: EngineGeometry, model_path: str,
                    tp_rank: int) -> ModelIdentity:
     """The namespace identity of one TP rank's blocks."""
     return ModelIdentity(
@@ -68,7 +80,7 @@ def model_identity(config: ConnectorConfig, geometry: EngineGeometry, model_path
         weights_digest=weights_digest(model_path),
         kv_dtype=geometry.dtype,
         kv_layout=geometry.layout(),
-        block_tokens=config.block_tokens,
+        block_tokens=block_tokens(config, geometry),
         tp_size=geometry.tp_size,
         tp_rank=tp_rank,
     )
@@ -82,24 +94,20 @@ class HashAliases:
     """kvtier block hash -> the engine-block hashes it covers (bounded, least recent dropped)."""
 
     def __init__(self, capacity: int = 200_000) -> None:
-        self._capacity = capacity
-        self._map: OrderedDict[BlockHash, tuple[BlockHash, ...]] = OrderedDict()
+        self._map: Lru[BlockHash, tuple[BlockHash, ...]] = Lru(capacity)
         self._lock = threading.Lock()
         self.unknown = 0
         """Event hashes that had no alias (e.g. an L2 file another replica wrote)."""
 
     def add(self, block_hash: BlockHash, engine_hashes: Sequence[BlockHash]) -> None:
         with self._lock:
-            self._map[block_hash] = tuple(engine_hashes)
-            self._map.move_to_end(block_hash)
-            while len(self._map) > self._capacity:
-                self._map.popitem(last=False)
+            self._map.put(block_hash, tuple(engine_hashes))
 
     def expand(self, hashes: Sequence[BlockHash]) -> list[BlockHash]:
         out: list[BlockHash] = []
         with self._lock:
             for h in hashes:
-                engine = self._map.get(h)
+                engine = self._map.peek(h)
                 if engine is None:
                     self.unknown += 1
                 else:
@@ -147,14 +155,14 @@ _lock = threading.Lock()
 _by_namespace: dict[Namespace, ProcessStore] = {}
 
 
-def acquire(config: ConnectorConfig, identity: ModelIdentity, *, publish: bool) -> ProcessStore:
+def acquire(config: ConnectorSettings, identity: ModelIdentity, *, publish: bool) -> ProcessStore:
     """The process's shared store for `identity`, created on first use; `publish` starts the event
     publisher (when an endpoint is configured) if this call creates it."""
     namespace = identity.namespace()
     with _lock:
         shared = _by_namespace.get(namespace)
         if shared is None:
-            store_config = config.store_config()
+            store_config = config.store_settings()
             publisher = None
             if publish and config.events_endpoint:
                 publisher = EventPublisher(config.events_endpoint,

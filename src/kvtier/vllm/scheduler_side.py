@@ -32,8 +32,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvtier.core.events import EventKind, Tier
+from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, block_hashes, root_hash
+from kvtier.core.tiers.base import TIER_ORDER, Tier
 from kvtier.vllm import compat
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import ProcessStore
@@ -246,7 +247,7 @@ class SchedulerSide:
                 rank_tier = Tier.L1 if in_l1 else shared.store.contains(h)
                 if rank_tier is None:
                     return found
-                tier = max(tier, rank_tier, key=_TIER_ORDER.__getitem__)
+                tier = max(tier, rank_tier, key=TIER_ORDER.index)
             found.append(tier)
         return found
 
@@ -280,5 +281,3 @@ class SchedulerSide:
                         reused_blocks=tracked.hit_blocks,
                         engine_hashes=tuple(tracked.engine_hashes[first * p:full * p]))
 
-
-_TIER_ORDER = {Tier.L0: 0, Tier.L1: 1, Tier.L2: 2}

@@ -33,8 +33,8 @@ import torch
 
 from kvtier.core.codec import BlockMeta
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import Tier
 from kvtier.vllm.compat import EngineGeometry
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import ProcessStore

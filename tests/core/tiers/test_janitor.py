@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.janitor import (
     AccessRecorder,
     Entry,
     Janitor,
-    JanitorConfig,
+    JanitorSettings,
     Usage,
     control_dir,
     plan_eviction,
     read_status,
     scan,
 )
+from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.posix import PosixTier
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
 
@@ -47,18 +47,18 @@ def fill(root: Path, count: int, nbytes: int, *, seed: int = 1) -> list[str]:
     return paths
 
 
-def config(**kw: object) -> JanitorConfig:
+def config(**kw: object) -> JanitorSettings:
     base: dict[str, object] = {"capacity_bytes": 10 * (4096 + 100 * KIB),
                                "high_watermark": 0.8, "low_watermark": 0.5, "interval_s": 0.1,
                                "lease_ttl_s": 1.0, "grace_s": 0.0, "stale_s": 0.0}
     base.update(kw)
-    return JanitorConfig(**base)  # type: ignore[arg-type]
+    return JanitorSettings(**base)  # type: ignore[arg-type]
 
 
 def test_plan_evicts_least_recently_used_down_to_the_low_watermark() -> None:
     blocks = tuple(Entry(f"b{i}", 10, mtime) for i, mtime in enumerate([5, 1, 4, 2, 3]))
     usage = Usage(blocks, temp_bytes=0, orphans=(), graveyard=())
-    cfg = JanitorConfig(capacity_bytes=50, high_watermark=0.9, low_watermark=0.5)
+    cfg = JanitorSettings(capacity_bytes=50, high_watermark=0.9, low_watermark=0.5)
     # 50 bytes > high (45): evict oldest-access first until <= low (25).
     assert [e.path for e in plan_eviction(usage, cfg, trim=False)] == ["b1", "b3", "b4"]
     below_high = Usage(blocks[:4], temp_bytes=0, orphans=(), graveyard=())
@@ -68,7 +68,7 @@ def test_plan_evicts_least_recently_used_down_to_the_low_watermark() -> None:
 
 def test_in_flight_temp_files_count_towards_usage() -> None:
     blocks = (Entry("old", 10, 1), Entry("new", 10, 2))
-    cfg = JanitorConfig(capacity_bytes=40, high_watermark=0.75, low_watermark=0.5)
+    cfg = JanitorSettings(capacity_bytes=40, high_watermark=0.75, low_watermark=0.5)
     assert plan_eviction(Usage(blocks, 0, (), ()), cfg, trim=False) == []
     assert [e.path for e in plan_eviction(Usage(blocks, 15, (), ()), cfg,
                                           trim=False)] == ["old", "new"]
@@ -166,6 +166,6 @@ def test_graveyard_is_purged_after_the_grace_and_orphan_temps_are_removed(
 
 def test_janitor_config_names_the_bad_field() -> None:
     with pytest.raises(ValueError, match="low_watermark"):
-        JanitorConfig(capacity_bytes=10, high_watermark=0.5, low_watermark=0.7)
+        JanitorSettings(capacity_bytes=10, high_watermark=0.5, low_watermark=0.7)
     with pytest.raises(ValueError, match="lease_ttl_s"):
-        JanitorConfig(capacity_bytes=10, interval_s=5, lease_ttl_s=6)
+        JanitorSettings(capacity_bytes=10, interval_s=5, lease_ttl_s=6)

@@ -7,8 +7,8 @@ from typing import cast
 import pytest
 import valkey
 
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
-from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
 from tests.helpers.l2 import (
     IDENTITY,
     NAMESPACE,
@@ -27,7 +27,7 @@ KIB = 1024
 
 
 def tier_for(server: ValkeyServer) -> ValkeyTier:
-    return ValkeyTier(ValkeyTierConfig(server.url, backoff_initial_s=0.05, backoff_max_s=0.2),
+    return ValkeyTier(ValkeyTierSettings(url=server.url, backoff_initial_s=0.05, backoff_max_s=0.2),
                       NAMESPACE, IDENTITY.manifest())
 
 

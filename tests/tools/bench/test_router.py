@@ -9,9 +9,9 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.bench.router import (
-    BLOCK,
     PASSTHROUGH,
     ROUTERS,
     Replica,
@@ -22,12 +22,14 @@ from kvtier.tools.bench.router import (
     router_command,
     start_fake_replica,
 )
-from tests.helpers.router import tokenizer
+
+BLOCK = 128
 
 
-def test_workload_interleaves_rounds_and_counts_the_ideal_hits() -> None:
-    tok = tokenizer()._tok
-    workload = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256)
+def test_workload_interleaves_rounds_and_counts_the_ideal_hits(tokenizer: Tokenizer) -> None:
+    tok = tokenizer.hf
+    workload = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256,
+                              block_tokens=BLOCK)
     assert len(workload.prompts) == 12
     heads = [p.split(".\n", 1)[0] for p in workload.prompts]
     for r in range(3):  # every prefix once per round
@@ -36,10 +38,10 @@ def test_workload_interleaves_rounds_and_counts_the_ideal_hits() -> None:
     assert workload.ideal_hit_tokens == 4 * 2 * 256
 
 
-def test_unique_contexts_leave_only_the_prefix_shared() -> None:
-    tok = tokenizer()._tok
+def test_unique_contexts_leave_only_the_prefix_shared(tokenizer: Tokenizer) -> None:
+    tok = tokenizer.hf
     workload = build_workload(tok, Corpus(tok), "t", prefixes=2, suffixes=2, prefix_tokens=256,
-                              suffix_tokens=300)
+                              suffix_tokens=300, block_tokens=BLOCK)
     first, repeat = workload.prompts[0], workload.prompts[2]
     assert first.split(".\n", 1)[0] == repeat.split(".\n", 1)[0]  # the same document
     assert len(tok.encode(repeat)) > 256 + 300 - 20
@@ -50,16 +52,17 @@ def test_ideal_hits_count_full_blocks_shared_with_any_earlier_request() -> None:
     a = list(range(3 * BLOCK))
     b = a[:2 * BLOCK] + [7] * BLOCK  # shares 2 blocks with a
     c = a[:BLOCK] + [9] * 2 * BLOCK  # shares 1 with a and b
-    assert ideal_hit_tokens([a]) == 0
-    assert ideal_hit_tokens([a, b, c]) == (2 + 1) * BLOCK
-    assert ideal_hit_tokens([a, a]) == 2 * BLOCK  # the last token is always computed
+    assert ideal_hit_tokens([a], BLOCK) == 0
+    assert ideal_hit_tokens([a, b, c], BLOCK) == (2 + 1) * BLOCK
+    assert ideal_hit_tokens([a, a], BLOCK) == 2 * BLOCK  # the last token is always computed
 
 
-def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests() -> None:
-    tok = tokenizer()._tok
-    plain = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256)
+def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests(tokenizer: Tokenizer) -> None:
+    tok = tokenizer.hf
+    plain = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
+                              block_tokens=BLOCK)
     shared = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
-                            system_tokens=256)
+                            system_tokens=256, block_tokens=BLOCK)
     system = shared.prompts[0].split("Document t-", 1)[0]
     assert system.startswith("System t.") and all(p.startswith(system) for p in shared.prompts)
     assert [p[len(system):] for p in shared.prompts] == list(plain.prompts)
@@ -90,7 +93,7 @@ def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
     fake, url = start_fake_replica(tmp_path)
     passthrough = RouterProcess(PASSTHROUGH, [Replica(url)], tmp_path)
     try:
-        asyncio.run(passthrough.wait_ready(30))
+        asyncio.run(passthrough.ready(30))
         figures = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url}, url,
                                                ["a b c"], pairs=20))
         streaks = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url, "direct": url},

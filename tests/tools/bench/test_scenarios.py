@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.bench.scenarios import (
     ChatShape,
@@ -14,7 +15,6 @@ from kvtier.tools.bench.scenarios import (
     trace_sessions,
 )
 from kvtier.tools.bench.workload import _Seen
-from kvtier.core.errors import ConfigError
 from kvtier.tools.embedded_model import resolve_model
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.bench.store import EMBEDDED, StoreBenchConfig, geometry_of
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
+from kvtier.tools.bench.store import EMBEDDED, StoreBenchConfig, geometry_of
 from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
 
 FIGURES = ("l1_put_gbps", "l1_get_gbps", "memcpy_gbps", "l2_write_gbps", "l2_read_gbps",

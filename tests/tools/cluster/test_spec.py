@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.cluster.spec import load_spec, parse_spec
 from kvtier.core.errors import ConfigError
+from kvtier.tools.cluster.spec import load_spec, parse_spec
 
 HYPERPOD_STYLE = """
 model: null
@@ -21,6 +21,11 @@ kvCacheSpec:
 kvtier:
   routerPort: 9000
   replicaBasePort: 9100
+  connector:
+    block_tokens: 256
+    l2_exists_ttl_s: 0.5
+  router:
+    health_interval_s: 0.25
 """
 
 
@@ -31,14 +36,20 @@ def test_hyperpod_keys_map_one_to_one(tmp_path: Path) -> None:
     assert spec.replicas == 3
     assert spec.strategy == "prefixaware"
     assert spec.cache.l1_enabled and spec.cache.l1_gib == 1.5
-    assert spec.cache.l2_backend == "valkey"  # redis and valkey share one backend
-    assert spec.cache.l2_url == "redis://127.0.0.1:6390"
-    assert (spec.router_port, spec.replica_base_port) == (9000, 9100)
+    assert spec.cache.l2.kind == "valkey"  # redis and valkey share one backend
+    assert spec.cache.l2.url == "redis://127.0.0.1:6390"
+    assert (spec.local.router_port, spec.local.replica_base_port) == (9000, 9100)
+    assert spec.local.router == {"health_interval_s": 0.25}
+    connector = spec.connector_settings(replica_id="r0", events_endpoint="tcp://127.0.0.1:1",
+                                        l2_location="redis://127.0.0.1:6390")
+    assert connector is not None
+    assert (connector.l1_bytes, connector.l2_url, connector.block_tokens,
+            connector.l2_exists_ttl_s) == (int(1.5 * 1024**3), "redis://127.0.0.1:6390", 256, 0.5)
 
 
 def test_defaults_without_a_file() -> None:
     spec = load_spec(None)
-    assert (spec.replicas, spec.strategy, spec.cache.l2_backend) == (2, "kvaware", "posix")
+    assert (spec.replicas, spec.strategy, spec.cache.l2.kind) == (2, "kvaware", "posix")
 
 
 def test_disabled_intelligent_routing_means_round_robin() -> None:
@@ -48,27 +59,34 @@ def test_disabled_intelligent_routing_means_round_robin() -> None:
 
 def test_tieredstorage_is_the_posix_backend() -> None:
     spec = parse_spec({"kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "TieredStorage"}}})
-    assert spec.cache.l2_backend == "posix"
+    assert spec.cache.l2.kind == "posix"
 
 
 @pytest.mark.parametrize(("data", "message"), [
-    ({"replicas": 0}, "replicas: must be positive"),
-    ({"replicas": "2"}, "replicas: expected int"),
+    ({"replicas": 0}, "replicas: input should be greater than 0"),
+    ({"replicas": "2"}, "replicas: input should be a valid integer, got '2'"),
     ({"intelligentRoutingSpec": {"routingStrategy": "fastest"}},
-     "intelligentRoutingSpec.routingStrategy: 'fastest' is not one of"),
+     "intelligentRoutingSpec.routingStrategy: input should be 'prefixaware', "),
     ({"kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "s3"}}},
-     "kvCacheSpec.l2CacheSpec.l2CacheBackend: 's3'"),
+     "kvCacheSpec.l2CacheSpec.l2CacheBackend: .*got 's3'"),
     ({"kvCacheSpec": {"l2CacheSpec": {"l2CacheLocalUrl": "http://x"}}},
-     "kvCacheSpec.l2CacheSpec.l2CacheLocalUrl"),
-    ({"kvCacheSpec": {"enableL1cache": True}}, "kvCacheSpec.enableL1cache: unknown key"),
-    ({"kvCacheSpec": {"l1CacheSizeGiB": True}}, "kvCacheSpec.l1CacheSizeGiB: expected a number"),
-    ({"kvtier": {"routerPort": 80}}, "kvtier.routerPort: must be a port"),
+     "kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: 'http://x' is not a redis://"),
+    ({"kvCacheSpec": {"enableL1cache": True}},
+     "kvCacheSpec.enableL1cache: unknown setting (known: enableL1Cache, "),
+    ({"kvCacheSpec": {"l1CacheSizeGiB": True}},
+     "kvCacheSpec.l1CacheSizeGiB: input should be a valid number, got True"),
+    ({"kvtier": {"routerPort": 80}}, "kvtier.routerPort: input should be greater than or equal"),
     ({"kvtier": {"routerPort": 8101}}, "kvtier.routerPort: collides"),
-    ({"kvtier": {"blockTokens": 100}}, "kvtier.blockTokens: must be a multiple of 16"),
+    ({"kvtier": {"connector": {"block_tokens": 0}}},
+     "kvtier.connector.block_tokens: input should be greater than 0"),
+    ({"kvtier": {"connector": {"l2_path": "/x"}}},
+     "kvtier.connector.l2_path: set by kvCacheSpec.l2CacheSpec"),
+    ({"kvtier": {"router": {"max_blocks": "x"}}}, "kvtier.router.max_blocks: input should be"),
+    ({"kvtier": {"router": {"replicas": []}}}, "kvtier.router.replicas: set by replicas"),
     (["a list"], "document: must be a mapping"),
 ])
 def test_invalid_configs_name_the_key(data: object, message: str) -> None:
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
         parse_spec(data)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tools.embedded_model import resolve_model
 from kvtier.net.ports import free_port
+from kvtier.tools.embedded_model import resolve_model
 
 pytestmark = pytest.mark.engine
 

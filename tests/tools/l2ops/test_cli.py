@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import valkey
 
+from kvtier.core.settings import parse_bytes
+from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops import cli
 from kvtier.tools.l2ops.valkey_server import ValkeyServer
-from kvtier.core.tiers.posix import PosixTier
-from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, valkey_server
 
 __all__ = ["valkey_server"]  # the fixture, re-exported for pytest
@@ -36,11 +37,11 @@ def stored_dir(tmp_path: Path, count: int) -> list[str]:
     return paths
 
 
-def test_parse_size_understands_binary_units() -> None:
-    assert [cli.parse_size(s) for s in ("123", "512M", "10GiB", "1.5k")] == \
+def test_sizes_understand_binary_units() -> None:
+    assert [parse_bytes(s) for s in ("123", "512M", "10GiB", "1.5k")] == \
         [123, 512 * 1024**2, 10 * 1024**3, 1536]
     with pytest.raises(ValueError, match="size"):
-        cli.parse_size("lots")
+        parse_bytes("lots")
 
 
 def test_status_shows_usage_and_gc_evicts_to_the_low_watermark(
@@ -85,7 +86,7 @@ def test_verify_finds_and_removes_a_corrupt_file(
 @pytest.mark.valkey
 def test_status_and_verify_on_a_valkey_l2(valkey_server: ValkeyServer,
                                          capsys: pytest.CaptureFixture[str]) -> None:
-    tier = ValkeyTier(ValkeyTierConfig(valkey_server.url), NAMESPACE, IDENTITY.manifest())
+    tier = ValkeyTier(ValkeyTierSettings(url=valkey_server.url), NAMESPACE, IDENTITY.manifest())
     hashes = []
     for i in range(4):
         h, meta, payload = make_block(41, i, 8192)

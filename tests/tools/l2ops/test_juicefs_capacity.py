@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.codec import HEADER_BYTES
-from kvtier.tools.l2ops.juicefs import JuiceFSMount
+from kvtier.core.tiers.janitor import Janitor, JanitorSettings, control_dir, read_status, scan
 from kvtier.core.tiers.lease import FileLease, LeaseInfo
-from kvtier.core.tiers.janitor import Janitor, JanitorConfig, control_dir, read_status, scan
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.tools.l2ops.juicefs import JuiceFSMount
 from tests.helpers.l2 import (
     IDENTITY,
     NAMESPACE,
@@ -128,7 +128,7 @@ def test_a_block_evicted_on_one_node_is_read_completely_by_a_reader_on_the_other
     try:
         head = os.read(fd, HEADER_BYTES)
         # Node A's janitor evicts everything while node B is mid-read.
-        janitor = Janitor(a.path, JanitorConfig(capacity_bytes=10 * FILE, low_watermark=0.01,
+        janitor = Janitor(a.path, JanitorSettings(capacity_bytes=10 * FILE, low_watermark=0.01,
                                                 high_watermark=0.02, interval_s=0.1,
                                                 lease_ttl_s=2, grace_s=30))
         # (An earlier test's janitor may hold the lease until its TTL runs out.)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from kvtier.tools.l2ops.juicefs import JuiceFSMount, mounted_under
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.tools.l2ops.juicefs import JuiceFSMount, mounted_under
 from tests.helpers.l2 import (
     IDENTITY,
     NAMESPACE,

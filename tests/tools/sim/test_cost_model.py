@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.cost_model import load_costs, profile_names
 from tests.helpers.sim import make_costs
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.tiers.base import Tier
 from kvtier.router.index import PrefixIndex
-from kvtier.tools.sim.simulator import FleetConfig, _Fleet, simulate
 from kvtier.tools.sim.cost_model import load_costs
+from kvtier.tools.sim.simulator import FleetConfig, _Fleet, simulate
 from kvtier.tools.sim.trace import Trace, load_trace
 from tests.helpers.sim import MOONCAKE, make_costs, reference_lru_hits, write_trace
 

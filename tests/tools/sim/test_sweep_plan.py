@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
-from kvtier.tools.sim.simulator import FleetConfig
+from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.cost_model import load_costs
 from kvtier.tools.sim.plan import plan_capacity
 from kvtier.tools.sim.plot import plot_sweep
+from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.sweep import parse_capacity, parse_sweep, run_sweep
 from kvtier.tools.sim.trace import Trace, load_trace
 from tests.helpers.sim import MOONCAKE, reference_lru_hits

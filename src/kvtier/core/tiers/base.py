@@ -24,14 +24,26 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
 
 from kvtier.core.codec import BlockMeta
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+
+class Tier(StrEnum):
+    """Where a block lives. L0 is the engine's own cache; L2 is shared by all replicas."""
+
+    L0 = "l0"
+    L1 = "l1"
+    L2 = "l2"
+
+
+TIER_ORDER: tuple[Tier, ...] = (Tier.L0, Tier.L1, Tier.L2)
+"""Tiers from nearest (cheapest to load) to farthest."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,9 +39,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Annotated, Any, Self
 
-from kvtier.core.errors import ConfigError
+from pydantic import Field, model_validator
+
+from kvtier.core.settings import ByteSize, Settings
 from kvtier.core.tiers.lease import FileLease
+from kvtier.core.tiers.profiles import L2Profile
 
 log = logging.getLogger(__name__)
 
@@ -51,44 +55,52 @@ BLOCK_SUFFIX = ".kvt"
 TEMP_SUFFIX = ".tmp"
 
 
-@dataclass(frozen=True, slots=True)
-class JanitorConfig:
+class JanitorSettings(Settings):
     """Capacity of one shared L2 directory and how the janitor enforces it."""
 
-    capacity_bytes: int
+    capacity_bytes: Annotated[ByteSize, Field(gt=0)]
     """Bytes the L2 directory may hold (all namespaces together)."""
-    high_watermark: float = 0.9
+    high_watermark: Annotated[float, Field(gt=0, le=1)] = 0.9
     """Fraction of capacity above which a pass evicts."""
-    low_watermark: float = 0.75
+    low_watermark: Annotated[float, Field(gt=0, le=1)] = 0.75
     """Fraction of capacity an evicting pass brings usage down to."""
-    interval_s: float = 5.0
+    interval_s: Annotated[float, Field(gt=0)] = 5.0
     """Seconds between passes of the lease holder (and between attempts of the others)."""
-    lease_ttl_s: float = 30.0
+    lease_ttl_s: Annotated[float, Field(gt=0)] = 30.0
     """A holder that has not renewed for this long is presumed dead."""
-    stale_s: float = 1.0
+    stale_s: Annotated[float, Field(ge=0)] = 1.0
     """Attribute-cache staleness of the file system (see `kvtier.core.tiers.profiles`)."""
-    grace_s: float = 60.0
+    grace_s: Annotated[float, Field(ge=0)] = 60.0
     """How long an evicted block stays readable for readers that already opened it (0: unlink
     at once, only where unlink-while-open is safe on every node)."""
-    temp_max_age_s: float = 600.0
+    temp_max_age_s: Annotated[float, Field(gt=0)] = 600.0
     """Temp files older than this belong to crashed writers and are removed."""
     trim_when_idle: bool = True
     """Trim to the low watermark once writes stop, so the next burst starts with headroom."""
 
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise ConfigError(f"capacity_bytes: must be positive, got {self.capacity_bytes}")
-        if not 0 < self.low_watermark <= self.high_watermark <= 1:
-            raise ConfigError(f"low_watermark/high_watermark: need 0 < low <= high <= 1, got "
-                              f"{self.low_watermark}/{self.high_watermark}")
-        for name in ("interval_s", "lease_ttl_s", "temp_max_age_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
-        if self.grace_s < 0 or self.stale_s < 0:
-            raise ConfigError("grace_s/stale_s: must be >= 0")
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(f"low_watermark: must not exceed high_watermark "
+                             f"({self.high_watermark}), got {self.low_watermark}")
         if self.lease_ttl_s < 2 * self.interval_s:
-            raise ConfigError(f"lease_ttl_s: must be at least twice interval_s "
-                              f"({self.interval_s}), got {self.lease_ttl_s}")
+            raise ValueError(f"lease_ttl_s: must be at least twice interval_s "
+                             f"({self.interval_s}), got {self.lease_ttl_s}")
+        return self
+
+    @classmethod
+    def for_profile(cls, profile: L2Profile, capacity_bytes: int, **overrides: Any) -> Self:
+        """Settings whose staleness, lease and grace suit the file system of `profile`; the
+        lease outlives a few passes (`interval_s` in `overrides`) and the staleness."""
+        lease_ttl_s = max(30.0, 10 * profile.attr_cache_s,
+                          3 * float(overrides.get("interval_s", cls.model_fields["interval_s"]
+                                                  .default)))
+        settings: dict[str, Any] = {
+            "capacity_bytes": capacity_bytes, "stale_s": profile.attr_cache_s,
+            "lease_ttl_s": lease_ttl_s,
+            "grace_s": 0.0 if profile.unlink_safe_across_nodes else 60.0,
+        }
+        return cls.from_mapping({**settings, **overrides})
 
     @property
     def high_bytes(self) -> int:
@@ -208,7 +220,7 @@ def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
     return Usage(tuple(blocks), temp_bytes, tuple(orphans), tuple(graveyard))
 
 
-def plan_eviction(usage: Usage, config: JanitorConfig, *, trim: bool) -> list[Entry]:
+def plan_eviction(usage: Usage, config: JanitorSettings, *, trim: bool) -> list[Entry]:
     """Blocks to evict, least recently used first (pure: no I/O).
 
     Above the high watermark, or above the low one when `trim` is asked for, evict down to the
@@ -237,8 +249,6 @@ class AccessRecorder:
 
     def __init__(self, touch_interval_s: float = 60.0,
                  clock: Callable[[], float] = time.time) -> None:
-        if touch_interval_s < 0:
-            raise ConfigError(f"touch_interval_s: must be >= 0, got {touch_interval_s}")
         self._interval = touch_interval_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -266,7 +276,7 @@ class AccessRecorder:
 class Janitor:
     """Capacity enforcement for one shared L2 root; owns one background thread."""
 
-    def __init__(self, root: str, config: JanitorConfig, *, holder: str | None = None,
+    def __init__(self, root: str, config: JanitorSettings, *, holder: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.root = root
         self.config = config

@@ -30,8 +30,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.core.errors import ConfigError
-
 _PREFIX = "lease."
 
 
@@ -53,10 +51,6 @@ class FileLease:
 
     def __init__(self, directory: str, holder: str, ttl_s: float, *, stale_s: float = 1.0,
                  clock: Callable[[], float] = time.time) -> None:
-        if ttl_s <= 0:
-            raise ConfigError(f"ttl_s: must be positive, got {ttl_s}")
-        if stale_s < 0:
-            raise ConfigError(f"stale_s: must be >= 0, got {stale_s}")
         self.directory = directory
         self.holder = holder
         self.ttl_s = ttl_s

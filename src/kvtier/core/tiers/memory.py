@@ -35,9 +35,8 @@ import numpy as np
 
 from kvtier.core.codec import BlockMeta, byte_view
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
-from kvtier.core.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
+from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -57,9 +57,9 @@ from kvtier.core.codec import (
     verify_payload,
 )
 from kvtier.core.errors import CodecError, TierError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash, Namespace
-from kvtier.core.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
+from kvtier.core.lru import Lru
+from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -155,7 +155,7 @@ class PosixTier:
         self._access = access
         self._clock = clock
         self._lock = threading.Lock()
-        self._exists: dict[BlockHash, tuple[bool, float]] = {}
+        self._exists: Lru[BlockHash, tuple[bool, float]] = Lru(_EXISTS_CACHE_MAX)
         self._made_dirs: set[str] = set()
         self._logged: set[str] = set()
         self._counters = TierCounters()
@@ -188,7 +188,7 @@ class PosixTier:
 
     def contains(self, block_hash: BlockHash) -> bool:
         now = self._clock()
-        cached = self._exists.get(block_hash)
+        cached = self._exists.peek(block_hash)
         if cached is not None and now - cached[1] < self._ttl:
             return cached[0]
         present = os.path.exists(self.path(block_hash))
@@ -202,9 +202,7 @@ class PosixTier:
         if self._ttl <= 0:
             return
         with self._lock:
-            if len(self._exists) >= _EXISTS_CACHE_MAX:
-                self._exists.clear()  # cheap bound; entries are only hints
-            self._exists[block_hash] = (present, self._clock() if now is None else now)
+            self._exists.put(block_hash, (present, self._clock() if now is None else now))
 
     # ---- write --------------------------------------------------------------------------
 

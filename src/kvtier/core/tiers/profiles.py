@@ -12,7 +12,8 @@ on read); a profile only sets the numbers and choices that depend on the file sy
 
 Sources: measurements on JuiceFS 1.4.2 (two FUSE mounts of one volume) and a local ext4
 directory on this project's machines, Curvine's code and docs, NFS/EFS documentation (see
-`/shared/reference/l2_backends.md` §1.2, §2.2). Look one up with `get_profile(name)`.
+`/shared/reference/l2_backends.md` §1.2, §2.2). Look one up with `get_profile(name)`; the
+janitor derives its staleness, lease and grace settings from it (`JanitorSettings.for_profile`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.tiers.janitor import JanitorConfig
+from kvtier.core.settings import L2ProfileName
 
 MIB = 1024**2
 
@@ -29,7 +30,7 @@ MIB = 1024**2
 class L2Profile:
     """Properties of one file system as an L2 directory (see the module docstring)."""
 
-    name: str
+    name: L2ProfileName
     attr_cache_s: float
     """How long another node may see old attributes or dentries (a replaced or removed file)."""
     negative_cache_s: float
@@ -52,24 +53,8 @@ class L2Profile:
     mount_hints: tuple[str, ...]
     """Mount/format options that matter for a KV L2."""
 
-    def janitor_config(self, capacity_bytes: int, **overrides: object) -> JanitorConfig:
-        """A `JanitorConfig` whose staleness, lease and grace suit this file system.
 
-        The lease outlives a few passes (`interval_s` in `overrides`) and the staleness."""
-        lease_ttl_s = max(30.0, 10 * self.attr_cache_s)
-        if "interval_s" in overrides:
-            lease_ttl_s = max(lease_ttl_s, 3 * float(overrides["interval_s"]))  # type: ignore[arg-type]
-        settings: dict[str, object] = {
-            "capacity_bytes": capacity_bytes,
-            "stale_s": self.attr_cache_s,
-            "lease_ttl_s": lease_ttl_s,
-            "grace_s": 0.0 if self.unlink_safe_across_nodes else 60.0,
-        }
-        settings.update(overrides)
-        return JanitorConfig(**settings)  # type: ignore[arg-type]
-
-
-PROFILES: dict[str, L2Profile] = {p.name: p for p in (
+PROFILES: dict[L2ProfileName, L2Profile] = {p.name: p for p in (
     L2Profile(
         name="local", attr_cache_s=0.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
         o_direct_aligned=True, unlink_safe_across_nodes=True, cluster_wide_flock=True,
@@ -114,7 +99,8 @@ PROFILES: dict[str, L2Profile] = {p.name: p for p in (
 
 
 def get_profile(name: str) -> L2Profile:
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ConfigError(f"l2_profile: one of {sorted(PROFILES)}, got {name!r}") from None
+    """The profile named `name` (one of `L2ProfileName`)."""
+    if name not in PROFILES:
+        raise ConfigError(f"l2_profile: one of {sorted(PROFILES)}, got {name!r}")
+    return PROFILES[name]  # type: ignore[index]
+

@@ -1,4 +1,4 @@
-"""The shared L2 a `StoreConfig` names, built together with what keeps it within bounds.
+"""The shared L2 a `StoreSettings` names, built together with what keeps it within bounds.
 
     l2_path  `PosixTier` on the directory, reporting read hits to an `AccessRecorder` (the
              shared recency record), and, with `l2_capacity_bytes`, a started `Janitor` that
@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvtier.core.settings import StoreConfig
 from kvtier.core.keys import ModelIdentity
+from kvtier.core.settings import StoreSettings
 from kvtier.core.tiers.base import BlockTier
-from kvtier.core.tiers.janitor import AccessRecorder, Janitor, JanitorConfig
+from kvtier.core.tiers.janitor import AccessRecorder, Janitor, JanitorSettings
 from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.profiles import get_profile
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SharedL2", "janitor_config", "open_shared_l2"]
+__all__ = ["SharedL2", "janitor_settings", "open_shared_l2"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,16 +44,17 @@ class SharedL2:
         self.tier.close()
 
 
-def janitor_config(config: StoreConfig) -> JanitorConfig | None:
+def janitor_settings(config: StoreSettings) -> JanitorSettings | None:
     """The janitor settings `config` asks for: its profile's, with its capacity and timing."""
     if config.l2_path is None or config.l2_capacity_bytes is None:
         return None
-    return get_profile(config.l2_profile).janitor_config(
-        config.l2_capacity_bytes, high_watermark=config.l2_high_watermark,
-        low_watermark=config.l2_low_watermark, interval_s=config.l2_janitor_interval_s)
+    return JanitorSettings.for_profile(
+        get_profile(config.l2_profile), config.l2_capacity_bytes,
+        high_watermark=config.l2_high_watermark, low_watermark=config.l2_low_watermark,
+        interval_s=config.l2_janitor_interval_s)
 
 
-def open_shared_l2(config: StoreConfig, identity: ModelIdentity, *,
+def open_shared_l2(config: StoreSettings, identity: ModelIdentity, *,
                    clock: Callable[[], float] = time.monotonic) -> SharedL2 | None:
     """The L2 of `config`, or None when it names none.
 
@@ -64,15 +65,15 @@ def open_shared_l2(config: StoreConfig, identity: ModelIdentity, *,
     """
     namespace, manifest = identity.namespace(), identity.manifest()
     if config.l2_url is not None:
-        from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig  # ~0.1 s of imports
-        return SharedL2(ValkeyTier(ValkeyTierConfig(config.l2_url), namespace, manifest,
+        from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings  # ~0.1 s of imports
+        return SharedL2(ValkeyTier(ValkeyTierSettings(url=config.l2_url), namespace, manifest,
                                    clock=clock))
     if config.l2_path is None:
         return None
     access = AccessRecorder(config.l2_touch_interval_s)
     tier = PosixTier(config.l2_path, namespace, manifest, exists_ttl_s=config.l2_exists_ttl_s,
                      access=access, clock=clock)
-    settings = janitor_config(config)
+    settings = janitor_settings(config)
     janitor = None
     if settings is not None:
         try:

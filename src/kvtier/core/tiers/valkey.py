@@ -28,10 +28,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 import valkey
+from pydantic import Field, model_validator
 from valkey.backoff import NoBackoff
 from valkey.retry import Retry
 
@@ -43,11 +43,10 @@ from kvtier.core.codec import (
     encode_header,
     verify_payload,
 )
-from kvtier.core.settings import L2_URL_SCHEMES
-from kvtier.core.errors import CodecError, ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.errors import CodecError
 from kvtier.core.keys import BlockHash, Namespace
-from kvtier.core.tiers.base import PutResult, StoredBlock, TierCounters, TierStats
+from kvtier.core.settings import L2_URL_SCHEMES, Settings
+from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -55,31 +54,29 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class ValkeyTierConfig:
+class ValkeyTierSettings(Settings):
     """Where the Valkey L2 lives and how hard to try when it is unreachable."""
 
     url: str
     """`redis://host:port[/db]` (also `rediss://`, `unix://`)."""
-    socket_timeout_s: float = 10.0
-    """Per-command timeout: a hung server costs at most this. A batch of 16 blocks of 5.6 MiB
-    is 90 MiB in one reply (~0.1-0.7 s over loopback here), so keep it well above that."""
-    connect_timeout_s: float = 0.5
+    socket_timeout_s: Annotated[float, Field(gt=0)] = 10.0
+    """Per-command timeout: a hung server costs at most this. One batch of blocks is one reply
+    of many megabytes, so keep it well above that transfer's time."""
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 0.5
     """Connect timeout; short, because a down server must not stall a lookup."""
-    backoff_initial_s: float = 0.1
+    backoff_initial_s: Annotated[float, Field(gt=0)] = 0.1
     """Pause after the first failed call before trying the server again."""
-    backoff_max_s: float = 5.0
+    backoff_max_s: Annotated[float, Field(gt=0)] = 5.0
     """Longest pause between attempts while the server stays unreachable."""
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="after")
+    def _check(self) -> Self:
         if not self.url.startswith(L2_URL_SCHEMES):
-            raise ConfigError(f"url: expected redis://host:port[/db], got {self.url!r}")
-        for name in ("socket_timeout_s", "connect_timeout_s", "backoff_initial_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
+            raise ValueError(f"url: expected redis://host:port[/db], got {self.url!r}")
         if self.backoff_max_s < self.backoff_initial_s:
-            raise ConfigError(f"backoff_max_s: must be >= backoff_initial_s "
-                              f"({self.backoff_initial_s}), got {self.backoff_max_s}")
+            raise ValueError(f"backoff_max_s: must be >= backoff_initial_s "
+                             f"({self.backoff_initial_s}), got {self.backoff_max_s}")
+        return self
 
 
 class _Backoff:
@@ -111,7 +108,7 @@ class _Backoff:
 class ValkeyTier:
     """Valkey/Redis L2 tier for one namespace (see the module docstring)."""
 
-    def __init__(self, config: ValkeyTierConfig, namespace: Namespace,
+    def __init__(self, config: ValkeyTierSettings, namespace: Namespace,
                  manifest: dict[str, object] | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config

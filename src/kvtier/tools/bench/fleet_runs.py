@@ -16,34 +16,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.report import Run, markdown_table, plot, summarize, write_json
 from kvtier.tools.bench.scenarios import ChatShape, RagShape, TraceShape
-from kvtier.tools.cluster.spec import CacheSpec, ClusterSpec, RoutingSpec
-from kvtier.core.errors import ConfigError
+from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, LocalSpec, RoutingSpec
 
 CONFIGS: dict[str, tuple[CacheSpec, RoutingSpec]] = {
-    "roundrobin-l0": (CacheSpec(l1_enabled=False, l2_enabled=False), RoutingSpec(False)),
-    "kvtier-l1": (CacheSpec(l2_enabled=False), RoutingSpec(False)),
-    "kvtier-l1l2-roundrobin": (CacheSpec(), RoutingSpec(False)),
-    "kvtier-l1l2-prefixaware": (CacheSpec(), RoutingSpec(True, "prefixaware")),
-    "kvtier-l1l2-kvaware": (CacheSpec(), RoutingSpec(True, "kvaware")),
+    "roundrobin-l0": (CacheSpec(l1_enabled=False, l2_enabled=False), RoutingSpec(enabled=False)),
+    "kvtier-l1": (CacheSpec(l2_enabled=False), RoutingSpec(enabled=False)),
+    "kvtier-l1l2-roundrobin": (CacheSpec(), RoutingSpec(enabled=False)),
+    "kvtier-l1l2-prefixaware": (CacheSpec(), RoutingSpec(strategy="prefixaware")),
+    "kvtier-l1l2-kvaware": (CacheSpec(), RoutingSpec(strategy="kvaware")),
 }
 DEFAULT_CONFIGS = "roundrobin-l0,kvtier-l1,kvtier-l1l2-kvaware"
-DEFAULT_TRACE = Path(__file__).resolve().parents[3].parent / "shared/data/traces/" \
+DEFAULT_TRACE = Path(__file__).resolve().parents[5] / "shared/data/traces/" \
     "mooncake_conversation_trace.jsonl"
 
 
-def config_spec(base: ClusterSpec, name: str, work_dir: Path) -> ClusterSpec:
+def config_spec(base: FleetSpec, name: str, work_dir: Path) -> FleetSpec:
     if name not in CONFIGS:
         raise ConfigError(f"--configs: unknown configuration {name!r} (known: "
                           f"{', '.join(CONFIGS)})")
     cache, routing = CONFIGS[name]
-    return replace(base, cache=replace(cache, l1_gib=base.cache.l1_gib), routing=routing,
-                   work_dir=work_dir / name)
+    return base.model_copy(update={
+        "cache": cache.model_copy(update={"l1_gib": base.cache.l1_gib}), "routing": routing,
+        "local": base.local.model_copy(update={"work_dir": str(work_dir / name)})})
 
 
 def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -63,22 +63,21 @@ def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 def run_scenario(args: argparse.Namespace) -> list[Run]:
     from transformers import AutoTokenizer
 
-    from kvtier.tools.bench.workload import Runner
-    from kvtier.tools.cluster.local_fleet import Cluster
     from kvtier.net.ports import free_port, free_port_range
+    from kvtier.tools.bench.workload import Runner
+    from kvtier.tools.cluster.local_fleet import LocalFleet
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    base = ClusterSpec(model=args.model, replicas=args.replicas,
-                       engine_kv_cache_blocks=args.engine_blocks,
-                       router_port=free_port(),
-                       replica_base_port=args.base_port or free_port_range(args.replicas))
+    base = FleetSpec(model=args.model, replicas=args.replicas, local=LocalSpec(
+        engine_kv_cache_blocks=args.engine_blocks, router_port=free_port(),
+        replica_base_port=args.base_port or free_port_range(args.replicas)))
     # Logs stay under the report directory; each fleet's L2 data is removed after its run.
     work = Path(args.report_dir).resolve() / "fleets"
     runs = []
     for name in names:
         spec = config_spec(base, name, work)
         try:
-            with Cluster(spec) as cluster:
+            with LocalFleet(spec) as cluster:
                 tokenizer = AutoTokenizer.from_pretrained(cluster.model)
                 sessions = _sessions(args, tokenizer)
                 runner = Runner(cluster.url, cluster.model_name, tokenizer,

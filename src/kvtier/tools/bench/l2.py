@@ -70,8 +70,8 @@ class L2Target:
     def open_tier(self, identity: ModelIdentity, *, reader: bool = False) -> BlockTier:
         """The kvtier L2 tier on this target (the reader side reads through the other mount)."""
         if self.url is not None:
-            from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierConfig
-            return ValkeyTier(ValkeyTierConfig(self.url, socket_timeout_s=30.0),
+            from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+            return ValkeyTier(ValkeyTierSettings(url=self.url, socket_timeout_s=30.0),
                               identity.namespace(), identity.manifest())
         from kvtier.core.tiers.posix import PosixTier
         return PosixTier(self._root(reader), identity.namespace(), identity.manifest(),

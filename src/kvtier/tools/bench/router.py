@@ -51,13 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.errors import KvtierError
+from kvtier.net.http_client import HttpPool
 from kvtier.net.ports import free_port
+from kvtier.net.readiness import wait_ready
 
 __all__ = ["register"]
 
 ROUTERS = ("kvtier-prefixaware", "kvtier-kvaware", "roundrobin", "leastload", "sglang-router",
            "vllm-router")
-BLOCK = 128
 PASSTHROUGH = "passthrough"
 """Overhead reference: kvtier's HTTP stack forwarding without parsing or routing."""
 WARM_STREAK = 20
@@ -117,24 +119,12 @@ class RouterProcess:
                                           start_new_session=True,
                                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
-    async def wait_ready(self, timeout_s: float = 120.0) -> None:
-        import aiohttp
-        deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with code {self._proc.returncode}: "
-                                       f"{self.log.read_text()[-400:].strip()}")
-                try:
-                    async with session.get(self.url + "/health",
-                                           timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                        if resp.status == 200:
-                            return
-                except (TimeoutError, aiohttp.ClientError, OSError):
-                    pass
-                await asyncio.sleep(0.3)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s:.0f} s: "
-                           f"{self.log.read_text()[-400:].strip()}")
+    async def ready(self, timeout_s: float = 120.0) -> None:
+        try:
+            await asyncio.to_thread(wait_ready, self.url + "/health", timeout_s,
+                                    exited=self._proc.poll, what=self.name)
+        except KvtierError as exc:
+            raise RuntimeError(f"{exc}: {self.log.read_text()[-400:].strip()}") from None
 
     def stop(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -149,47 +139,19 @@ class RouterProcess:
                 continue
 
 
-# ----- the fast fake replica (overhead measurement) -----
-
-def _fake_replica_main(port: int) -> None:
-    """A replica that answers instantly: /health, /v1/models, /tokenize, completions."""
-    from aiohttp import web
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": "fake", "object": "model", "max_model_len": 8192}]})
-
-    async def tokenize(request: web.Request) -> web.Response:
-        body = await request.json()
-        words = str(body.get("prompt", "")).split()
-        return web.json_response({"tokens": [hash(w) % 50000 for w in words],
-                                  "count": len(words), "max_model_len": 8192})
-
-    async def completions(request: web.Request) -> web.Response:
-        await request.read()
-        return web.json_response({"id": "c", "object": "text_completion", "model": "fake",
-                                  "choices": [{"index": 0, "text": " ok",
-                                               "finish_reason": "length"}],
-                                  "usage": {"prompt_tokens": 1, "completion_tokens": 1,
-                                            "total_tokens": 2}})
-
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
-
-
 def _passthrough_main(port: int, upstream: str) -> None:
     """Forward every completion to `upstream` untouched, on the router's own HTTP stack and
     event loop: the floor next to which the routers' overheads can be read."""
-    from kvtier.router.asgi import JSON_HEADERS, Exchange, Receive, Scope, Send, server
-    from kvtier.router.cli import fast_loop_factory
     from kvtier.net.http_client import HttpPool
+    from kvtier.router.asgi import (
+        JSON_HEADERS,
+        Exchange,
+        Receive,
+        Scope,
+        Send,
+        fast_loop_factory,
+        server,
+    )
 
     pool = HttpPool(5.0, 60.0)
 
@@ -215,17 +177,21 @@ def _passthrough_main(port: int, upstream: str) -> None:
 def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with open(log_dir / f"fake-{port}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.bench.router", "--fake-replica",
-                                 str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.tools.fake_replica", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url + "/health", 60, exited=proc.poll, what="the fake replica")
+    return proc, url
 
 
 # ----- measurements -----
 
-async def _scrape(session: Any, url: str) -> dict[str, float]:
-    async with session.get(url + "/metrics") as resp:
-        text = await resp.text()
+async def _scrape(pool: HttpPool, url: str) -> dict[str, float]:
+    resp = await pool.get(url, "/metrics")
+    try:
+        text = (await resp.read()).decode()
+    finally:
+        resp.close()
     out = {}
     for name in ("vllm:prefix_cache_hits_total", "vllm:request_success_total"):
         out[name] = sum(float(v) for v in re.findall(
@@ -241,23 +207,24 @@ class Workload:
     """Prefix-cache hit tokens if every request landed where its prefix was cached."""
 
 
-def ideal_hit_tokens(prompts_ids: Sequence[Sequence[int]]) -> int:
+def ideal_hit_tokens(prompts_ids: Sequence[Sequence[int]], block_tokens: int) -> int:
     """Prefix-cache hit tokens if every request landed where its longest earlier-seen prefix
     was cached: per request, the full blocks it shares with any earlier request (the engine
     always recomputes the last token, so a prompt's last token never counts)."""
     seen: set[tuple[int, ...]] = set()
     total = 0
     for ids in prompts_ids:
-        chain = [tuple(ids[:(k + 1) * BLOCK]) for k in range((len(ids) - 1) // BLOCK)]
-        total += BLOCK * next((k for k, blocks in enumerate(chain) if blocks not in seen),
+        chain = [tuple(ids[:(k + 1) * block_tokens])
+                 for k in range((len(ids) - 1) // block_tokens)]
+        total += block_tokens * next((k for k, blocks in enumerate(chain) if blocks not in seen),
                               len(chain))
         seen.update(chain)
     return total
 
 
 def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixes: int,
-                   prefix_tokens: int, suffix_tokens: int = 0,
-                   system_tokens: int = 0) -> Workload:
+                   prefix_tokens: int, suffix_tokens: int = 0, system_tokens: int = 0, *,
+                   block_tokens: int) -> Workload:
     """`suffix_tokens` > 0 puts a context of its own before each question (retrieved passages,
     an agent's tool output), so the shared prefix is only part of the prompt; `system_tokens`
     > 0 opens every prompt with one system prompt shared by all documents (a service's
@@ -285,17 +252,17 @@ def build_workload(tokenizer: Any, corpus: Any, tag: str, prefixes: int, suffixe
                        + "\n" if suffix_tokens else "")
             prompts.append(f"{system}{docs[p]}\n{context}Question {s}: what does document {p} "
                            f"say about item {s * 7 + p}?")
-    return Workload(tuple(prompts), ideal_hit_tokens([tokenizer.encode(p) for p in prompts]))
+    return Workload(tuple(prompts),
+                    ideal_hit_tokens([tokenizer.encode(p) for p in prompts], block_tokens))
 
 
 async def run_workload(router_url: str, replicas: Sequence[str], model: str,
                        workload: Workload, concurrency: int) -> dict[str, Any]:
-    import aiohttp
-
-    from kvtier.tools.bench.client import stream_request
+    from kvtier.tools.bench.client import new_pool, stream_request
     from kvtier.tools.bench.report import percentile
 
-    async with aiohttp.ClientSession() as session:
+    session = new_pool()
+    try:
         before = [await _scrape(session, r) for r in replicas]
         gate = asyncio.Semaphore(concurrency)
         ttfts: list[float] = []
@@ -317,6 +284,8 @@ async def run_workload(router_url: str, replicas: Sequence[str], model: str,
         await asyncio.gather(*tasks)
         await asyncio.sleep(0.5)  # let the counters settle
         after = [await _scrape(session, r) for r in replicas]
+    finally:
+        session.close()
     hits = sum(a["vllm:prefix_cache_hits_total"] - b["vllm:prefix_cache_hits_total"]
                for a, b in zip(after, before))
     load = [a["vllm:request_success_total"] - b["vllm:request_success_total"]
@@ -344,21 +313,25 @@ async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
     router's process idles while the others serve (as at a trickle of traffic; it then pays
     about twice as much, most likely for cold CPU caches); a longer streak measures it warm, as
     under steady traffic."""
-    import aiohttp
-
+    from kvtier.tools.bench.client import new_pool, post_json
     from kvtier.tools.bench.report import percentile
 
     diffs: dict[str, list[float]] = {name: [] for name in router_urls}
-    async with aiohttp.ClientSession() as session:
-        async def timed(url: str, prompt: str) -> float:
-            start = time.perf_counter()
-            async with session.post(url + "/v1/completions", json={
-                    "model": "fake", "prompt": prompt, "max_tokens": 4}) as resp:
-                await resp.read()
-                if resp.status != 200:
-                    raise RuntimeError(f"{url}: HTTP {resp.status}")
-            return time.perf_counter() - start
+    session = new_pool()
 
+    async def timed(url: str, prompt: str) -> float:
+        start = time.perf_counter()
+        resp = await post_json(session, url, "/v1/completions",
+                               {"model": "fake", "prompt": prompt, "max_tokens": 4})
+        try:
+            await resp.read()
+        finally:
+            resp.close()
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}")
+        return time.perf_counter() - start
+
+    try:
         warmup = 30
         for turn in range(0, pairs + warmup, streak):
             for name, url in router_urls.items():
@@ -368,6 +341,8 @@ async def measure_overhead(router_urls: Mapping[str, str], direct_url: str,
                     routed = await timed(url, prompt)
                     if i >= warmup:
                         diffs[name].append(1000 * (routed - direct))
+    finally:
+        session.close()
     return {name: {f"{prefix}_p50_ms": round(percentile(d, 50), 3),
                    f"{prefix}_p99_ms": round(percentile(d, 99), 3)} for name, d in diffs.items()}
 
@@ -388,7 +363,7 @@ def start_replicas(model: str, work_dir: Path, engine_blocks: int | None = None)
         if engine_blocks:
             extra += ["--num-gpu-blocks-override", str(engine_blocks)]
         spec = ServerSpec(model=model, port=free_port(), threads=1, cpu_ids=str(i),
-                          max_model_len=min(4096, ((engine_blocks or 33) - 1) * BLOCK),
+                          max_model_len=-1 if engine_blocks else 4096,
                           extra_args=extra, log_path=work_dir / f"vllm-{i}.log")
         servers.append((ServerProcess(spec), events))
     try:
@@ -408,7 +383,7 @@ async def bench_one(name: str, replicas: list[Replica], model: str, workload: Wo
     try:
         router = RouterProcess(name, replicas, work_dir)
         try:
-            await router.wait_ready()
+            await router.ready()
             row.update(await run_workload(router.url, [r.url for r in replicas], model,
                                           workload, args.concurrency))
         finally:
@@ -430,7 +405,7 @@ async def bench_overheads(names: Sequence[str], fakes: list[Replica], prompts: S
             try:
                 router = RouterProcess(name, fakes, work_dir)
                 started[name] = router
-                await router.wait_ready()
+                await router.ready()
             except Exception as exc:  # noqa: BLE001 - recorded in the row, not fatal
                 out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         ready = {name: r.url for name, r in started.items() if name not in out}
@@ -448,6 +423,8 @@ async def bench_overheads(names: Sequence[str], fakes: list[Replica], prompts: S
 def _cmd(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    from kvtier.router.health import engine_block_tokens
+    from kvtier.tools.bench.client import call
     from kvtier.tools.bench.corpus import Corpus
     from kvtier.tools.bench.report import write_json
     from kvtier.tools.embedded_model import resolve_model
@@ -464,10 +441,13 @@ def _cmd(args: argparse.Namespace) -> int:
     try:
         replicas = [Replica(s.url, events) for s, events in servers]
         fakes = [Replica(url) for _, url in fake_procs]
+        block_tokens = engine_block_tokens(call(replicas[0].url, "/metrics")[1])
+        if block_tokens is None:
+            raise KvtierError(f"{replicas[0].url}/metrics: no vllm:cache_config_info block_size")
         for i, name in enumerate(args.routers):
             workload = build_workload(tokenizer, corpus, f"r{i}", args.prefixes, args.suffixes,
                                       args.prefix_tokens, args.suffix_tokens,
-                                      args.system_tokens)
+                                      args.system_tokens, block_tokens=block_tokens)
             rows.append(asyncio.run(bench_one(name, replicas, model, workload, args, work_dir)))
         overheads = asyncio.run(bench_overheads([*args.routers, PASSTHROUGH], fakes,
                                                 workload.prompts, args.overhead_pairs,
@@ -515,7 +495,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         "document (default 0); a shared head makes cache-aware routers that "
                         "follow the longest match pile every new document onto one replica")
     p.add_argument("--engine-blocks", type=int, metavar="N",
-                   help="each replica's own KV cache in 128-token blocks (default: 1 GiB, "
+                   help="each replica's own KV cache in engine blocks (default: 1 GiB, "
                         "~360 blocks); a small cache makes a replica that takes more than its "
                         "share of documents evict them")
     p.add_argument("--concurrency", type=int, default=4,
@@ -529,7 +509,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--fake-replica":
-        _fake_replica_main(int(sys.argv[2]))
-    elif len(sys.argv) == 4 and sys.argv[1] == "--passthrough":
+    if len(sys.argv) == 4 and sys.argv[1] == "--passthrough":
         _passthrough_main(int(sys.argv[2]), sys.argv[3])

@@ -18,9 +18,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.corpus import Corpus, paragraphs
 from kvtier.tools.bench.workload import Session, Turn
-from kvtier.core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

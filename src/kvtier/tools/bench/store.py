@@ -54,13 +54,13 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.tools.bench.l2 import L2Target, l2_target, parse_l2_spec
 from kvtier.core.codec import HEADER_BYTES, BlockMeta
-from kvtier.core.settings import StoreConfig
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import BlockTier
+from kvtier.tools.bench.l2 import L2Target, l2_target, parse_l2_spec
 
 TARGET_RATIO = 0.7
 CHAIN_BLOCKS = 8
@@ -235,7 +235,7 @@ def _measure_l1(config: StoreBenchConfig, geometry: Geometry, identity: ModelIde
         dests[i % half][:] = sources[i]
 
     # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
-    with TieredStore(StoreConfig(l1_bytes=half * geometry.block_bytes(tokens)),
+    with TieredStore(StoreSettings(l1_bytes=half * geometry.block_bytes(tokens)),
                      identity) as store:
         hashes, metas = _chains("fill", n_chains, tokens, geometry)
         start = time.perf_counter()

@@ -22,6 +22,7 @@ the median and every run.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import re
@@ -36,7 +37,7 @@ from typing import Any
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port
-from kvtier.vllm.settings import ConnectorConfig, kv_transfer_config
+from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
 
 GIB = 1024**3
 SCENARIOS = ("cold", "l0", "l1", "l2_cross")
@@ -72,28 +73,30 @@ def prompt_ids(corpus: Any, n_tokens: int, seed: int) -> list[int]:
 
 def ttft_ms(url: str, model: str, tokens: Sequence[int], timeout_s: float = 600.0) -> float:
     """Stream one greedy completion of one token; milliseconds until its first chunk."""
-    import httpx
+    from kvtier.tools.bench.client import new_pool, stream_request
 
-    body = {"model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0.0,
-            "stream": True}
-    start = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=timeout_s) as resp:
-        if resp.status_code != 200:
-            raise KvtierError(f"{url}: HTTP {resp.status_code}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
-            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
-                return 1000 * (time.perf_counter() - start)
-    raise KvtierError(f"{url}: stream ended without a token")
+    async def once() -> float:
+        pool = new_pool(timeout_s)
+        try:
+            outcome = await stream_request(pool, url, {
+                "model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0.0},
+                timeout_s)
+        finally:
+            pool.close()
+        return outcome.ttft_ms
+
+    return asyncio.run(once())
 
 
 def reset_l0(url: str, attempts: int = 50) -> None:
     """Empty vLLM's prefix cache (dev-mode endpoint); retried while blocks are still held."""
-    import httpx
+    from kvtier.tools.bench.client import call
 
     for _ in range(attempts):
-        resp = httpx.post(url + "/reset_prefix_cache", timeout=60)
-        resp.raise_for_status()
-        if resp.json().get("success", True):
+        status, body = call(url, "/reset_prefix_cache", {})
+        if status != 200:
+            raise KvtierError(f"{url}/reset_prefix_cache: HTTP {status}")
+        if json.loads(body or b"{}").get("success", True):
             return
         time.sleep(0.2)
     raise KvtierError(f"{url}: prefix cache still busy after {attempts} resets")
@@ -199,7 +202,7 @@ def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,
     l2_b = l2_b or l2_a
 
     def transfer_for(l2: Path) -> dict[str, Any]:
-        return kv_transfer_config(ConnectorConfig(
+        return kv_transfer_config(ConnectorSettings(
             l1_bytes=int(bench.args.l1_gib * GIB), l2_path=str(l2),
             block_tokens=bench.args.block_tokens))
 
@@ -318,7 +321,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--l2-path", help="shared L2 directory (default: a fresh temp directory)")
     p.add_argument("--l1-gib", type=float, default=2.0,
                    help="L1 budget of kvtier and of the offloading peers (default: 2)")
-    p.add_argument("--block-tokens", type=int, default=ConnectorConfig().block_tokens,
+    p.add_argument("--block-tokens", type=int, default=ConnectorSettings().block_tokens,
                    help="kvtier block size in tokens (default: %(default)s)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's own KV cache (L0)")
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")

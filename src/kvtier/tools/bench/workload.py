@@ -16,12 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from tqdm import tqdm
 
-from kvtier.tools.bench.client import stream_request
 from kvtier.core.errors import KvtierError
 from kvtier.core.keys import block_hashes
+from kvtier.net.http_client import HttpPool
+from kvtier.tools.bench.client import new_pool, stream_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +91,7 @@ class Runner:
                                                  tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    async def _run_session(self, http: aiohttp.ClientSession, session: Session, t0: float,
+    async def _run_session(self, http: HttpPool, session: Session, t0: float,
                            out: list[Record], bar: Callable[[], object]) -> None:
         await asyncio.sleep(max(0.0, t0 + session.start_s - time.perf_counter()))
         messages: list[dict[str, str]] = []
@@ -113,7 +113,7 @@ class Runner:
             started = time.perf_counter() - t0
             try:
                 result = await stream_request(http, self.url, body)
-            except (TimeoutError, aiohttp.ClientError, KvtierError, ValueError) as exc:
+            except (TimeoutError, OSError, KvtierError, ValueError) as exc:
                 # recorded, the run goes on
                 out.append(Record(session.name, index, started, 0.0, 0.0, len(ids), 0, reusable,
                                   error=str(exc)[:300]))
@@ -131,9 +131,11 @@ class Runner:
         total = sum(len(s.turns) for s in sessions)
         with tqdm(total=total, desc=label or "requests", unit="req",
                   disable=not self.progress) as bar:
-            connector = aiohttp.TCPConnector(limit=256)
-            async with aiohttp.ClientSession(connector=connector) as http:
+            http = new_pool()
+            try:
                 t0 = time.perf_counter()
                 await asyncio.gather(*(self._run_session(http, s, t0, out, bar.update)
                                        for s in sessions))
+            finally:
+                http.close()
         return sorted(out, key=lambda r: r.start_s)

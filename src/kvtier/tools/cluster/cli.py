@@ -7,11 +7,10 @@ import json
 import os
 import signal
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from kvtier.tools.cluster.spec import load_spec
 from kvtier.core.errors import KvtierError
+from kvtier.tools.cluster.spec import load_spec
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -19,16 +18,16 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from kvtier.tools.cluster.local_fleet import Cluster
+    from kvtier.tools.cluster.local_fleet import LocalFleet
 
     spec = load_spec(Path(args.config) if args.config else None)
     if args.replicas is not None:
-        spec = replace(spec, replicas=args.replicas)
+        spec = spec.replaced(replicas=args.replicas)
     # `kvtier down` sends SIGTERM: treat it as Ctrl-C so start-up and serving both unwind
-    # through Cluster.stop() and leave nothing running.
+    # through LocalFleet.stop() and leave nothing running.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with Cluster(spec) as cluster:
+        with LocalFleet(spec) as cluster:
             print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
             for i, url in enumerate(cluster.replica_urls):
                 print(f"  replica {i}: {url}")

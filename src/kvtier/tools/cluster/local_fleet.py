@@ -11,9 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -21,36 +18,23 @@ from typing import Any, Self
 
 from tqdm import tqdm
 
-from kvtier.tools.cluster.spec import ClusterSpec
-from kvtier.core.errors import KvtierError
-from kvtier.tools.embedded_model import resolve_model
+from kvtier.core.settings import to_flags
 from kvtier.net.ports import free_port
+from kvtier.net.readiness import wait_ready
+from kvtier.router.settings import RouterSettings
+from kvtier.tools.cluster.spec import FleetSpec
+from kvtier.tools.embedded_model import resolve_model
+from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.tools.vllm_server import ServerProcess, ServerSpec
+from kvtier.vllm.settings import kv_transfer_config
 
 STATE_FILE = "cluster.json"
-ENGINE_BLOCK_TOKENS = 128
-"""vLLM's KV block size on CPU; the router hashes prompts at this granularity."""
 
 
-def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise KvtierError(f"{url}: process exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.3)
-    raise KvtierError(f"{url}: not ready after {timeout_s:.0f} s")
-
-
-class Cluster:
+class LocalFleet:
     """A running fleet; use as a context manager or call `start()` / `stop()`."""
 
-    def __init__(self, spec: ClusterSpec, *, progress: bool = True) -> None:
+    def __init__(self, spec: FleetSpec, *, progress: bool = True) -> None:
         self.spec = spec
         self.progress = progress
         self.work_dir = spec.work_dir.resolve()
@@ -64,7 +48,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.router_port}"
+        return f"http://127.0.0.1:{self.spec.local.router_port}"
 
     @property
     def replica_urls(self) -> list[str]:
@@ -89,18 +73,18 @@ class Cluster:
         cache = self.spec.cache
         if not cache.l2_enabled:
             return
-        if cache.l2_backend == "posix":
-            path = Path(cache.l2_path) if cache.l2_path else self.work_dir / "l2"
+        if cache.l2.kind == "posix":
+            path = Path(cache.l2.path) if cache.l2.path else self.work_dir / "l2"
             path.mkdir(parents=True, exist_ok=True)
             self.l2_locations = [str(path)] * self.spec.replicas
-        elif cache.l2_backend == "valkey":
-            url = cache.l2_url
+        elif cache.l2.kind == "valkey":
+            url = cache.l2.url
             if url is None:
                 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
 
                 server = ValkeyServer(ValkeyServerSpec(
                     data_dir=str(self.work_dir / "valkey"),
-                    maxmemory_bytes=int(cache.l2_gib * 1024**3)))
+                    maxmemory_bytes=int(cache.l2.size_gib * 1024**3)))
                 (self.work_dir / "valkey").mkdir(exist_ok=True)
                 url = self._stack.enter_context(server).url
             self.l2_locations = [url] * self.spec.replicas
@@ -118,36 +102,22 @@ class Cluster:
 
     def connector_config(self, index: int, events_endpoint: str) -> dict[str, Any] | None:
         """`--kv-transfer-config` of replica `index` (None: no connector)."""
-        cache = self.spec.cache
-        if not cache.connector_enabled:
-            return None
-        extra: dict[str, Any] = {
-            "l1_bytes": int(cache.l1_gib * 1024**3) if cache.l1_enabled else 0,
-            "block_tokens": self.spec.block_tokens,
-            "replica_id": f"http://127.0.0.1:{self.spec.replica_base_port + index}",
-            "events_endpoint": events_endpoint,
-        }
-        if self.l2_locations and cache.l2_backend == "valkey":
-            extra["l2_url"] = self.l2_locations[index]
-        elif self.l2_locations:
-            extra["l2_path"] = self.l2_locations[index]
-            extra["l2_capacity_bytes"] = int(cache.l2_gib * 1024**3)
-            extra["l2_profile"] = "juicefs" if cache.l2_backend == "juicefs" else "local"
-        return {"kv_connector": "KvtierConnector",
-                "kv_connector_module_path": "kvtier.vllm.connector",
-                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": extra}
+        settings = self.spec.connector_settings(
+            replica_id=f"http://127.0.0.1:{self.spec.local.replica_base_port + index}",
+            events_endpoint=events_endpoint,
+            l2_location=self.l2_locations[index] if self.l2_locations else None)
+        return None if settings is None else kv_transfer_config(settings)
 
     def _start_replicas(self) -> None:
         cpus = os.cpu_count() or 1
-        threads = self.spec.threads_per_replica
+        threads = self.spec.local.threads_per_replica
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             first = (i * threads) % cpus
             server = ServerProcess(ServerSpec(
-                model=self.model, port=self.spec.replica_base_port + i,
+                model=self.model, port=self.spec.local.replica_base_port + i,
                 kv_transfer_config=self.connector_config(i, endpoint),
-                kv_cache_gib=self.spec.engine_kv_cache_gib, threads=threads,
+                kv_cache_gib=self.spec.local.engine_kv_cache_gib, threads=threads,
                 cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
                 max_model_len=self._max_model_len(), extra_args=self._engine_args(),
                 log_path=self.work_dir / "logs" / f"replica-{i}.log"))
@@ -160,29 +130,27 @@ class Cluster:
                 bar.update()
 
     def _max_model_len(self) -> int:
-        """8,192 tokens, less where a capped engine cache could not hold one such request."""
-        blocks = self.spec.engine_kv_cache_blocks
-        return 8192 if blocks is None else min(8192, (blocks - 1) * ENGINE_BLOCK_TOKENS)
+        """8,192 tokens; with a capped engine cache, what vLLM fits into it (-1)."""
+        return 8192 if self.spec.local.engine_kv_cache_blocks is None else -1
 
     def _engine_args(self) -> list[str]:
         args = ["--enable-prompt-tokens-details"]
-        if self.spec.engine_kv_cache_blocks is not None:
-            args += ["--num-gpu-blocks-override", str(self.spec.engine_kv_cache_blocks)]
+        if self.spec.local.engine_kv_cache_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.spec.local.engine_kv_cache_blocks)]
         return args
 
     def _start_router(self) -> None:
-        cmd = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(self.spec.router_port),
-               "--strategy", self.spec.strategy, "--model", self.model,
-               "--block-tokens", str(ENGINE_BLOCK_TOKENS)]
-        for url in self.replica_urls:
-            cmd += ["--replica", url]
-        if self.spec.cache.connector_enabled:
-            for endpoint in self.event_endpoints:
-                cmd += ["--events", endpoint]
+        values: dict[str, Any] = {
+            **self.spec.local.router, "port": self.spec.local.router_port,
+            "strategy": self.spec.strategy, "model_dir": self.model,
+            "replicas": self.replica_urls,
+            "events": self.event_endpoints if self.spec.cache.connector_enabled else ()}
+        cmd = [sys.executable, "-m", "kvtier.cli", "router",
+               *to_flags(RouterSettings, values, ROUTER_FLAGS)]
         with open(self.work_dir / "logs" / "router.log", "ab") as log:
             self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)
-        wait_http_ok(self.url + "/health", 120, self.router)
+        wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
     def _write_state(self) -> None:
         state = {"pid": os.getpid(), "router": self.url, "replicas": self.replica_urls,

@@ -1,7 +1,9 @@
 """The deployment file of `kvtier up`: one YAML document for the whole fleet.
 
 Its top-level keys map one to one onto SageMaker HyperPod's inference CRD, so a HyperPod user
-reads it without a manual; `kvtier:` holds what HyperPod has no name for.
+reads it without a manual; `kvtier:` holds what HyperPod has no name for, including any
+connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
+`ConnectorSettings` and `RouterSettings`, with their units and checks).
 
     model: null                    # local HF model directory; null = the embedded model
     replicas: 2
@@ -23,8 +25,9 @@ reads it without a manual; `kvtier:` holds what HyperPod has no name for.
       engineKvCacheGiB: 1          # each engine's own cache (L0) ...
       engineKvCacheBlocks: null    # ... or exactly this many engine blocks (small-HBM setups)
       threadsPerReplica: 1
-      blockTokens: 128             # tokens per kvtier block (a multiple of the engine's)
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
+      connector: {}                # e.g. {block_tokens: 256, admission: reused}
+      router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
 
 `load_spec` validates every key and raises `ConfigError` naming its full path
 (`kvCacheSpec.l2CacheSpec.l2CacheBackend: ...`); unknown keys are errors too (typos must not be
@@ -33,175 +36,181 @@ silently ignored).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal, Self
 
 import yaml
+from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.settings import Settings
+from kvtier.router.settings import RouterSettings, Strategy
+from kvtier.vllm.settings import ConnectorSettings
 
-STRATEGIES = ("prefixaware", "kvaware", "session", "roundrobin", "leastload")
-L2_BACKENDS = {"posix": "posix", "tieredstorage": "posix", "juicefs": "juicefs",
-               "valkey": "valkey", "redis": "valkey"}
+__all__ = ["CacheSpec", "FleetSpec", "L2Spec", "LocalSpec", "RoutingSpec", "load_spec",
+           "parse_spec"]
+
+GIB = 1024**3
+Port = Annotated[int, Field(ge=1024, le=65535)]
+L2Backend = Annotated[Literal["posix", "tieredstorage", "juicefs", "valkey", "redis"],
+                      BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+
+CONNECTOR_KEYS_SET_BY_THE_FLEET = {
+    "l1_bytes": "kvCacheSpec.l1CacheSizeGiB", "l2_path": "kvCacheSpec.l2CacheSpec",
+    "l2_url": "kvCacheSpec.l2CacheSpec", "l2_capacity_bytes": "kvCacheSpec.l2CacheSpec",
+    "l2_profile": "kvCacheSpec.l2CacheSpec.l2CacheBackend", "replica_id": "the fleet",
+    "events_endpoint": "the fleet"}
+ROUTER_KEYS_SET_BY_THE_FLEET = {
+    "replicas": "replicas", "strategy": "intelligentRoutingSpec", "host": "the fleet",
+    "port": "kvtier.routerPort", "events": "the fleet", "model_dir": "model"}
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingSpec:
+class Section(Settings):
+    """A section of the deployment file: strict types (a quoted "2" is not a number)."""
+
+    model_config = ConfigDict(**Settings.model_config, strict=True)
+
+
+class RoutingSpec(Section):
+    """`intelligentRoutingSpec`."""
+
     enabled: bool = True
     """False: the router still fronts the replicas, but only round-robins."""
-    strategy: str = "kvaware"
+    strategy: Strategy = Field("kvaware", alias="routingStrategy")
+    """Routing strategy when enabled."""
 
 
-@dataclass(frozen=True, slots=True)
-class CacheSpec:
-    l1_enabled: bool = True
-    l1_gib: float = 2.0
-    l2_enabled: bool = True
-    l2_backend: str = "posix"
-    """Normalized: posix | juicefs | valkey."""
-    l2_path: str | None = None
-    l2_url: str | None = None
-    l2_gib: float = 8.0
-    """Capacity of the shared L2: enforced by the janitor (directory) or maxmemory (Valkey)."""
+class L2Spec(Section):
+    """`kvCacheSpec.l2CacheSpec`."""
+
+    backend: L2Backend = Field("posix", alias="l2CacheBackend")
+    """Where the shared L2 lives: a directory (posix, tieredstorage), JuiceFS mounts, or a
+    Valkey/Redis server."""
+    path: str | None = Field(None, alias="l2CachePath")
+    """posix: the shared directory (default: under workDir)."""
+    url: str | None = Field(None, alias="l2CacheLocalUrl")
+    """valkey/redis: the server's URL (default: start one)."""
+    size_gib: Annotated[float, Field(gt=0)] = Field(8.0, alias="l2CacheSizeGiB")
+    """Capacity of the shared L2 in GiB (directory janitor or Valkey maxmemory)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.url is not None and not self.url.startswith(("redis://", "valkey://")):
+            raise ValueError(f"l2CacheLocalUrl: {self.url!r} is not a redis:// or valkey:// "
+                             "URL")
+        return self
+
+    @property
+    def kind(self) -> Literal["posix", "juicefs", "valkey"]:
+        """The backend, with its aliases resolved (tieredstorage is posix, redis is valkey)."""
+        return {"tieredstorage": "posix", "redis": "valkey"}.get(  # type: ignore[return-value]
+            self.backend, self.backend)
+
+
+class CacheSpec(Section):
+    """`kvCacheSpec`."""
+
+    l1_enabled: bool = Field(True, alias="enableL1Cache")
+    """Each replica keeps an L1 in host memory."""
+    l1_gib: Annotated[float, Field(gt=0)] = Field(2.0, alias="l1CacheSizeGiB")
+    """L1 size per replica in GiB."""
+    l2_enabled: bool = Field(True, alias="enableL2Cache")
+    """The replicas share an L2."""
+    l2: L2Spec = Field(default_factory=L2Spec, alias="l2CacheSpec")
 
     @property
     def connector_enabled(self) -> bool:
         return self.l1_enabled or self.l2_enabled
 
 
-@dataclass(frozen=True, slots=True)
-class ClusterSpec:
+class LocalSpec(Section):
+    """`kvtier`: what HyperPod has no name for."""
+
+    router_port: Port = Field(8000, alias="routerPort")
+    replica_base_port: Port = Field(8100, alias="replicaBasePort")
+    """Replica i serves on this port + i."""
+    engine_kv_cache_gib: Annotated[int, Field(gt=0)] = Field(1, alias="engineKvCacheGiB")
+    """Each engine's own KV cache (L0) in GiB ..."""
+    engine_kv_cache_blocks: Annotated[int, Field(gt=0)] | None = Field(
+        None, alias="engineKvCacheBlocks")
+    """... or exactly this many engine blocks (small-HBM setups)."""
+    threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
+    work_dir: str = Field(".kvtier/cluster", alias="workDir")
+    """Logs, the default L2 directory, the pid file."""
+    connector: dict[str, Any] = Field(default_factory=dict)
+    """Connector settings for every replica (keys of `ConnectorSettings`)."""
+    router: dict[str, Any] = Field(default_factory=dict)
+    """Router settings (keys of `RouterSettings`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        for section, reserved in (("connector", CONNECTOR_KEYS_SET_BY_THE_FLEET),
+                                  ("router", ROUTER_KEYS_SET_BY_THE_FLEET)):
+            for key in getattr(self, section):
+                if key in reserved:
+                    raise ValueError(f"{section}.{key}: set by {reserved[key]}")
+        ConnectorSettings.from_mapping(self.connector, where="kvtier.connector")
+        RouterSettings.from_mapping({**self.router, "replicas": ["http://127.0.0.1:1"]},
+                                    where="kvtier.router")
+        return self
+
+
+class FleetSpec(Section):
+    """The whole deployment file (see the module docstring)."""
+
     model: str | None = None
-    replicas: int = 2
-    routing: RoutingSpec = RoutingSpec()
-    cache: CacheSpec = CacheSpec()
-    router_port: int = 8000
-    replica_base_port: int = 8100
-    engine_kv_cache_gib: int = 1
-    engine_kv_cache_blocks: int | None = None
-    """Caps the engine's own cache (L0) at this many engine blocks, as on a small GPU."""
-    threads_per_replica: int = 1
-    block_tokens: int = 128
-    work_dir: Path = Path(".kvtier/cluster")
+    """Local HF model directory; unset: the embedded model."""
+    replicas: Annotated[int, Field(gt=0)] = 2
+    routing: RoutingSpec = Field(default_factory=RoutingSpec, alias="intelligentRoutingSpec")
+    cache: CacheSpec = Field(default_factory=CacheSpec, alias="kvCacheSpec")
+    local: LocalSpec = Field(default_factory=LocalSpec, alias="kvtier")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        last = self.local.replica_base_port + self.replicas - 1
+        if last > 65535:
+            raise ValueError(f"kvtier.replicaBasePort: + replicas - 1 = {last} is not a port")
+        if self.local.replica_base_port <= self.local.router_port <= last:
+            raise ValueError("kvtier.routerPort: collides with a replica port")
+        return self
 
     @property
     def strategy(self) -> str:
         """The strategy the router runs (round robin when intelligent routing is off)."""
         return self.routing.strategy if self.routing.enabled else "roundrobin"
 
+    @property
+    def work_dir(self) -> Path:
+        return Path(self.local.work_dir)
 
-class _Reader:
-    """Reads one mapping of the YAML document, tracking its path for error messages."""
-
-    def __init__(self, data: object, path: str) -> None:
-        if data is None:
-            data = {}
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"{path or 'document'}: must be a mapping, got {type(data).__name__}")
-        self.data: Mapping[str, Any] = data
-        self.path = path
-        self.seen: set[str] = set()
-
-    def key(self, name: str) -> str:
-        return f"{self.path}.{name}" if self.path else name
-
-    def get(self, name: str, kind: type | tuple[type, ...], default: Any) -> Any:
-        self.seen.add(name)
-        value = self.data.get(name, default)
-        if value is None:
-            return default
-        if isinstance(value, bool) and kind in (int, float, (int, float)):
-            raise ConfigError(f"{self.key(name)}: expected a number, got {value!r}")
-        if not isinstance(value, kind):
-            expected = kind.__name__ if isinstance(kind, type) else "number"
-            raise ConfigError(f"{self.key(name)}: expected {expected}, got {value!r}")
-        return value
-
-    def child(self, name: str) -> _Reader:
-        self.seen.add(name)
-        return _Reader(self.data.get(name), self.key(name))
-
-    def done(self) -> None:
-        unknown = sorted(set(self.data) - self.seen)
-        if unknown:
-            raise ConfigError(f"{self.key(unknown[0])}: unknown key (known: "
-                              f"{', '.join(sorted(self.seen))})")
+    def connector_settings(self, *, replica_id: str, events_endpoint: str,
+                           l2_location: str | None) -> ConnectorSettings | None:
+        """One replica's connector settings (None: no connector): the cache spec's, then
+        `kvtier.connector`'s; `l2_location` is its L2 path or URL."""
+        cache = self.cache
+        if not cache.connector_enabled:
+            return None
+        values: dict[str, Any] = {
+            "l1_bytes": int(cache.l1_gib * GIB) if cache.l1_enabled else 0,
+            "replica_id": replica_id, "events_endpoint": events_endpoint}
+        if l2_location is not None and cache.l2.kind == "valkey":
+            values["l2_url"] = l2_location
+        elif l2_location is not None:
+            values.update(l2_path=l2_location, l2_capacity_bytes=int(cache.l2.size_gib * GIB),
+                          l2_profile="juicefs" if cache.l2.kind == "juicefs" else "local")
+        return ConnectorSettings.from_mapping({**self.local.connector, **values})
 
 
-def _positive(path: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"{path}: must be positive, got {value}")
+def parse_spec(data: object) -> FleetSpec:
+    """The spec in a parsed YAML document (None: every default)."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"document: must be a mapping, got {type(data).__name__}")
+    return FleetSpec.from_mapping(data)
 
 
-def _port(path: str, value: int) -> None:
-    if not 1024 <= value <= 65535:
-        raise ConfigError(f"{path}: must be a port in 1024..65535, got {value}")
-
-
-def parse_spec(data: object) -> ClusterSpec:
-    top = _Reader(data, "")
-    model = top.get("model", str, None)
-    replicas = top.get("replicas", int, 2)
-    _positive("replicas", replicas)
-
-    routing_r = top.child("intelligentRoutingSpec")
-    routing = RoutingSpec(enabled=routing_r.get("enabled", bool, True),
-                          strategy=routing_r.get("routingStrategy", str, "kvaware"))
-    if routing.strategy not in STRATEGIES:
-        raise ConfigError(f"intelligentRoutingSpec.routingStrategy: {routing.strategy!r} is not "
-                          f"one of {', '.join(STRATEGIES)}")
-    routing_r.done()
-
-    cache_r = top.child("kvCacheSpec")
-    l1_gib = float(cache_r.get("l1CacheSizeGiB", (int, float), 2.0))
-    _positive("kvCacheSpec.l1CacheSizeGiB", l1_gib)
-    l2_r = cache_r.child("l2CacheSpec")
-    backend = l2_r.get("l2CacheBackend", str, "posix")
-    if backend.lower() not in L2_BACKENDS:
-        raise ConfigError(f"kvCacheSpec.l2CacheSpec.l2CacheBackend: {backend!r} is not one of "
-                          f"{', '.join(L2_BACKENDS)}")
-    url = l2_r.get("l2CacheLocalUrl", str, None)
-    if url is not None and not url.startswith(("redis://", "valkey://")):
-        raise ConfigError(f"kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: {url!r} is not a "
-                          "redis:// or valkey:// URL")
-    cache = CacheSpec(l1_enabled=cache_r.get("enableL1Cache", bool, True), l1_gib=l1_gib,
-                      l2_enabled=cache_r.get("enableL2Cache", bool, True),
-                      l2_backend=L2_BACKENDS[backend.lower()],
-                      l2_path=l2_r.get("l2CachePath", str, None), l2_url=url,
-                      l2_gib=float(l2_r.get("l2CacheSizeGiB", (int, float), 8.0)))
-    _positive("kvCacheSpec.l2CacheSpec.l2CacheSizeGiB", cache.l2_gib)
-    l2_r.done()
-    cache_r.done()
-
-    own = top.child("kvtier")
-    spec = ClusterSpec(
-        model=model, replicas=replicas, routing=routing, cache=cache,
-        router_port=own.get("routerPort", int, 8000),
-        replica_base_port=own.get("replicaBasePort", int, 8100),
-        engine_kv_cache_gib=own.get("engineKvCacheGiB", int, 1),
-        engine_kv_cache_blocks=own.get("engineKvCacheBlocks", int, None),
-        threads_per_replica=own.get("threadsPerReplica", int, 1),
-        block_tokens=own.get("blockTokens", int, 128),
-        work_dir=Path(own.get("workDir", str, ".kvtier/cluster")))
-    own.done()
-    top.done()
-    _port("kvtier.routerPort", spec.router_port)
-    _port("kvtier.replicaBasePort", spec.replica_base_port)
-    _port("kvtier.replicaBasePort", spec.replica_base_port + spec.replicas - 1)
-    if spec.router_port in range(spec.replica_base_port, spec.replica_base_port + replicas):
-        raise ConfigError("kvtier.routerPort: collides with a replica port")
-    _positive("kvtier.engineKvCacheGiB", spec.engine_kv_cache_gib)
-    if spec.engine_kv_cache_blocks is not None:
-        _positive("kvtier.engineKvCacheBlocks", spec.engine_kv_cache_blocks)
-    _positive("kvtier.threadsPerReplica", spec.threads_per_replica)
-    if spec.block_tokens % 16:
-        raise ConfigError(f"kvtier.blockTokens: must be a multiple of 16, got {spec.block_tokens}")
-    return spec
-
-
-def load_spec(path: Path | None) -> ClusterSpec:
+def load_spec(path: Path | None) -> FleetSpec:
     """The spec in `path` (YAML), or the defaults when `path` is None."""
     if path is None:
         return parse_spec({})

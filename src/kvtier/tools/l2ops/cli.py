@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from dataclasses import asdict
 from typing import cast
 
-from kvtier.core.errors import ConfigError
-
-_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from `123`, `512M`, `10GiB`, `1.5T` (binary units)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmgtKMGT]?)(i?[bB])?\s*", text)
-    if not match:
-        raise ConfigError(f"size: cannot parse {text!r} (e.g. 512M, 10GiB)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from kvtier.core.settings import parse_bytes
 
 
 def _is_url(target: str) -> bool:
@@ -44,8 +33,8 @@ def _status(args: argparse.Namespace) -> int:
                 "policy": memory["maxmemory_policy"], "keys": client.dbsize(),
                 "evicted_keys": stats["evicted_keys"]}, args.json)
         return 0
-    from kvtier.core.tiers.lease import FileLease
     from kvtier.core.tiers.janitor import control_dir, read_status, scan
+    from kvtier.core.tiers.lease import FileLease
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
     lease = FileLease(control_dir(args.target, "lease"), "status", ttl_s=1).current()
     doc: dict[str, object] = {
@@ -60,10 +49,10 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    from kvtier.core.tiers.janitor import Janitor
+    from kvtier.core.tiers.janitor import Janitor, JanitorSettings
     from kvtier.core.tiers.profiles import get_profile
-    config = get_profile(args.profile).janitor_config(
-        parse_size(args.capacity), high_watermark=args.high, low_watermark=args.low,
+    config = JanitorSettings.for_profile(
+        get_profile(args.profile), parse_bytes(args.capacity), high_watermark=args.high, low_watermark=args.low,
         interval_s=1.0)
     janitor = Janitor(args.target, config, holder=f"kvtier-l2-gc:{time.time():.0f}")
     try:

@@ -8,10 +8,10 @@
 Routing is the router's own code (`kvtier.router.policies`); see docs/sim.md for the model.
 """
 
-from kvtier.tools.sim.simulator import FleetConfig, simulate
 from kvtier.tools.sim.cost_model import CostModel, load_costs
 from kvtier.tools.sim.plan import PlanAnswer, plan_capacity
 from kvtier.tools.sim.report import SimResult
+from kvtier.tools.sim.simulator import FleetConfig, simulate
 from kvtier.tools.sim.sweep import SweepAxis, parse_sweep, run_sweep
 from kvtier.tools.sim.trace import Trace, TraceRequest, load_trace
 

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.caches import EVICTION
-from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.cost_model import CostModel, load_costs
 from kvtier.tools.sim.routing import parse_option, strategy_names
+from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.sweep import SWEEPABLE, parse_capacity
 from kvtier.tools.sim.trace import Trace, load_trace
 
@@ -136,8 +136,8 @@ def _write_json(path: Path | None, doc: object) -> None:
 
 
 def _run_sim(args: argparse.Namespace) -> int:
-    from kvtier.tools.sim.simulator import simulate
     from kvtier.tools.sim.plot import plot_sweep
+    from kvtier.tools.sim.simulator import simulate
     from kvtier.tools.sim.sweep import parse_sweep, run_sweep
 
     trace, config, costs = _inputs(args)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
+from kvtier.core.tiers.base import Tier
 
 __all__ = ["CostModel", "load_costs", "profile_names"]
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
-from kvtier.tools.sim.simulator import FleetConfig, simulate
+from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.cost_model import CostModel
+from kvtier.tools.sim.simulator import FleetConfig, simulate
 from kvtier.tools.sim.trace import Trace
 
 __all__ = ["PlanAnswer", "plan_capacity"]

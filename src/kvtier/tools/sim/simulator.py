@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.events import Tier
 from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import ReplicaView, RouteRequest
 from kvtier.tools.sim.caches import EVICTION, BlockCache, make_cache

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.tools.sim.simulator import FleetConfig, simulate
 from kvtier.tools.sim.cost_model import CostModel
+from kvtier.tools.sim.simulator import FleetConfig, simulate
 from kvtier.tools.sim.trace import Trace
 
 __all__ = ["SWEEPABLE", "SweepAxis", "parse_capacity", "parse_sweep", "run_sweep"]

@@ -1,0 +1,157 @@
+"""OpenAI request bodies as the router reads them: JSON, field types, prompts and messages.
+
+Every check of a client's request lives here, and every failure is a `BadRequest` that the app
+answers with its status and an OpenAI error body `{"error": {"message", "type", "param",
+"code"}}`. The router only reads what routing needs and forwards the original bytes; the
+replicas check the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+__all__ = ["BadRequest", "ChatOptions", "chat_options", "completion_prompt", "messages",
+           "parse_body", "requested_tokens"]
+
+# field -> (accepted types, description) for the OpenAI fields the router reads or checks
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "model": ((str,), "a string"),
+    "stream": ((bool,), "a boolean"),
+    "max_tokens": ((int,), "an integer"),
+    "max_completion_tokens": ((int,), "an integer"),
+    "n": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "user": ((str,), "a string"),
+    "cache_salt": ((str,), "a string"),
+    "stop": ((str, list), "a string or a list of strings"),
+}
+
+_decode_json = msgspec.json.Decoder().decode  # 2-3x faster than json.loads on long prompts
+
+
+class BadRequest(Exception):
+    """Answered `status` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type_
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def parse_body(raw: bytes, *, chat: bool) -> dict[str, Any]:
+    """The request's JSON object, with the fields the router reads type-checked."""
+    try:
+        body = _decode_json(raw)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    for field, (types, what) in _TYPES.items():
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise BadRequest(400, f"'{field}' must be {what}", field)
+    for field in ("max_tokens", "max_completion_tokens", "n"):
+        if body.get(field) is not None and body[field] < 1:
+            raise BadRequest(400, f"'{field}' must be at least 1", field)
+    if body.get("model") is None:
+        raise BadRequest(400, "'model' is required", "model")
+    field = "messages" if chat else "prompt"
+    if field not in body:
+        raise BadRequest(400, f"'{field}' is required", field)
+    return body
+
+
+def requested_tokens(body: Mapping[str, Any], *, chat: bool) -> int:
+    """Completion tokens the request asks for (0 when it leaves it to the server)."""
+    wanted = body.get("max_completion_tokens") if chat else None
+    return int(wanted or body.get("max_tokens") or 0)
+
+
+def _text_content(content: object, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise BadRequest(400, f"{where}: each content part must be an object with a "
+                                      "type", where)
+            if part["type"] == "text":
+                if not isinstance(part.get("text"), str):
+                    raise BadRequest(400, f"{where}: a text part needs a string 'text'", where)
+                texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRequest(400, f"{where}: content must be a string or a list of parts", where)
+
+
+def messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages, each with its content as text (text parts joined)."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest(400, "'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise BadRequest(400, f"{where}: must be an object with a string 'role'", where)
+        normalized = dict(message)
+        normalized["content"] = _text_content(message.get("content"), f"{where}.content")
+        out.append(normalized)
+    return out
+
+
+class ChatOptions(msgspec.Struct, frozen=True):
+    """How vLLM renders a chat request with the model's template."""
+
+    tools: list[Mapping[str, Any]] | None
+    add_generation_prompt: bool
+    continue_final_message: bool
+    template_kwargs: Mapping[str, Any]
+    add_special_tokens: bool
+
+
+def chat_options(body: Mapping[str, Any]) -> ChatOptions:
+    tools = body.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, Mapping) for t in tools)):
+        raise BadRequest(400, "'tools' must be a list of objects", "tools")
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise BadRequest(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    return ChatOptions(tools=tools,
+                       add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+                       continue_final_message=bool(body.get("continue_final_message", False)),
+                       template_kwargs=kwargs,
+                       add_special_tokens=bool(body.get("add_special_tokens", False)))
+
+
+def _is_tokens(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+
+def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
+    """A completions request's (first) prompt, as text or token ids; a batch is routed and
+    size-checked by its first prompt (the replicas check the rest)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if _is_tokens(prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if isinstance(prompt, list) and prompt and (
+            all(isinstance(p, str) for p in prompt) or all(_is_tokens(p) for p in prompt)):
+        return completion_prompt({"prompt": prompt[0]})
+    raise BadRequest(400, "'prompt' must be a string, a list of strings, a list of token ids "
+                          "or a list of token-id lists", "prompt")

@@ -1,0 +1,196 @@
+"""A fake vLLM replica: enough of vLLM's OpenAI server to route to, answering at once.
+
+The router benchmark measures the hop against it (`python -m kvtier.tools.fake_replica PORT`),
+and the router's tests run it in-process to misbehave on demand (`mode`):
+
+    ok              answer: JSON, or SSE when the request asks to stream
+    error500        answer 500
+    reset           read the request, then reset the connection
+    hang            read the request, never answer
+    die_mid_stream  stream the first SSE event, then reset the connection
+    slow_stream     stream the first SSE event, the rest once `release` is set
+
+It speaks HTTP/1.1 with keep-alive on a raw asyncio server (httptools parses requests), so it
+controls its sockets down to the reset, and serves TLS when given an `ssl.SSLContext`.
+Endpoints: GET /health (503 while `healthy` is False), /v1/models, /metrics (the
+`vllm:cache_config_info` line with `block_tokens`); POST /v1/completions,
+/v1/chat/completions, /tokenize. Every POSTed JSON body is kept in `received`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import ssl
+from dataclasses import dataclass, field
+from typing import Any, Self
+
+import httptools
+
+__all__ = ["SSE_CHUNKS", "FakeReplica"]
+
+SSE_CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
+              b"data: [DONE]\n\n"]
+_STATUS = {200: b"OK", 404: b"Not Found", 500: b"Internal Server Error",
+           503: b"Service Unavailable"}
+
+
+@dataclass
+class FakeReplica:
+    mode: str = "ok"
+    """How completions are answered (see the module docstring)."""
+    model: str = "fake"
+    max_model_len: int = 8192
+    block_tokens: int = 128
+    """Engine block size reported on /metrics (vLLM's on CPU by default)."""
+    healthy: bool = True
+    tls: ssl.SSLContext | None = None
+    received: list[dict[str, Any]] = field(default_factory=list)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set it to let a `slow_stream` replica send its last events."""
+    url: str = ""
+    _server: asyncio.Server | None = None
+    _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> Self:
+        self._server = await asyncio.start_server(self._serve, host, port, ssl=self.tls)
+        bound = self._server.sockets[0].getsockname()[1]
+        self.url = f"{'https' if self.tls else 'http'}://{host}:{bound}"
+        return self
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None, "start() first"
+        await self._server.serve_forever()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):
+                writer.transport.abort()
+            await self._server.wait_closed()
+
+    # ----- one connection -----
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            while (request := await _read_request(reader)) is not None:
+                method, path, body = request
+                if not await self._answer(writer, method, path, body):
+                    break
+        except (ConnectionError, httptools.HttpParserError):
+            pass
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()
+
+    async def _answer(self, writer: asyncio.StreamWriter, method: str, path: str,
+                      body: bytes) -> bool:
+        """Answer one request; False when the connection must end."""
+        if method == "GET" and path == "/health":
+            await _respond(writer, 200 if self.healthy else 503, b"ok", b"text/plain")
+        elif method == "GET" and path == "/v1/models":
+            await _respond_json(writer, 200, {"object": "list", "data": [
+                {"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
+        elif method == "GET" and path == "/metrics":
+            text = (f'vllm:cache_config_info{{block_size="{self.block_tokens}",'
+                    f'engine="0"}} 1.0\n')
+            await _respond(writer, 200, text.encode(), b"text/plain")
+        elif method == "POST" and path == "/tokenize":
+            words = str(json.loads(body).get("prompt", "")).split()
+            await _respond_json(writer, 200, {"tokens": [hash(w) % 50000 for w in words],
+                                              "count": len(words),
+                                              "max_model_len": self.max_model_len})
+        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            return await self._generate(writer, json.loads(body))
+        else:
+            await _respond_json(writer, 404, {"error": {"message": f"no route {path}"}})
+        return True
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        self.received.append(body)
+        if self.mode == "error500":
+            await _respond_json(writer, 500, {"error": "boom"})
+            return True
+        if self.mode == "reset":
+            return False
+        if self.mode == "hang":
+            await asyncio.sleep(3600)
+        if not body.get("stream"):
+            await _respond_json(writer, 200, {
+                "id": "x", "object": "text_completion", "model": self.model,
+                "choices": [{"text": "ok", "index": 0, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                "served_by": self.url})
+            return True
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n")
+        await _chunk(writer, SSE_CHUNKS[0])
+        if self.mode == "die_mid_stream":
+            await asyncio.sleep(0.05)
+            return False
+        if self.mode == "slow_stream":
+            await self.release.wait()
+        for event in SSE_CHUNKS[1:]:
+            await _chunk(writer, event)
+        await _chunk(writer, b"")
+        return True
+
+
+async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
+    """The next request on a keep-alive connection: (method, path, body); None at EOF."""
+    done = asyncio.get_running_loop().create_future()
+    parts: dict[str, Any] = {"url": b"", "body": []}
+
+    class Callbacks:
+        def on_url(self, url: bytes) -> None:
+            parts["url"] += url
+
+        def on_body(self, body: bytes) -> None:
+            parts["body"].append(body)
+
+        def on_message_complete(self) -> None:
+            done.set_result(None)
+
+    parser = httptools.HttpRequestParser(Callbacks())
+    while not done.done():
+        data = await reader.read(65536)
+        if not data:
+            return None
+        parser.feed_data(data)
+    path = httptools.parse_url(parts["url"]).path.decode()
+    return parser.get_method().decode(), path, b"".join(parts["body"])
+
+
+async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
+                   content_type: bytes) -> None:
+    writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                 % (status, _STATUS.get(status, b"Status"), content_type, len(body), body))
+    await writer.drain()
+
+
+async def _respond_json(writer: asyncio.StreamWriter, status: int, doc: object) -> None:
+    await _respond(writer, status, json.dumps(doc).encode(), b"application/json")
+
+
+async def _chunk(writer: asyncio.StreamWriter, data: bytes) -> None:
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+    await writer.drain()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve a fake vLLM replica on loopback.")
+    parser.add_argument("port", type=int)
+    parser.add_argument("--mode", default="ok")
+    args = parser.parse_args()
+
+    async def serve() -> None:
+        replica = await FakeReplica(mode=args.mode).start(port=args.port)
+        await replica.serve_forever()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
