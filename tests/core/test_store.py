@@ -29,8 +29,9 @@ Event = tuple[EventKind, Tier, tuple[BlockHash, ...]]
 
 
 def meta(i: int) -> BlockMeta:
-    return BlockMeta(num_tokens=4, dtype="uint8", shape=(NBYTES,),
-                     parent=CHAIN[i - 1] if i else root_hash())
+    return BlockMeta(
+        num_tokens=4, dtype="uint8", shape=(NBYTES,), parent=CHAIN[i - 1] if i else root_hash()
+    )
 
 
 def payload(i: int) -> bytes:
@@ -38,9 +39,11 @@ def payload(i: int) -> bytes:
 
 
 def config(tmp_path: Path | None, **kw: object) -> StoreSettings:
-    values: dict[str, object] = {"l1_bytes": L1_BLOCKS * NBYTES,
-                                 "l2_path": None if tmp_path is None else str(tmp_path)} | kw
-    return StoreSettings(**values)  # type: ignore[arg-type]
+    values: dict[str, object] = {
+        "l1_bytes": L1_BLOCKS * NBYTES,
+        "l2_path": None if tmp_path is None else str(tmp_path),
+    } | kw
+    return StoreSettings(**values)
 
 
 def save_chain(store: TieredStore, n: int) -> None:
@@ -115,6 +118,7 @@ class FailingTier(GatedTier):
 
 
 # ---- lookup and load -------------------------------------------------------------------------
+
 
 def test_lookup_finds_longest_contiguous_prefix_across_tiers(tmp_path: Path) -> None:
     with TieredStore(config(tmp_path), IDENTITY) as store:
@@ -209,14 +213,16 @@ def test_payload_contradicting_its_meta_is_a_caller_error() -> None:
 
 # ---- admission -------------------------------------------------------------------------------
 
+
 def test_unknown_admission_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="admission"):
         TieredStore(config(None, admission="lfu"), IDENTITY)
 
 
 def test_min_tokens_admits_only_long_enough_prefixes(tmp_path: Path) -> None:
-    with TieredStore(config(tmp_path, admission="min-tokens", admission_min_tokens=8),
-                     IDENTITY) as store:
+    with TieredStore(
+        config(tmp_path, admission="min-tokens", admission_min_tokens=8), IDENTITY
+    ) as store:
         assert not store.save(CHAIN[0], meta(0), payload(0), prefix_tokens=4)
         assert store.save(CHAIN[1], meta(1), payload(1), prefix_tokens=8)
         assert not store.save(CHAIN[2], meta(2), payload(2))  # defaults to the block's 4 tokens
@@ -238,6 +244,7 @@ def test_reused_admits_on_second_save_or_when_told(tmp_path: Path) -> None:
 
 
 # ---- write-through queue -------------------------------------------------------------------
+
 
 def test_full_queue_drops_and_counts_without_blocking_save() -> None:
     l2 = GatedTier()
@@ -317,11 +324,11 @@ def test_l2_write_skipped_when_another_replica_already_wrote_it(tmp_path: Path) 
         assert (stats.l2.stored, stats.l2.already_present) == (0, 2)
 
 
-def test_resaving_a_block_recently_confirmed_in_l2_skips_the_write_through(
-        tmp_path: Path) -> None:
+def test_resaving_a_block_recently_confirmed_in_l2_skips_the_write_through(tmp_path: Path) -> None:
     now = [100.0]
-    with TieredStore(config(tmp_path, l2_exists_ttl_s=5.0), IDENTITY,
-                     clock=lambda: now[0]) as store:
+    with TieredStore(
+        config(tmp_path, l2_exists_ttl_s=5.0), IDENTITY, clock=lambda: now[0]
+    ) as store:
         save_chain(store, 1)
         assert store.flush(60)
         save_chain(store, 1)
@@ -337,14 +344,16 @@ def test_resaving_a_block_recently_confirmed_in_l2_skips_the_write_through(
 def test_concurrent_callers_see_only_whole_correct_blocks(tmp_path: Path) -> None:
     """Four threads save, look up and load the same chain through one small store."""
     errors: list[str] = []
-    with TieredStore(config(tmp_path, l1_bytes=3 * NBYTES, write_queue_blocks=4),
-                     IDENTITY) as store:
+    with TieredStore(
+        config(tmp_path, l1_bytes=3 * NBYTES, write_queue_blocks=4), IDENTITY
+    ) as store:
+
         def worker(seed: int) -> None:
             for step in range(300):
                 i = (seed * 7 + step) % len(CHAIN)
                 store.save(CHAIN[i], meta(i), payload(i))
                 tiers = store.lookup(CHAIN)
-                for j, block in enumerate(store.load(CHAIN[:len(tiers)])):
+                for j, block in enumerate(store.load(CHAIN[: len(tiers)])):
                     if bytes(block.payload) != payload(j) or block.meta != meta(j):
                         errors.append(f"thread {seed} step {step}: block {j} differs")
                 stats = store.stats().l1
@@ -366,23 +375,31 @@ def test_concurrent_callers_see_only_whole_correct_blocks(tmp_path: Path) -> Non
 
 # ---- degradation ---------------------------------------------------------------------------
 
+
 def _immutable_dir(tmp_path: Path) -> Path:
     """A directory even root cannot write into (`chattr +i`); skips where that is unavailable."""
     path = tmp_path / "immutable"
     path.mkdir()
     chattr = shutil.which("chattr")
-    if chattr is None or subprocess.run([chattr, "+i", str(path)], check=False,
-                                        capture_output=True).returncode != 0:
+    if (
+        chattr is None
+        or subprocess.run([chattr, "+i", str(path)], check=False, capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("chattr +i is not available on this file system")
     return path
 
 
 @pytest.mark.parametrize("where", ["missing", "below-a-file", "immutable"])
 def test_unusable_l2_directory_degrades_to_l1_only(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
     (tmp_path / "file").write_bytes(b"")
-    path = {"missing": lambda: tmp_path / "missing", "below-a-file": lambda: tmp_path / "file/l2",
-            "immutable": lambda: _immutable_dir(tmp_path)}[where]()
+    path = {
+        "missing": lambda: tmp_path / "missing",
+        "below-a-file": lambda: tmp_path / "file/l2",
+        "immutable": lambda: _immutable_dir(tmp_path),
+    }[where]()
     try:
         with caplog.at_level(logging.WARNING, logger="kvtier.core.store"):
             store = TieredStore(config(path), IDENTITY)
@@ -402,8 +419,10 @@ def test_unusable_l2_directory_degrades_to_l1_only(
 
 def test_misbehaving_l2_never_reaches_the_caller(caplog: pytest.LogCaptureFixture) -> None:
     l2 = FailingTier()
-    with (caplog.at_level(logging.ERROR, logger="kvtier.core.store"),
-          TieredStore(config(None, l1_bytes=0), IDENTITY, l2_tier=l2) as store):
+    with (
+        caplog.at_level(logging.ERROR, logger="kvtier.core.store"),
+        TieredStore(config(None, l1_bytes=0), IDENTITY, l2_tier=l2) as store,
+    ):
         assert store.save(CHAIN[0], meta(0), payload(0))
         assert store.flush(60)
         assert store.lookup(CHAIN) == []
@@ -446,21 +465,28 @@ def test_manifest_is_written_beside_the_blocks(tmp_path: Path) -> None:
     assert (tmp_path / IDENTITY.namespace() / "manifest.json").is_file()
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"l1_bytes": -1}, "l1_bytes"), ({"l2_path": ""}, "l2_path"), ({"admission": ""}, "admission"),
-    ({"admission_min_tokens": -1}, "admission_min_tokens"),
-    ({"write_queue_blocks": 0}, "write_queue_blocks"), ({"io_threads": 0}, "io_threads"),
-    ({"l2_exists_ttl_s": -1}, "l2_exists_ttl_s"),
-    ({"l2_url": "http://127.0.0.1:6379"}, "l2_url"),
-    ({"l2_url": "redis://127.0.0.1:6379", "l2_path": "/tmp"}, "l2_url"),
-    ({"l2_url": "redis://127.0.0.1:6379", "l2_capacity_bytes": 1}, "l2_capacity_bytes"),
-    ({"l2_capacity_bytes": 0}, "l2_capacity_bytes"), ({"l2_profile": "zfs"}, "l2_profile"),
-    ({"l2_high_watermark": 1.5}, "l2_high_watermark"),
-    ({"l2_low_watermark": 0.95}, "l2_low_watermark"),
-    ({"l2_low_watermark": 0}, "l2_low_watermark"),
-    ({"l2_janitor_interval_s": 0}, "l2_janitor_interval_s"),
-    ({"l2_touch_interval_s": -1}, "l2_touch_interval_s"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"l1_bytes": -1}, "l1_bytes"),
+        ({"l2_path": ""}, "l2_path"),
+        ({"admission": ""}, "admission"),
+        ({"admission_min_tokens": -1}, "admission_min_tokens"),
+        ({"write_queue_blocks": 0}, "write_queue_blocks"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"l2_exists_ttl_s": -1}, "l2_exists_ttl_s"),
+        ({"l2_url": "http://127.0.0.1:6379"}, "l2_url"),
+        ({"l2_url": "redis://127.0.0.1:6379", "l2_path": "/tmp"}, "l2_url"),
+        ({"l2_url": "redis://127.0.0.1:6379", "l2_capacity_bytes": 1}, "l2_capacity_bytes"),
+        ({"l2_capacity_bytes": 0}, "l2_capacity_bytes"),
+        ({"l2_profile": "zfs"}, "l2_profile"),
+        ({"l2_high_watermark": 1.5}, "l2_high_watermark"),
+        ({"l2_low_watermark": 0.95}, "l2_low_watermark"),
+        ({"l2_low_watermark": 0}, "l2_low_watermark"),
+        ({"l2_janitor_interval_s": 0}, "l2_janitor_interval_s"),
+        ({"l2_touch_interval_s": -1}, "l2_touch_interval_s"),
+    ],
+)
 def test_config_rejects_invalid_fields(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        StoreSettings(**kwargs)  # type: ignore[arg-type]
+        StoreSettings(**kwargs)

@@ -31,14 +31,23 @@ LOW_FILES = 4  # the most whole files at or below the low watermark (4.5 files)
 
 def store_config(root: Path, **kw: object) -> StoreSettings:
     """L1 off, so every read goes to L2; one writer thread, so blocks publish in save order."""
-    values: dict[str, object] = {"l1_bytes": 0, "l2_path": str(root), "l2_exists_ttl_s": 0,
-                                 "io_threads": 1} | kw
-    return StoreSettings(**values)  # type: ignore[arg-type]
+    values: dict[str, object] = {
+        "l1_bytes": 0,
+        "l2_path": str(root),
+        "l2_exists_ttl_s": 0,
+        "io_threads": 1,
+    } | kw
+    return StoreSettings(**values)
 
 
 def capacity_config(root: Path) -> StoreSettings:
-    return store_config(root, l2_capacity_bytes=CAPACITY, l2_high_watermark=0.85,
-                        l2_low_watermark=0.45, l2_janitor_interval_s=0.1)
+    return store_config(
+        root,
+        l2_capacity_bytes=CAPACITY,
+        l2_high_watermark=0.85,
+        l2_low_watermark=0.45,
+        l2_janitor_interval_s=0.1,
+    )
 
 
 def save_blocks(store: TieredStore, seed: int, count: int) -> list[BlockHash]:
@@ -56,7 +65,8 @@ def used_bytes(root: Path) -> int:
 
 
 def test_the_store_janitor_evicts_to_the_low_watermark_and_hands_its_lease_over(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     with TieredStore(capacity_config(tmp_path), IDENTITY) as store:
         hashes = save_blocks(store, 60, 12)  # 12 files written into room for 10
         # Above high (8.5 files) the janitor evicts down to low; once writes stop, an idle L2
@@ -67,7 +77,8 @@ def test_the_store_janitor_evicts_to_the_low_watermark_and_hands_its_lease_over(
         assert len(present) == LOW_FILES
         loaded = store.load(present)
         assert [bytes(b.payload) for b in loaded] == [
-            make_block(60, hashes.index(h), BLOCK)[2] for h in present]
+            make_block(60, hashes.index(h), BLOCK)[2] for h in present
+        ]
         status = read_status(str(tmp_path))
         assert status is not None and status["capacity_bytes"] == CAPACITY
     lease = FileLease(control_dir(str(tmp_path), "lease"), "observer", ttl_s=1).current()
@@ -75,8 +86,7 @@ def test_the_store_janitor_evicts_to_the_low_watermark_and_hands_its_lease_over(
     assert not [t for t in threading.enumerate() if t.name == "kvtier-l2-janitor"]
 
 
-def test_a_recently_read_old_block_survives_eviction_over_unread_newer_ones(
-        tmp_path: Path) -> None:
+def test_a_recently_read_old_block_survives_eviction_over_unread_newer_ones(tmp_path: Path) -> None:
     # Replicas without a capacity write nine blocks (more than the high watermark allows) ...
     with TieredStore(store_config(tmp_path), IDENTITY) as writer:
         hashes = save_blocks(writer, 61, 9)

@@ -60,12 +60,14 @@ def assert_all_from_l2(store: TieredStore, seed: int) -> None:
 @pytest.mark.juicefs
 @needs_fuse
 def test_a_new_store_on_another_mount_finds_every_block_without_a_rebuild(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     with TieredStore(StoreSettings(l1_bytes=64 * 1024**2, l2_path=a.path), IDENTITY) as writer:
         write_through(writer, 50)
-    with TieredStore(StoreSettings(l1_bytes=64 * 1024**2, l2_path=b.path,
-                                 l2_exists_ttl_s=0), IDENTITY) as reader:
+    with TieredStore(
+        StoreSettings(l1_bytes=64 * 1024**2, l2_path=b.path, l2_exists_ttl_s=0), IDENTITY
+    ) as reader:
         assert_all_from_l2(reader, 50)
         stats = reader.stats()
         assert stats.l2 is not None and stats.l2.corrupt_removed == 0
@@ -74,30 +76,43 @@ def test_a_new_store_on_another_mount_finds_every_block_without_a_rebuild(
 @pytest.mark.juicefs
 @needs_fuse
 def test_a_store_process_reads_what_another_process_wrote_through_the_other_mount(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
-    run_worker("write", f"posix:{a.path}", "--seed", "51", "--count", str(COUNT),
-               "--bytes", str(256 * KIB))
-    with TieredStore(StoreSettings(l1_bytes=0, l2_path=b.path, l2_exists_ttl_s=0),
-                     IDENTITY) as reader:
+    run_worker(
+        "write", f"posix:{a.path}", "--seed", "51", "--count", str(COUNT), "--bytes", str(256 * KIB)
+    )
+    with TieredStore(
+        StoreSettings(l1_bytes=0, l2_path=b.path, l2_exists_ttl_s=0), IDENTITY
+    ) as reader:
         assert_all_from_l2(reader, 51)
 
 
 @pytest.mark.juicefs
 @needs_fuse
 def test_stores_on_two_mounts_share_one_janitor_that_bounds_the_volume(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     root = os.path.join(a.path, "bounded")  # its own root: the janitor scans all of it
     os.mkdir(root)
     root_b = os.path.join(b.path, "bounded")
     assert poll(lambda: os.path.isdir(root_b), deadline_s=10)
     file_bytes = 256 * KIB + HEADER_BYTES
-    config = StoreSettings(l1_bytes=0, l2_path=root, l2_exists_ttl_s=0, l2_profile="juicefs",
-                         l2_capacity_bytes=10 * file_bytes, l2_high_watermark=0.85,
-                         l2_low_watermark=0.45, l2_janitor_interval_s=0.2)
-    with TieredStore(config, IDENTITY) as on_a, \
-            TieredStore(config.replaced(l2_path=root_b), IDENTITY) as on_b:
+    config = StoreSettings(
+        l1_bytes=0,
+        l2_path=root,
+        l2_exists_ttl_s=0,
+        l2_profile="juicefs",
+        l2_capacity_bytes=10 * file_bytes,
+        l2_high_watermark=0.85,
+        l2_low_watermark=0.45,
+        l2_janitor_interval_s=0.2,
+    )
+    with (
+        TieredStore(config, IDENTITY) as on_a,
+        TieredStore(config.replaced(l2_path=root_b), IDENTITY) as on_b,
+    ):
         write_through(on_a, 55)
         write_through(on_b, 56)  # 12 blocks into room for 10: above the high watermark
         assert poll(lambda: scan(root, 600, time.time()).used_bytes <= 4 * file_bytes, 30)
@@ -107,15 +122,20 @@ def test_stores_on_two_mounts_share_one_janitor_that_bounds_the_volume(
         assert scan(root, 600, time.time()).graveyard
 
         def kept_on_b() -> list[tuple[BlockHash, bytes]]:
-            return [(h, p) for seed in (55, 56) for h, _, p in blocks(seed)
-                    if on_b.contains(h) is Tier.L2]
+            return [
+                (h, p)
+                for seed in (55, 56)
+                for h, _, p in blocks(seed)
+                if on_b.contains(h) is Tier.L2
+            ]
 
         # Mount B sees the evictions once its attribute/dentry cache (1 s) expires.
         assert poll(lambda: len(kept_on_b()) == 4, deadline_s=10)
         kept = kept_on_b()
         assert [bytes(blk.payload) for h, p in kept for blk in on_b.load([h])] == [
-            p for _, p in kept]
-    assert FileLease(control_dir(root, "lease"), "observer", ttl_s=30).current().expired  # type: ignore[union-attr]
+            p for _, p in kept
+        ]
+    assert FileLease(control_dir(root, "lease"), "observer", ttl_s=30).current().expired
 
 
 def valkey_store(url: str, *, l1_bytes: int = 0) -> TieredStore:
@@ -125,21 +145,37 @@ def valkey_store(url: str, *, l1_bytes: int = 0) -> TieredStore:
 
 @pytest.mark.valkey
 def test_stores_share_blocks_through_valkey_and_a_new_store_sees_them(
-        valkey_server: ValkeyServer) -> None:
+    valkey_server: ValkeyServer,
+) -> None:
     with valkey_store(valkey_server.url, l1_bytes=64 * 1024**2) as writer:
         write_through(writer, 52)
     with valkey_store(valkey_server.url) as reader:
         assert_all_from_l2(reader, 52)
-    report = run_worker("read", f"valkey:{valkey_server.url}", "--seed", "52", "--count",
-                        str(COUNT), "--bytes", str(256 * KIB))
+    report = run_worker(
+        "read",
+        f"valkey:{valkey_server.url}",
+        "--seed",
+        "52",
+        "--count",
+        str(COUNT),
+        "--bytes",
+        str(256 * KIB),
+    )
     assert (report["hits"], report["misses"], report["mismatched"]) == (COUNT, 0, 0)
 
 
 @pytest.mark.valkey
-def test_a_store_hits_blocks_another_process_wrote_to_valkey(
-        valkey_server: ValkeyServer) -> None:
-    report = run_worker("write", f"valkey:{valkey_server.url}", "--seed", "53", "--count",
-                        str(COUNT), "--bytes", str(256 * KIB))
+def test_a_store_hits_blocks_another_process_wrote_to_valkey(valkey_server: ValkeyServer) -> None:
+    report = run_worker(
+        "write",
+        f"valkey:{valkey_server.url}",
+        "--seed",
+        "53",
+        "--count",
+        str(COUNT),
+        "--bytes",
+        str(256 * KIB),
+    )
     assert report == {"stored": COUNT, "already_present": 0, "errors": 0}
     with valkey_store(valkey_server.url) as reader:
         assert_all_from_l2(reader, 53)

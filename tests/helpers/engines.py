@@ -24,8 +24,6 @@ TINY_CACHE_BLOCKS = 40
 """Engine blocks (128 tokens) of the tiny-L0 engines: 5,120 tokens, so a few prompts evict."""
 
 
-
-
 @lru_cache(maxsize=1)
 def model_dir() -> str:
     return resolve_model(None)
@@ -52,23 +50,41 @@ def kv_transfer_config(**settings: Any) -> dict[str, Any]:
     return config.kv_transfer_config(config.ConnectorSettings(**settings))
 
 
-def start(log_dir: Path, name: str, *, connector: Mapping[str, Any] | None = None,
-          tiny_cache: bool = False, cpu_ids: str = "0") -> ServerProcess:
+def start(
+    log_dir: Path,
+    name: str,
+    *,
+    connector: Mapping[str, Any] | None = None,
+    tiny_cache: bool = False,
+    cpu_ids: str = "0",
+) -> ServerProcess:
     extra = ["--num-gpu-blocks-override", str(TINY_CACHE_BLOCKS)] if tiny_cache else []
-    spec = ServerSpec(model=model_dir(), port=free_port(),
-                      kv_transfer_config=connector, max_model_len=MAX_MODEL_LEN,
-                      threads=1, cpu_ids=cpu_ids, extra_args=extra,
-                      env={"VLLM_SERVER_DEV_MODE": "1"},
-                      log_path=log_dir / f"{name}.log")
+    spec = ServerSpec(
+        model=model_dir(),
+        port=free_port(),
+        kv_transfer_config=connector,
+        max_model_len=MAX_MODEL_LEN,
+        threads=1,
+        cpu_ids=cpu_ids,
+        extra_args=extra,
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        log_path=log_dir / f"{name}.log",
+    )
     return start_server(spec, timeout_s=600)
 
 
-def complete(server: ServerProcess, tokens: list[int], max_tokens: int = 12,
-             cache_salt: str | None = None) -> list[int]:
+def complete(
+    server: ServerProcess, tokens: list[int], max_tokens: int = 12, cache_salt: str | None = None
+) -> list[int]:
     """Greedy completion of a token-id prompt; returns the generated token ids."""
-    body: dict[str, Any] = {"model": Path(server.spec.model).name, "prompt": tokens,
-                            "max_tokens": max_tokens, "temperature": 0.0,
-                            "return_token_ids": True, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": Path(server.spec.model).name,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+        "ignore_eos": True,
+    }
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
     resp = httpx.post(server.url + "/v1/completions", json=body, timeout=600)

@@ -49,8 +49,9 @@ def block_hash(seed: int, index: int) -> BlockHash:
     return h
 
 
-def make_block(seed: int, index: int, nbytes: int,
-               variant: int = 0) -> tuple[BlockHash, BlockMeta, bytes]:
+def make_block(
+    seed: int, index: int, nbytes: int, variant: int = 0
+) -> tuple[BlockHash, BlockMeta, bytes]:
     """A block whose payload depends on (seed, index, variant) and whose hash does not."""
     h = block_hash(seed, index)
     parent = block_hash(seed, index - 1) if index else root_hash(seed.to_bytes(8, "little"))
@@ -71,16 +72,27 @@ def poll(fn: Callable[[], T | None], deadline_s: float, interval_s: float = 0.05
 
 def run_worker(*args: str, timeout_s: float = 120.0) -> dict[str, object]:
     """Run `python -m tests.helpers.l2_worker ARGS` to completion; its JSON report."""
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.l2_worker", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.l2_worker", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def spawn_worker(*args: str) -> subprocess.Popen[str]:
     """Start `python -m tests.helpers.l2_worker ARGS` in the background."""
-    return subprocess.Popen([sys.executable, "-m", "tests.helpers.l2_worker", *args], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.l2_worker", *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish_worker(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> dict[str, object]:
@@ -90,7 +102,7 @@ def finish_worker(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> dict
         proc.kill()
         out, err = proc.communicate()
     assert proc.returncode == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +115,9 @@ def valkey_server() -> Iterator[ValkeyServer]:
 
 
 @pytest.fixture(scope="module")
-def two_mounts(tmp_path_factory: pytest.TempPathFactory,
-               valkey_server: ValkeyServer) -> Iterator[tuple[JuiceFSMount, JuiceFSMount]]:
+def two_mounts(
+    tmp_path_factory: pytest.TempPathFactory, valkey_server: ValkeyServer
+) -> Iterator[tuple[JuiceFSMount, JuiceFSMount]]:
     """One JuiceFS volume (Valkey metadata, objects in a local dir) mounted twice."""
     if not fuse_available():
         pytest.skip("FUSE mounts need root + /dev/fuse")

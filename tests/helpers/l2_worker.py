@@ -34,8 +34,11 @@ def open_tier(backend: str, identity: ModelIdentity = IDENTITY) -> BlockTier:
     if kind == "posix":
         return PosixTier(where, identity.namespace(), identity.manifest(), exists_ttl_s=0)
     if kind == "valkey":
-        return ValkeyTier(ValkeyTierSettings(url=where, backoff_initial_s=0.05, backoff_max_s=0.2),
-                          identity.namespace(), identity.manifest())
+        return ValkeyTier(
+            ValkeyTierSettings(url=where, backoff_initial_s=0.05, backoff_max_s=0.2),
+            identity.namespace(),
+            identity.manifest(),
+        )
     raise SystemExit(f"unknown backend {backend!r}")
 
 
@@ -70,21 +73,36 @@ def read(args: argparse.Namespace) -> dict[str, object]:
             else:
                 mismatched += 1
     s = tier.stats()
-    return {"hits": hits, "misses": misses, "mismatched": mismatched, "passes": passes,
-            "corrupt_removed": s.corrupt_removed, "errors": s.errors}
+    return {
+        "hits": hits,
+        "misses": misses,
+        "mismatched": mismatched,
+        "passes": passes,
+        "corrupt_removed": s.corrupt_removed,
+        "errors": s.errors,
+    }
 
 
 def fill(args: argparse.Namespace) -> dict[str, object]:
     """Write fresh blocks for `seconds`, logging (started, finished, bytes) per publish; with
     `--capacity`, also run a janitor thread as a replica would."""
     from kvtier.core.tiers.janitor import Janitor, JanitorSettings
+
     tier = open_tier(f"posix:{args.dir}")
     janitor = None
     if args.capacity:
-        janitor = Janitor(args.dir, JanitorSettings(
-            capacity_bytes=args.capacity, high_watermark=args.high, low_watermark=args.low,
-            lease_ttl_s=args.lease_ttl, interval_s=args.interval, grace_s=args.grace),
-            holder=f"writer-{args.writer}")
+        janitor = Janitor(
+            args.dir,
+            JanitorSettings(
+                capacity_bytes=args.capacity,
+                high_watermark=args.high,
+                low_watermark=args.low,
+                lease_ttl_s=args.lease_ttl,
+                interval_s=args.interval,
+                grace_s=args.grace,
+            ),
+            holder=f"writer-{args.writer}",
+        )
         janitor.start()
     written = []
     end = time.monotonic() + args.seconds
@@ -109,10 +127,19 @@ def fill(args: argparse.Namespace) -> dict[str, object]:
 def janitor(args: argparse.Namespace) -> dict[str, object]:
     """Run only a janitor (a replica that does not write) for `seconds`."""
     from kvtier.core.tiers.janitor import Janitor, JanitorSettings
-    j = Janitor(args.dir, JanitorSettings(
-        capacity_bytes=args.capacity, high_watermark=args.high, low_watermark=args.low,
-        lease_ttl_s=args.lease_ttl, interval_s=args.interval, grace_s=args.grace),
-        holder=args.holder)
+
+    j = Janitor(
+        args.dir,
+        JanitorSettings(
+            capacity_bytes=args.capacity,
+            high_watermark=args.high,
+            low_watermark=args.low,
+            lease_ttl_s=args.lease_ttl,
+            interval_s=args.interval,
+            grace_s=args.grace,
+        ),
+        holder=args.holder,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())  # terminate = a clean shutdown
     j.start()

@@ -40,8 +40,14 @@ def main(argv: list[str]) -> dict[str, int]:
     for h in hashes:
         tier.put(h, meta_for(n_bytes), variant_payload(h, me, n_bytes))
     stats = tier.stats()
-    return {"reads": reads, "hits": hits, "bad": bad, "corrupt_removed": stats.corrupt_removed,
-            "errors": stats.errors, "stored": stats.stored}
+    return {
+        "reads": reads,
+        "hits": hits,
+        "bad": bad,
+        "corrupt_removed": stats.corrupt_removed,
+        "errors": stats.errors,
+        "stored": stats.stored,
+    }
 
 
 if __name__ == "__main__":

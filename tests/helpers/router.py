@@ -23,9 +23,20 @@ from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.fake_replica import SSE_CHUNKS, FakeReplica
 
-__all__ = ["MAX_MODEL_LEN", "MODEL", "SSE_CHUNKS", "FakeReplica", "RouterThread",
-           "RunningRouter", "completion", "dumps", "fakes", "free_endpoint", "running_router",
-           "sse_bytes"]
+__all__ = [
+    "MAX_MODEL_LEN",
+    "MODEL",
+    "SSE_CHUNKS",
+    "FakeReplica",
+    "RouterThread",
+    "RunningRouter",
+    "completion",
+    "dumps",
+    "fakes",
+    "free_endpoint",
+    "running_router",
+    "sse_bytes",
+]
 
 T = TypeVar("T")
 MODEL = "smol"
@@ -42,23 +53,30 @@ class RunningRouter:
 
 
 @contextlib.asynccontextmanager
-async def running_router(tokenizer: Tokenizer, replicas: list[FakeReplica], **options: object
-                         ) -> AsyncIterator[RunningRouter]:
+async def running_router(
+    tokenizer: Tokenizer, replicas: list[FakeReplica], **options: object
+) -> AsyncIterator[RunningRouter]:
     """A router on a free port in front of `replicas`, plus a client."""
     options.setdefault("health_interval_s", 0.2)
     options.setdefault("connect_timeout_s", 1.0)
     options.setdefault("seed", 0)
     config = RouterSettings(replicas=[r.url for r in replicas], port=0, **options)
     router = Router(config, tokenizer=tokenizer)
-    async with serving(router, "127.0.0.1", 0) as listening, \
-            httpx.AsyncClient(timeout=60) as client:
+    async with (
+        serving(router, "127.0.0.1", 0) as listening,
+        httpx.AsyncClient(timeout=60) as client,
+    ):
         yield RunningRouter(router, listening.url, client)
 
 
 @contextlib.asynccontextmanager
 async def fakes(*modes: str) -> AsyncIterator[list[FakeReplica]]:
-    replicas = [await FakeReplica(mode=m, model=MODEL, max_model_len=MAX_MODEL_LEN,
-                                  block_tokens=BLOCK_TOKENS).start() for m in modes]
+    replicas = [
+        await FakeReplica(
+            mode=m, model=MODEL, max_model_len=MAX_MODEL_LEN, block_tokens=BLOCK_TOKENS
+        ).start()
+        for m in modes
+    ]
     try:
         yield replicas
     finally:
@@ -88,8 +106,8 @@ def dumps(doc: object) -> bytes:
 class RouterThread:
     """A router serving from a background thread (for synchronous tests against real engines).
 
-        with RouterThread(config) as rt:
-            httpx.post(rt.url + "/v1/completions", ...)
+    with RouterThread(config) as rt:
+        httpx.post(rt.url + "/v1/completions", ...)
     """
 
     def __init__(self, config: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
@@ -111,8 +129,10 @@ class RouterThread:
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the router's loop (its state is not thread-safe) and return its result."""
         assert self._loop is not None
+
         async def wrapped() -> T:
             return fn()
+
         return asyncio.run_coroutine_threadsafe(wrapped(), self._loop).result(30)
 
     def __enter__(self) -> Self:

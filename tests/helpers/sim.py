@@ -12,17 +12,32 @@ from typing import Any
 
 from kvtier.tools.sim.cost_model import CostModel
 
-MOONCAKE = (Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
-            / "mooncake_conversation_trace.jsonl")
+MOONCAKE = (
+    Path(__file__).resolve().parents[3]
+    / "shared"
+    / "data"
+    / "traces"
+    / "mooncake_conversation_trace.jsonl"
+)
 """The Mooncake conversation trace (12,031 requests); ideal block hit rate 36.6%."""
 
 
 def write_trace(path: Path, rows: Iterable[tuple[float, int, int, Sequence[int]]]) -> Path:
     """Write (timestamp_ms, input_length, output_length, hash_ids) rows as Mooncake JSONL."""
-    path.write_text("".join(
-        json.dumps({"timestamp": ts, "input_length": n_in, "output_length": n_out,
-                    "hash_ids": list(ids)}) + "\n"
-        for ts, n_in, n_out, ids in rows))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": ts,
+                    "input_length": n_in,
+                    "output_length": n_out,
+                    "hash_ids": list(ids),
+                }
+            )
+            + "\n"
+            for ts, n_in, n_out, ids in rows
+        )
+    )
     return path
 
 
@@ -51,7 +66,15 @@ def make_costs(**changes: Any) -> CostModel:
     """Round numbers for hand-computed TTFTs: 512 tokens prefill in 0.5 s, read from L1 in
     0.25 s, from L2 in 0.125 s; no overhead; an unbounded pool."""
     base = CostModel(
-        prefill_tokens_per_s=1024.0, request_overhead_s=0.0, decode_tokens_per_s=10.0,
-        kv_bytes_per_token=1000, l1_read_bytes_per_s=2.048e6, l2_read_bytes_per_s=4.096e6,
-        l2_pool_read_bytes_per_s=math.inf, l0_gib=1.0, l1_gib=2.0, l2_gib=0.0)
+        prefill_tokens_per_s=1024.0,
+        request_overhead_s=0.0,
+        decode_tokens_per_s=10.0,
+        kv_bytes_per_token=1000,
+        l1_read_bytes_per_s=2.048e6,
+        l2_read_bytes_per_s=4.096e6,
+        l2_pool_read_bytes_per_s=math.inf,
+        l0_gib=1.0,
+        l1_gib=2.0,
+        l2_gib=0.0,
+    )
     return replace(base, **changes)

@@ -27,8 +27,12 @@ def payload_for(block_hash: BlockHash, nbytes: int) -> bytes:
 
 def meta_for(nbytes: int, parent: BlockHash | None = None) -> BlockMeta:
     """Meta of a uint8 payload of `nbytes` (any size; the codec checks shape x itemsize)."""
-    return BlockMeta(num_tokens=4, dtype="uint8", shape=(nbytes,),
-                     parent=root_hash() if parent is None else parent)
+    return BlockMeta(
+        num_tokens=4,
+        dtype="uint8",
+        shape=(nbytes,),
+        parent=root_hash() if parent is None else parent,
+    )
 
 
 def variant_payload(block_hash: BlockHash, writer: int, nbytes: int) -> bytes:

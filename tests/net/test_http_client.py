@@ -16,9 +16,6 @@ from kvtier.core.errors import ConfigError
 from kvtier.net.http_client import HttpPool
 from kvtier.tools.fake_replica import FakeReplica
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-"""Serves one connection: (reader, writer, index of the connection)."""
-
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 
@@ -35,8 +32,11 @@ class Peer:
 
     async def request(self) -> bytes:
         head = await self.reader.readuntil(b"\r\n\r\n")
-        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                      if line.lower().startswith(b"content-length:"))
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
         self.requests.append(head + await self.reader.readexactly(length))
         return self.requests[-1]
 
@@ -94,8 +94,9 @@ def test_a_second_request_reuses_the_connection_and_sends_body_and_headers() -> 
         async with raw_server(script) as (url, requests):
             pool = HttpPool(1.0, 5.0)
             for body in (b'{"a": 1}', b'{"b": 2}'):
-                resp = await pool.post(url, "/v1/completions", body,
-                                       [("Content-Type", "application/json")])
+                resp = await pool.post(
+                    url, "/v1/completions", body, [("Content-Type", "application/json")]
+                )
                 assert resp.status == 200
                 assert (b"Content-Type", b"application/json") in resp.headers
                 assert await resp.read() == b"{}"
@@ -108,6 +109,7 @@ def test_a_second_request_reuses_the_connection_and_sends_body_and_headers() -> 
         assert b"\r\nHost: 127.0.0.1:" in first and b"\r\nContent-Length: 8\r\n" in first
         assert b"\r\nContent-Type: application/json\r\n" in first
         assert first.endswith(b'\r\n\r\n{"a": 1}')
+
     run(scenario())
 
 
@@ -132,6 +134,7 @@ def test_an_answer_left_half_read_is_aborted_not_reused() -> None:
             resp.close()
             pool.close()
         assert connections == [0, 1]
+
     run(scenario())
 
 
@@ -154,6 +157,7 @@ def test_a_stale_keep_alive_socket_is_retried_on_a_fresh_connection() -> None:
                 resp.close()
             pool.close()
         assert len(requests) == 3  # the second request was sent twice
+
     run(scenario())
 
 
@@ -162,8 +166,10 @@ def test_a_chunked_stream_arrives_piece_by_piece() -> None:
 
     async def script(peer: Peer) -> None:
         await peer.request()
-        await peer.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                        b"Transfer-Encoding: chunked\r\n\r\n8\r\ndata: a\n\r\n")
+        await peer.send(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n8\r\ndata: a\n\r\n"
+        )
         await step.wait()
         await peer.send(b"8\r\ndata: b\n\r\n0\r\n\r\n")
         await peer.reader.read()
@@ -177,6 +183,7 @@ def test_a_chunked_stream_arrives_piece_by_piece() -> None:
             assert await resp.read() == b"data: b\n"
             resp.close()
             pool.close()
+
     run(scenario())
 
 
@@ -193,15 +200,20 @@ def test_a_body_ended_by_closing_the_connection_is_read_whole() -> None:
             assert await resp.read() == b"hello world"
             resp.close()
             pool.close()
+
     run(scenario())
 
 
-@pytest.mark.parametrize(("answer", "error"), [
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", ConnectionResetError),
-    (b"garbage\r\n\r\n", ConnectionError),
-])
-def test_a_cut_or_garbled_answer_raises_a_connection_error(answer: bytes,
-                                                           error: type[Exception]) -> None:
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", ConnectionResetError),
+        (b"garbage\r\n\r\n", ConnectionError),
+    ],
+)
+def test_a_cut_or_garbled_answer_raises_a_connection_error(
+    answer: bytes, error: type[Exception]
+) -> None:
     async def script(peer: Peer) -> None:
         await peer.request()
         await peer.send(answer)
@@ -213,6 +225,7 @@ def test_a_cut_or_garbled_answer_raises_a_connection_error(answer: bytes,
                 resp = await pool.post(url, "/x", b"{}", [])
                 await resp.read()
             pool.close()
+
     run(scenario())
 
 
@@ -231,6 +244,7 @@ def test_a_silent_replica_times_out_and_a_closed_port_is_refused() -> None:
             await pool.post(url, "/x", b"{}", [])  # the server is gone now
         with pytest.raises(ConfigError, match=r"http\(s\)://HOST"):
             await pool.post("ftp://127.0.0.1:1", "/x", b"{}", [])
+
     run(scenario())
 
 
@@ -253,4 +267,5 @@ def test_https_is_spoken_with_the_pools_trusted_cas_and_a_stranger_is_refused() 
                 await HttpPool(2.0, 5.0).get(replica.url, "/health")  # the system's CAs only
         finally:
             await replica.stop()
+
     run(scenario())

@@ -26,29 +26,44 @@ def _hashes(n: int) -> tuple:
 
 
 def test_encode_then_decode_returns_the_same_event() -> None:
-    event = KVEvent(kind=EventKind.STORED, replica="http://127.0.0.1:8001", epoch="ab12",
-                    tier=Tier.L2, hashes=_hashes(3), seq=41)
+    event = KVEvent(
+        kind=EventKind.STORED,
+        replica="http://127.0.0.1:8001",
+        epoch="ab12",
+        tier=Tier.L2,
+        hashes=_hashes(3),
+        seq=41,
+    )
     assert decode(encode(event)) == event
 
 
 def test_cleared_event_with_no_hashes_roundtrips() -> None:
-    event = KVEvent(kind=EventKind.CLEARED, replica="r", epoch="e", tier=Tier.L1, hashes=(),
-                    seq=0)
+    event = KVEvent(kind=EventKind.CLEARED, replica="r", epoch="e", tier=Tier.L1, hashes=(), seq=0)
     assert decode(encode(event)) == event
 
 
-_GOOD = {"v": 1, "kind": "stored", "replica": "r", "epoch": "e", "tier": "l1", "seq": 0,
-         "hashes": []}
+_GOOD = {
+    "v": 1,
+    "kind": "stored",
+    "replica": "r",
+    "epoch": "e",
+    "tier": "l1",
+    "seq": 0,
+    "hashes": [],
+}
 
 
-@pytest.mark.parametrize("frame", [
-    b"not json",
-    json.dumps(_GOOD | {"v": 2}).encode(),
-    json.dumps(_GOOD | {"tier": "l9"}).encode(),
-    json.dumps(_GOOD | {"hashes": ["abcd"]}).encode(),
-    json.dumps(_GOOD | {"seq": "x"}).encode(),
-    json.dumps({k: v for k, v in _GOOD.items() if k != "epoch"}).encode(),
-])
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"not json",
+        json.dumps(_GOOD | {"v": 2}).encode(),
+        json.dumps(_GOOD | {"tier": "l9"}).encode(),
+        json.dumps(_GOOD | {"hashes": ["abcd"]}).encode(),
+        json.dumps(_GOOD | {"seq": "x"}).encode(),
+        json.dumps({k: v for k, v in _GOOD.items() if k != "epoch"}).encode(),
+    ],
+)
 def test_malformed_frames_raise_codec_error(frame: bytes) -> None:
     with pytest.raises(CodecError):
         decode(frame)
@@ -109,8 +124,11 @@ def test_subscriber_skips_and_counts_malformed_frames() -> None:
     raw.bind(endpoint)
     try:
         with EventSubscriber([endpoint]) as sub:
-            good = encode(KVEvent(kind=EventKind.STORED, replica="r", epoch="e", tier=Tier.L1,
-                                  hashes=(), seq=5))
+            good = encode(
+                KVEvent(
+                    kind=EventKind.STORED, replica="r", epoch="e", tier=Tier.L1, hashes=(), seq=5
+                )
+            )
             event = None
             for _ in range(50):
                 raw.send_multipart([b"kvtier.kv", b"garbage"])

@@ -8,6 +8,7 @@ import json
 import socket
 import ssl
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trustme
@@ -17,6 +18,7 @@ from kvtier.core.events import EventKind
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventPublisher
 from kvtier.router.app import Router, serving
+from kvtier.router.policies import CostPolicy
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
 from tests.helpers.router import (
@@ -48,8 +50,9 @@ async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 
 def metric(text: str, sample: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(sample + " "))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample + " ")
+    )
 
 
 def in_flight(rr) -> dict[str, int]:
@@ -62,7 +65,10 @@ def queued(rr) -> dict[str, int]:
 
 # ----- passthrough -----
 
-def test_non_streaming_response_is_passed_through_with_the_chosen_replica(tokenizer: Tokenizer) -> None:
+
+def test_non_streaming_response_is_passed_through_with_the_chosen_replica(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
             resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
@@ -71,6 +77,7 @@ def test_non_streaming_response_is_passed_through_with_the_chosen_replica(tokeni
             assert resp.json()["served_by"] == a.url
             assert a.received == [completion()]
             assert in_flight(rr) == {a.url: 0} and queued(rr) == {a.url: 0}
+
     run(scenario())
 
 
@@ -82,6 +89,7 @@ def test_streaming_response_is_relayed_byte_for_byte(tokenizer: Tokenizer) -> No
             assert resp.status_code == 200
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             assert resp.content == sse_bytes()
+
     run(scenario())
 
 
@@ -93,59 +101,78 @@ def test_models_and_health_and_metrics_endpoints_answer(tokenizer: Tokenizer) ->
             assert [m["id"] for m in resp.json()["data"]] == [MODEL]
             resp = await rr.client.get(rr.url + "/health")
             doc = resp.json()
-            assert resp.status_code == 200 and sorted(doc["healthy_replicas"]) == \
-                sorted(r.url for r in reps)
+            assert resp.status_code == 200 and sorted(doc["healthy_replicas"]) == sorted(
+                r.url for r in reps
+            )
             resp = await rr.client.get(rr.url + "/metrics")
             text = resp.text
-            assert 'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' \
-                in text
-            assert 'kvtier_router_decisions_total{reason="cold",strategy="prefixaware"} 1.0' \
-                in text
-            for name in ("kvtier_router_request_seconds_bucket", "kvtier_router_in_flight{",
-                         "kvtier_router_index_blocks{", "kvtier_router_overhead_seconds_count",
-                         "kvtier_router_replica_healthy{"):
+            assert (
+                'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
+            )
+            assert 'kvtier_router_decisions_total{reason="cold",strategy="prefixaware"} 1.0' in text
+            for name in (
+                "kvtier_router_request_seconds_bucket",
+                "kvtier_router_in_flight{",
+                "kvtier_router_index_blocks{",
+                "kvtier_router_overhead_seconds_count",
+                "kvtier_router_replica_healthy{",
+            ):
                 assert name in text
+
     run(scenario())
 
 
 # ----- routing -----
+
 
 def test_prefixaware_sends_a_repeated_long_prompt_to_the_same_replica(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok", "ok") as reps, running_router(tokenizer, reps) as rr:
             chosen = []
             for suffix in ("one", "two", "three", "four"):
-                resp = await rr.client.post(rr.url + "/v1/completions",
-                                            json=completion(LONG_PROMPT + suffix))
+                resp = await rr.client.post(
+                    rr.url + "/v1/completions", json=completion(LONG_PROMPT + suffix)
+                )
                 chosen.append(resp.headers["x-kvtier-replica"])
             assert len(set(chosen)) == 1
+
     run(scenario())
 
 
 def test_session_strategy_sticks_to_the_header_session(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        async with fakes("ok", "ok", "ok") as reps, \
-                running_router(tokenizer, reps, strategy="session") as rr:
+        async with (
+            fakes("ok", "ok", "ok") as reps,
+            running_router(tokenizer, reps, strategy="session") as rr,
+        ):
             chosen = set()
             for i in range(5):
-                resp = await rr.client.post(rr.url + "/v1/completions",
-                                            json=completion(f"q{i}"),
-                                            headers={"x-session-id": "alice"})
+                resp = await rr.client.post(
+                    rr.url + "/v1/completions",
+                    json=completion(f"q{i}"),
+                    headers={"x-session-id": "alice"},
+                )
                 chosen.add(resp.headers["x-kvtier-replica"])
             assert len(chosen) == 1
+
     run(scenario())
 
 
-def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix(tokenizer: Tokenizer) -> None:
+def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
         endpoint = free_endpoint()
         async with fakes("ok", "ok", "ok") as reps:
             holder = reps[2]
             with EventPublisher(endpoint, holder.url, epoch="one") as pub:
-                async with running_router(tokenizer, reps, strategy="kvaware", events=(endpoint,)) as rr:
+                async with running_router(
+                    tokenizer, reps, strategy="kvaware", events=(endpoint,)
+                ) as rr:
                     body = completion(LONG_PROMPT)
                     hashes = rr.router.tokenizer.hash_ids(
-                        rr.router.tokenizer.request_tokens(body, chat=False), 16)
+                        rr.router.tokenizer.request_tokens(body, chat=False), 16
+                    )
                     for _ in range(200):  # PUB/SUB drops until the subscription propagates
                         pub.publish(EventKind.STORED, Tier.L1, hashes)
                         await asyncio.sleep(0.02)
@@ -155,16 +182,22 @@ def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix(toke
                     for _ in range(3):
                         resp = await rr.client.post(rr.url + "/v1/completions", json=body)
                         assert resp.headers["x-kvtier-replica"] == holder.url
+
     run(scenario())
 
 
 # ----- failover -----
 
+
 @pytest.mark.parametrize("bad_mode", ["error500", "reset", "hang", "stopped"])
-def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str, tokenizer: Tokenizer) -> None:
+def test_a_failing_replica_is_failed_over_before_the_first_byte(
+    bad_mode: str, tokenizer: Tokenizer
+) -> None:
     async def scenario() -> None:
-        async with fakes("ok" if bad_mode == "stopped" else bad_mode, "ok") as (bad, good), \
-                running_router(tokenizer, [bad, good], strategy="roundrobin", read_timeout_s=0.5) as rr:
+        async with (
+            fakes("ok" if bad_mode == "stopped" else bad_mode, "ok") as (bad, good),
+            running_router(tokenizer, [bad, good], strategy="roundrobin", read_timeout_s=0.5) as rr,
+        ):
             if bad_mode == "stopped":
                 await bad.stop()
             for _ in range(2):  # round robin visits the bad replica first or second
@@ -177,6 +210,7 @@ def test_a_failing_replica_is_failed_over_before_the_first_byte(bad_mode: str, t
             failovers = metric(text, f'kvtier_router_failovers_total{{replica="{bad.url}"}}')
             routed = metric(text, f'kvtier_router_routed_total{{replica="{bad.url}"}}')
             assert failovers == routed >= 1  # every attempt on the bad replica failed over
+
     run(scenario())
 
 
@@ -191,6 +225,7 @@ def test_every_replica_failing_is_a_502_with_an_openai_error(tokenizer: Tokenize
             assert in_flight(rr) == {r.url: 0 for r in reps}
             # they answered, so they stay candidates: one bad request does not empty the fleet
             assert all(r.healthy for r in rr.router.replicas)
+
     run(scenario())
 
 
@@ -204,6 +239,7 @@ def test_no_healthy_replica_is_a_503(tokenizer: Tokenizer) -> None:
             assert resp.json()["error"]["code"] == "no_healthy_replica"
             resp = await rr.client.get(rr.url + "/health")
             assert resp.status_code == 503
+
     run(scenario())
 
 
@@ -211,37 +247,43 @@ def test_a_replica_going_down_is_purged_from_the_index_and_comes_back(tokenizer:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
             await rr.client.post(rr.url + "/v1/completions", json=completion(LONG_PROMPT))
-            assert len(rr.router.policy.speculative) > 0
+            policy = cast(CostPolicy, rr.router.policy)
+            assert len(policy.speculative) > 0
             a.healthy = False
-            await wait_for(lambda: len(rr.router.policy.speculative) == 0, "index purge")
+            await wait_for(lambda: len(policy.speculative) == 0, "index purge")
             a.healthy = True
             await wait_for(lambda: rr.router.replicas[a.url].healthy, "replica back")
+
     run(scenario())
 
 
 # ----- streams that end badly -----
 
-def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(tokenizer: Tokenizer) -> None:
+
+def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
         async with fakes("die_mid_stream") as (a,), running_router(tokenizer, [a]) as rr:
-            resp = await rr.client.post(rr.url + "/v1/completions",
-                                        json=completion(stream=True))
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
             assert resp.status_code == 200
             body = resp.content
             assert body.startswith(SSE_CHUNKS[0])
-            event = json.loads(body[len(SSE_CHUNKS[0]):].removeprefix(b"data: "))
+            event = json.loads(body[len(SSE_CHUNKS[0]) :].removeprefix(b"data: "))
             assert event["error"]["type"] == "upstream_error"
             assert in_flight(rr) == {a.url: 0}
             text = rr.router.metrics.render().decode()
             assert 'kvtier_router_stream_errors_total{cause="upstream"} 1.0' in text
+
     run(scenario())
 
 
 def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("slow_stream") as (a,), running_router(tokenizer, [a]) as rr:
-            request = rr.client.build_request("POST", rr.url + "/v1/completions",
-                                              json=completion(LONG_PROMPT, stream=True))
+            request = rr.client.build_request(
+                "POST", rr.url + "/v1/completions", json=completion(LONG_PROMPT, stream=True)
+            )
             resp = await rr.client.send(request, stream=True)
             assert await anext(resp.aiter_raw()) == SSE_CHUNKS[0]
             assert in_flight(rr) == {a.url: 1}
@@ -249,17 +291,22 @@ def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: T
             await resp.aclose()  # the client hangs up mid-stream
             await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
             a.release.set()
+
     run(scenario())
 
 
-def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte(tokenizer: Tokenizer) -> None:
+def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
         async with fakes("hang") as (a,), running_router(tokenizer, [a], read_timeout_s=30) as rr:
-            task = asyncio.create_task(rr.client.post(rr.url + "/v1/completions",
-                                                      json=completion(LONG_PROMPT)))
+            task = asyncio.create_task(
+                rr.client.post(rr.url + "/v1/completions", json=completion(LONG_PROMPT))
+            )
             exact = len(rr.router.tokenizer.request_tokens(completion(LONG_PROMPT), chat=False))
-            tokens = rr.router.tokenizer.prompt(completion(LONG_PROMPT), chat=False) \
-                .estimated_tokens  # the router weighs the unencoded tail by its bytes
+            tokens = rr.router.tokenizer.prompt(
+                completion(LONG_PROMPT), chat=False
+            ).estimated_tokens  # the router weighs the unencoded tail by its bytes
             assert abs(tokens - exact) <= exact // 10
             await wait_for(lambda: in_flight(rr) == {a.url: 1}, "request in flight")
             assert queued(rr) == {a.url: tokens}
@@ -267,6 +314,7 @@ def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte(token
             await asyncio.gather(task, return_exceptions=True)
             await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
             assert queued(rr) == {a.url: 0}
+
     run(scenario())
 
 
@@ -279,74 +327,104 @@ BAD = [
     ("/v1/completions", dumps({"model": MODEL}), 400, "prompt"),
     ("/v1/completions", dumps({"model": MODEL, "prompt": 5}), 400, "prompt"),
     ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "stream": "yes"}), 400, "stream"),
-    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}), 400,
-     "max_tokens"),
-    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}), 400,
-     "max_tokens"),
+    (
+        "/v1/completions",
+        dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}),
+        400,
+        "max_tokens",
+    ),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}), 400, "max_tokens"),
     ("/v1/completions", dumps({"model": 7, "prompt": "x"}), 400, "model"),
     ("/v1/completions", dumps({"model": "gpt-9", "prompt": "x"}), 404, "model"),
-    ("/v1/completions", dumps({"model": MODEL, "prompt": "hi " * MAX_MODEL_LEN}), 400,
-     "prompt"),
-    ("/v1/completions", dumps({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
-     400, "prompt"),
+    ("/v1/completions", dumps({"model": MODEL, "prompt": "hi " * MAX_MODEL_LEN}), 400, "prompt"),
+    (
+        "/v1/completions",
+        dumps({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}),
+        400,
+        "prompt",
+    ),
     ("/v1/chat/completions", dumps({"model": MODEL, "messages": "hi"}), 400, "messages"),
     ("/v1/chat/completions", dumps({"model": MODEL, "messages": []}), 400, "messages"),
-    ("/v1/chat/completions", dumps({"model": MODEL, "messages": [{"content": "x"}]}), 400,
-     "messages[0]"),
-    ("/v1/chat/completions", dumps({"model": MODEL, "messages": [
-        {"role": "user", "content": 3}]}), 400, "messages[0].content"),
-    ("/v1/chat/completions", dumps({"model": MODEL, "tools": "x", "messages": [
-        {"role": "user", "content": "x"}]}), 400, "tools"),
+    (
+        "/v1/chat/completions",
+        dumps({"model": MODEL, "messages": [{"content": "x"}]}),
+        400,
+        "messages[0]",
+    ),
+    (
+        "/v1/chat/completions",
+        dumps({"model": MODEL, "messages": [{"role": "user", "content": 3}]}),
+        400,
+        "messages[0].content",
+    ),
+    (
+        "/v1/chat/completions",
+        dumps({"model": MODEL, "tools": "x", "messages": [{"role": "user", "content": "x"}]}),
+        400,
+        "tools",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
 def test_bad_input_gets_a_4xx_openai_error_and_reaches_no_replica(
-        path: str, body: bytes, status: int, param: str | None, tokenizer: Tokenizer) -> None:
+    path: str, body: bytes, status: int, param: str | None, tokenizer: Tokenizer
+) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
-            resp = await rr.client.post(rr.url + path, content=body,
-                                        headers={"Content-Type": "application/json"})
+            resp = await rr.client.post(
+                rr.url + path, content=body, headers={"Content-Type": "application/json"}
+            )
             assert resp.status_code == status
             error = resp.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
             assert error["param"] == param
             assert a.received == []
             # the router still serves
-            resp = await rr.client.post(rr.url + path.replace("chat/", ""),
-                                        json=completion())
+            resp = await rr.client.post(rr.url + path.replace("chat/", ""), json=completion())
             assert resp.status_code == 200
+
     run(scenario())
 
 
-def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors(tokenizer: Tokenizer) -> None:
+def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a], max_body_bytes=1024) as rr:
             for method, path, body, status in [
-                    ("POST", "/v1/completions", b"x" * 4096, 413),
-                    ("POST", "/v1/nothing", b"{}", 404),
-                    ("GET", "/v1/completions", b"", 405)]:
+                ("POST", "/v1/completions", b"x" * 4096, 413),
+                ("POST", "/v1/nothing", b"{}", 404),
+                ("GET", "/v1/completions", b"", 405),
+            ]:
                 resp = await rr.client.request(method, rr.url + path, content=body)
                 assert resp.status_code == status
-                assert set(resp.json()["error"]) == {"message", "type", "param",
-                                                             "code"}
+                assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
     run(scenario())
 
 
 def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a], max_body_bytes=1024) as rr:
+
             async def chunks(n: int):
                 for _ in range(n):
                     yield b" " * 512
-            resp = await rr.client.post(rr.url + "/v1/completions", content=chunks(4),
-                                        headers={"Content-Type": "application/json"})
+
+            resp = await rr.client.post(
+                rr.url + "/v1/completions",
+                content=chunks(4),
+                headers={"Content-Type": "application/json"},
+            )
             assert resp.status_code == 413  # no Content-Length to refuse up front
             assert resp.json()["error"]["type"] == "invalid_request_error"
-            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                        headers={"Expect": "100-continue"})
+            resp = await rr.client.post(
+                rr.url + "/v1/completions", json=completion(), headers={"Expect": "100-continue"}
+            )
             assert resp.status_code == 200
             assert len(a.received) == 1
+
     run(scenario())
 
 
@@ -354,11 +432,11 @@ def test_a_port_already_taken_is_a_config_error_naming_it(tokenizer: Tokenizer) 
     async def scenario() -> None:
         with socket.create_server(("127.0.0.1", 0)) as taken:
             port = taken.getsockname()[1]
-            router = Router(RouterSettings(replicas=["http://127.0.0.1:1"]),
-                            tokenizer=tokenizer)
+            router = Router(RouterSettings(replicas=["http://127.0.0.1:1"]), tokenizer=tokenizer)
             with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
                 async with serving(router, "127.0.0.1", port):
                     pass
+
     run(scenario())
 
 
@@ -368,35 +446,45 @@ def test_api_key_is_required_on_v1_but_not_on_health(tokenizer: Tokenizer) -> No
             resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
             assert resp.status_code == 401
             assert resp.json()["error"]["code"] == "invalid_api_key"
-            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                        headers={"Authorization": "Bearer wrong"})
+            resp = await rr.client.post(
+                rr.url + "/v1/completions",
+                json=completion(),
+                headers={"Authorization": "Bearer wrong"},
+            )
             assert resp.status_code == 401
-            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(),
-                                        headers={"Authorization": "Bearer s3cret"})
+            resp = await rr.client.post(
+                rr.url + "/v1/completions",
+                json=completion(),
+                headers={"Authorization": "Bearer s3cret"},
+            )
             assert resp.status_code == 200
             resp = await rr.client.get(rr.url + "/health")
             assert resp.status_code == 200
+
     run(scenario())
 
 
 def test_many_concurrent_requests_leave_every_counter_at_zero(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok", "error500", "ok") as reps, running_router(tokenizer, reps) as rr:
+
             async def one(i: int) -> int:
-                resp = await rr.client.post(rr.url + "/v1/completions",
-                                            json=completion(f"p{i % 3} " + LONG_PROMPT,
-                                                            stream=i % 2 == 0))
-                resp.content
+                resp = await rr.client.post(
+                    rr.url + "/v1/completions",
+                    json=completion(f"p{i % 3} " + LONG_PROMPT, stream=i % 2 == 0),
+                )
                 return resp.status_code
+
             statuses = await asyncio.gather(*(one(i) for i in range(30)))
             assert statuses == [200] * 30
             assert set(in_flight(rr).values()) == {0} and set(queued(rr).values()) == {0}
+
     run(scenario())
 
 
-
 def test_an_https_replica_is_served_with_its_ca_and_refused_without(
-        tmp_path: Path, tokenizer: Tokenizer) -> None:
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
     ca = trustme.CA()
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ca.issue_cert("127.0.0.1").configure_cert(server_tls)
@@ -406,8 +494,7 @@ def test_an_https_replica_is_served_with_its_ca_and_refused_without(
     async def scenario() -> None:
         replica = await FakeReplica(tls=server_tls, model=MODEL, block_tokens=16).start()
         try:
-            async with running_router(tokenizer, [replica],
-                                      replica_ca_file=str(ca_file)) as rr:
+            async with running_router(tokenizer, [replica], replica_ca_file=str(ca_file)) as rr:
                 resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
                 assert resp.status_code == 200 and resp.json()["served_by"] == replica.url
             async with running_router(tokenizer, [replica]) as rr:  # the system's CAs only
@@ -416,15 +503,20 @@ def test_an_https_replica_is_served_with_its_ca_and_refused_without(
                 assert resp.json()["error"]["code"] == "no_healthy_replica"
         finally:
             await replica.stop()
+
     run(scenario())
 
 
 def test_a_missing_ca_file_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
-        router = Router(RouterSettings(replicas=["https://127.0.0.1:1"],
-                                       replica_ca_file=str(tmp_path / "none.pem")),
-                        tokenizer=tokenizer)
+        router = Router(
+            RouterSettings(
+                replicas=["https://127.0.0.1:1"], replica_ca_file=str(tmp_path / "none.pem")
+            ),
+            tokenizer=tokenizer,
+        )
         with pytest.raises(ConfigError, match="^replica_ca_file: cannot load"):
             async with serving(router, "127.0.0.1", 0):
                 pass
+
     run(scenario())

@@ -49,8 +49,12 @@ class Engine:
 
     def prefix_hits(self) -> float:
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(m) for m in re.findall(
-            r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE))
+        return sum(
+            float(m)
+            for m in re.findall(
+                r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE
+            )
+        )
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +65,21 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
     try:
         for i in range(2):
             events = f"ipc://{tmp}/kv-events-{i}"
-            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
-                      "topic": "kv"}
-            spec = ServerSpec(model=model, port=free_port(), threads=1, cpu_ids=str(i),
-                              max_model_len=MAX_LEN,
-                              extra_args=["--kv-events-config", json.dumps(config)],
-                              log_path=Path(tmp, f"vllm-{i}.log"))
+            config = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": events,
+                "topic": "kv",
+            }
+            spec = ServerSpec(
+                model=model,
+                port=free_port(),
+                threads=1,
+                cpu_ids=str(i),
+                max_model_len=MAX_LEN,
+                extra_args=["--kv-events-config", json.dumps(config)],
+                log_path=Path(tmp, f"vllm-{i}.log"),
+            )
             engines.append(Engine(spec, events, ServerProcess(spec)))
         for engine in engines:
             engine.process.wait_healthy(600)
@@ -79,9 +92,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
 def router_config(engines: list[Engine], strategy: str, events: bool = False) -> RouterSettings:
     """No block size given: the router reads the engines' own from their /metrics."""
     return RouterSettings(
-        replicas=[ReplicaSettings(url=e.url, vllm_events=e.events if events else None)
-                  for e in engines],
-        strategy=strategy, port=0, health_interval_s=0.5, seed=1)
+        replicas=[
+            ReplicaSettings(url=e.url, vllm_events=e.events if events else None) for e in engines
+        ],
+        strategy=strategy,
+        port=0,
+        health_interval_s=0.5,
+        seed=1,
+    )
 
 
 def model_name() -> str:
@@ -94,12 +112,14 @@ def token_prompt(seed: int, n: int) -> list[int]:
 
 
 def post(url: str, body: dict, timeout: float = 300) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", json={"model": model_name(), **body},
-                      timeout=timeout)
+    return httpx.post(
+        url + "/v1/completions", json={"model": model_name(), **body}, timeout=timeout
+    )
 
 
 def test_shared_prefix_requests_land_where_the_prefix_is_cached(
-        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    engines: list[Engine], tokenizer: Tokenizer
+) -> None:
     prefixes = {p: token_prompt(p, 4 * BLOCK) for p in range(3)}
     before = [e.prefix_hits() for e in engines]
     chosen: dict[int, set[str]] = {p: set() for p in prefixes}
@@ -107,12 +127,13 @@ def test_shared_prefix_requests_land_where_the_prefix_is_cached(
         assert rt.call(lambda: rt.router.block_tokens) == BLOCK  # read from the engines
         for suffix in range(3):
             for p, prefix in prefixes.items():
-                resp = post(rt.url, {"prompt": prefix + token_prompt(100 + suffix, 20),
-                                     "max_tokens": 2})
+                resp = post(
+                    rt.url, {"prompt": prefix + token_prompt(100 + suffix, 20), "max_tokens": 2}
+                )
                 assert resp.status_code == 200, resp.text
                 chosen[p].add(resp.headers["x-kvtier-replica"])
     assert all(len(replicas) == 1 for replicas in chosen.values()), chosen
-    hits = sum(e.prefix_hits() - b for e, b in zip(engines, before))
+    hits = sum(e.prefix_hits() - b for e, b in zip(engines, before, strict=True))
     assert hits >= len(prefixes) * 2 * 4 * BLOCK  # every repeat hit its 4 cached blocks
 
 
@@ -122,11 +143,19 @@ def _normalize(sse: bytes) -> bytes:
 
 
 def test_streaming_through_the_router_matches_a_direct_stream_byte_for_byte(
-        engines: list[Engine], tokenizer: Tokenizer) -> None:
-    body = {"model": model_name(), "prompt": "The capital of France is", "max_tokens": 12,
-            "temperature": 0, "stream": True}
-    with RouterThread(router_config(engines, "roundrobin"), tokenizer) as rt, \
-            httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as resp:
+    engines: list[Engine], tokenizer: Tokenizer
+) -> None:
+    body = {
+        "model": model_name(),
+        "prompt": "The capital of France is",
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+    }
+    with (
+        RouterThread(router_config(engines, "roundrobin"), tokenizer) as rt,
+        httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as resp,
+    ):
         via_router = resp.read()
         replica = resp.headers["x-kvtier-replica"]
     with httpx.stream("POST", replica + "/v1/completions", json=body, timeout=120) as resp:
@@ -136,33 +165,50 @@ def test_streaming_through_the_router_matches_a_direct_stream_byte_for_byte(
 
 
 def test_chat_with_tools_and_bad_input_through_the_router(
-        engines: list[Engine], tokenizer: Tokenizer) -> None:
-    tools = [{"type": "function", "function": {"name": "weather", "description": "w",
-                                               "parameters": {"type": "object"}}}]
+    engines: list[Engine], tokenizer: Tokenizer
+) -> None:
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "weather", "description": "w", "parameters": {"type": "object"}},
+        }
+    ]
     with RouterThread(router_config(engines, "prefixaware"), tokenizer) as rt:
-        chat = {"model": model_name(), "max_tokens": 4, "tools": tools, "tool_choice": "none",
-                "messages": [{"role": "system", "content": "Be brief."},
-                             {"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+        chat = {
+            "model": model_name(),
+            "max_tokens": 4,
+            "tools": tools,
+            "tool_choice": "none",
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ],
+        }
         ok = httpx.post(rt.url + "/v1/chat/completions", timeout=120, json=chat)
         assert ok.status_code == 200, ok.text
         # the router tokenized exactly as the engine did (template, tools, content parts)
         assert ok.json()["usage"]["prompt_tokens"] == len(tokenizer.request_tokens(chat, chat=True))
         for body, status, param in [
-                ({"prompt": "x" * 10}, 400, "model"),
-                ({"model": "nope", "prompt": "x"}, 404, "model"),
-                ({"model": model_name(), "prompt": token_prompt(1, MAX_LEN)}, 400, "prompt"),
-                ({"model": model_name(), "prompt": "x", "max_tokens": -3}, 400,
-                 "max_tokens")]:
+            ({"prompt": "x" * 10}, 400, "model"),
+            ({"model": "nope", "prompt": "x"}, 404, "model"),
+            ({"model": model_name(), "prompt": token_prompt(1, MAX_LEN)}, 400, "prompt"),
+            ({"model": model_name(), "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+        ]:
             resp = httpx.post(rt.url + "/v1/completions", json=body, timeout=60)
             assert resp.status_code == status, resp.text
             assert resp.json()["error"]["param"] == param
         bad = httpx.post(rt.url + "/v1/completions", content=b"{oops", timeout=60)
-        assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type",
-                                                                        "param", "code"}
+        assert bad.status_code == 400 and set(bad.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
 
 
 def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
-        engines: list[Engine], tokenizer: Tokenizer) -> None:
+    engines: list[Engine], tokenizer: Tokenizer
+) -> None:
     with RouterThread(router_config(engines, "kvaware", events=True), tokenizer) as rt:
         # learn where a prefix lives, through vLLM's own KV events re-hashed router-side
         prefix = token_prompt(7, 3 * BLOCK)
@@ -177,10 +223,16 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
         assert len(rt.call(lambda: rt.router.index.match(hashes)[victim.url])) == 3
 
         # a long stream on the victim, killed mid-stream: ends with an error event
-        body = {"model": model_name(), "prompt": prefix + [13], "max_tokens": 2000,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", rt.url + "/v1/completions", json=body,
-                          timeout=httpx.Timeout(120)) as stream:
+        body = {
+            "model": model_name(),
+            "prompt": prefix + [13],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with httpx.stream(
+            "POST", rt.url + "/v1/completions", json=body, timeout=httpx.Timeout(120)
+        ) as stream:
             assert stream.headers["x-kvtier-replica"] == victim.url
             chunks = stream.iter_raw()
             first = next(chunks)
@@ -188,8 +240,7 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
             victim.process.kill()
             rest = b"".join(chunks)
         last_event = rest.strip().split(b"\n\n")[-1]
-        assert json.loads(last_event.removeprefix(b"data: "))["error"]["type"] == \
-            "upstream_error"
+        assert json.loads(last_event.removeprefix(b"data: "))["error"]["type"] == "upstream_error"
 
         # requests for the victim's prefix now succeed on the survivor, with no client error
         for i in range(3):
@@ -207,12 +258,11 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
         # restarted, it is healthy again and its entries come back from fresh events
         victim.restart()
         for _ in range(100):
-            if rt.call(lambda: rt.router.fleet[victim.url].healthy):
+            if rt.call(lambda: rt.router.replicas[victim.url].healthy):
                 break
             time.sleep(0.1)
         for seed in range(20):
-            resp = post(rt.url, {"prompt": token_prompt(1000 + seed, 2 * BLOCK),
-                                 "max_tokens": 2})
+            resp = post(rt.url, {"prompt": token_prompt(1000 + seed, 2 * BLOCK), "max_tokens": 2})
             assert resp.status_code == 200
             if resp.headers["x-kvtier-replica"] == victim.url:
                 break

@@ -30,8 +30,14 @@ class Forgets:
         self.index.purge(replica)
 
 
-def kv(kind: EventKind, tier: Tier, hashes: tuple = HASHES, epoch: str = "e1",
-       replica: str = "r1", seq: int = 0) -> KVEvent:
+def kv(
+    kind: EventKind,
+    tier: Tier,
+    hashes: tuple = HASHES,
+    epoch: str = "e1",
+    replica: str = "r1",
+    seq: int = 0,
+) -> KVEvent:
     return KVEvent(kind, replica, epoch, tier, hashes, seq)
 
 
@@ -41,7 +47,9 @@ def test_kvtier_events_fill_tiers_and_l2_goes_to_the_shared_pseudo_replica() -> 
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:2]), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L2), now=0.0)
     assert index.match(HASHES, replicas=["r1", "r2"]) == {
-        "r1": [Tier.L1, Tier.L1, Tier.L2, Tier.L2], "r2": [Tier.L2] * 4}
+        "r1": [Tier.L1, Tier.L1, Tier.L2, Tier.L2],
+        "r2": [Tier.L2] * 4,
+    }
     applier.apply(kv(EventKind.REMOVED, Tier.L2, HASHES[2:]), now=1.0)
     applier.apply(kv(EventKind.CLEARED, Tier.L1, ()), now=1.0)
     assert index.match(HASHES, replicas=["r1"]) == {"r1": [Tier.L2, Tier.L2]}
@@ -64,26 +72,41 @@ def vllm_batch(*events: dict) -> bytes:
 
 
 def stored(ext: list, tokens: list[int], parent: object = None) -> dict:
-    return {"type": "BlockStored", "block_hashes": ext, "parent_block_hash": parent,
-            "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "GPU",
-            "lora_name": None}
+    return {
+        "type": "BlockStored",
+        "block_hashes": ext,
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": BLOCK,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
 
 
 def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() -> None:
     index = PrefixIndex()
     rehasher = VllmRehasher("r1", index, Forgets(index))
     counted: list[tuple[str, str]] = []
-    count = lambda source, kind: counted.append((source, kind))
+
+    def count(source: str, kind: str) -> None:
+        counted.append((source, kind))
+
     rehasher.apply(0, vllm_batch(stored([b"seed-a", 77], TOKENS[:8])), 0.0, count)
     rehasher.apply(1, vllm_batch(stored([b"x" * 32, 9], TOKENS[8:], parent=77)), 0.0, count)
     assert index.match(HASHES) == {"r1": [Tier.L0] * 4}
-    rehasher.apply(2, vllm_batch({"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}),
-                   0.0, count)
+    rehasher.apply(
+        2, vllm_batch({"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}), 0.0, count
+    )
     assert index.match(HASHES) == {"r1": [Tier.L0] * 3}
     rehasher.apply(3, vllm_batch({"type": "AllBlocksCleared"}), 0.0, count)
     assert len(index) == 0
-    assert counted == [("vllm", "BlockStored"), ("vllm", "BlockStored"),
-                       ("vllm", "BlockRemoved"), ("vllm", "AllBlocksCleared")]
+    assert counted == [
+        ("vllm", "BlockStored"),
+        ("vllm", "BlockStored"),
+        ("vllm", "BlockRemoved"),
+        ("vllm", "AllBlocksCleared"),
+    ]
 
 
 def test_vllm_block_with_an_unknown_parent_is_skipped_not_misnamed() -> None:
@@ -113,8 +136,9 @@ def test_event_feed_applies_published_kvtier_events_over_zmq() -> None:
         endpoint = _free_endpoint()
         index = PrefixIndex()
         with EventPublisher(endpoint, "r1") as pub:
-            feed = EventFeed(index, [endpoint], {}, Forgets(index), lambda s, k: None,
-                             time.monotonic, 1000)
+            feed = EventFeed(
+                index, [endpoint], {}, Forgets(index), lambda s, k: None, time.monotonic, 1000
+            )
             feed.start()
             try:
                 for _ in range(100):  # PUB/SUB drops until the subscription propagates
@@ -125,4 +149,5 @@ def test_event_feed_applies_published_kvtier_events_over_zmq() -> None:
             finally:
                 await feed.close()
         assert index.match(HASHES) == {"r1": [Tier.L1] * 4}
+
     asyncio.run(asyncio.wait_for(scenario(), 30))

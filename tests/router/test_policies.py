@@ -2,6 +2,7 @@
 
 import random
 from collections import Counter
+from typing import cast
 
 import pytest
 
@@ -11,6 +12,7 @@ from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import (
     POLICIES,
+    CostPolicy,
     CostWeights,
     Decision,
     ReplicaView,
@@ -46,33 +48,41 @@ def test_prefixaware_sends_a_repeated_prefix_back_to_the_replica_that_got_it() -
 
 def test_prefixaware_spreads_cold_prefixes_of_a_sequential_client() -> None:
     policy, rng = make_policy("prefixaware"), random.Random(0)
-    placed = Counter(route(policy, request(p), idle("a", "b"), rng, now=p).replica
-                     for p in range(8))
+    placed = Counter(
+        route(policy, request(p), idle("a", "b"), rng, now=p).replica for p in range(8)
+    )
     assert placed == {"a": 4, "b": 4}
 
 
 def test_load_outweighs_a_short_shared_prefix_instead_of_hot_spotting() -> None:
-    policy, rng = make_policy("prefixaware"), random.Random(0)
+    policy, rng = cast(CostPolicy, make_policy("prefixaware")), random.Random(0)
     route(policy, request(7, blocks=1), idle("a", "b"), rng)
     cached_on = policy.speculative.replicas().pop()
     other = "b" if cached_on == "a" else "a"
-    busy = [ReplicaView(cached_on, in_flight=1, queued_prefill_tokens=100),
-            ReplicaView(other, in_flight=0, queued_prefill_tokens=0)]
+    busy = [
+        ReplicaView(cached_on, in_flight=1, queued_prefill_tokens=100),
+        ReplicaView(other, in_flight=0, queued_prefill_tokens=0),
+    ]
     assert policy.choose(request(7, blocks=1), busy, rng, 0.0) == Decision(other, "load", 0)
 
 
 def test_prefixonly_hot_spots_a_shared_prefix_whatever_the_load() -> None:
     policy, rng = make_policy("prefixonly"), random.Random(0)
     first = route(policy, request(7, blocks=1), idle("a", "b"), rng)
-    busy = [ReplicaView(first.replica, in_flight=50, queued_prefill_tokens=10_000),
-            ReplicaView("a" if first.replica == "b" else "b", 0, 0)]
+    busy = [
+        ReplicaView(first.replica, in_flight=50, queued_prefill_tokens=10_000),
+        ReplicaView("a" if first.replica == "b" else "b", 0, 0),
+    ]
     assert policy.choose(request(7, blocks=1), busy, rng, 1.0).replica == first.replica
 
 
 def test_equal_costs_break_ties_at_random_not_first_wins() -> None:
-    picks = Counter(make_policy("prefixaware").choose(request(1), idle("a", "b", "c"),
-                                                      random.Random(seed), 0.0).replica
-                    for seed in range(60))
+    picks = Counter(
+        make_policy("prefixaware")
+        .choose(request(1), idle("a", "b", "c"), random.Random(seed), 0.0)
+        .replica
+        for seed in range(60)
+    )
     assert set(picks) == {"a", "b", "c"}
 
 
@@ -83,8 +93,9 @@ def test_kvaware_prefers_l0_over_l1_over_shared_l2() -> None:
     index.insert("b", req.hashes, Tier.L0, now=0.0)
     index.insert(SHARED, req.hashes, Tier.L2, now=0.0)
     policy = make_policy("kvaware", index=index)
-    assert policy.choose(req, idle("a", "b", "c"), random.Random(0), 0.0) == \
-        Decision("b", "prefix-hit", 4 * BLOCK)
+    assert policy.choose(req, idle("a", "b", "c"), random.Random(0), 0.0) == Decision(
+        "b", "prefix-hit", 4 * BLOCK
+    )
     index.purge("b")
     assert policy.choose(req, idle("a", "b", "c"), random.Random(0), 0.0).replica == "a"
 
@@ -121,25 +132,35 @@ def test_every_strategy_raises_routing_error_without_a_healthy_replica(name: str
 
 def test_roundrobin_cycles_through_healthy_replicas_in_name_order() -> None:
     policy, rng = make_policy("roundrobin"), random.Random(0)
-    assert [route(policy, request(1), idle("c", "a", "b"), rng).replica
-            for _ in range(4)] == ["a", "b", "c", "a"]
+    assert [route(policy, request(1), idle("c", "a", "b"), rng).replica for _ in range(4)] == [
+        "a",
+        "b",
+        "c",
+        "a",
+    ]
 
 
 def test_leastload_picks_fewest_in_flight_then_fewest_queued_tokens() -> None:
     views = [ReplicaView("a", 2, 0), ReplicaView("b", 1, 500), ReplicaView("c", 1, 100)]
-    assert make_policy("leastload").choose(request(1), views, random.Random(0), 0.0) == \
-        Decision("c", "load", 0)
+    assert make_policy("leastload").choose(request(1), views, random.Random(0), 0.0) == Decision(
+        "c", "load", 0
+    )
 
 
 def test_session_sticks_to_its_replica_and_repins_when_it_fails() -> None:
     policy, rng = make_policy("session"), random.Random(0)
     first = route(policy, request(1, session="u1"), idle("a", "b"), rng)
-    loaded = [ReplicaView(first.replica, 9, 900), ReplicaView("a" if first.replica == "b"
-                                                               else "b", 0, 0)]
-    assert policy.choose(request(2, session="u1"), loaded, rng, 1.0) == \
-        Decision(first.replica, "session", 0)
-    down = [ReplicaView(v.name, v.in_flight, v.queued_prefill_tokens,
-                        healthy=v.name != first.replica) for v in loaded]
+    loaded = [
+        ReplicaView(first.replica, 9, 900),
+        ReplicaView("a" if first.replica == "b" else "b", 0, 0),
+    ]
+    assert policy.choose(request(2, session="u1"), loaded, rng, 1.0) == Decision(
+        first.replica, "session", 0
+    )
+    down = [
+        ReplicaView(v.name, v.in_flight, v.queued_prefill_tokens, healthy=v.name != first.replica)
+        for v in loaded
+    ]
     assert policy.choose(request(2, session="u1"), down, rng, 2.0).replica != first.replica
 
 

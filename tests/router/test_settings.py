@@ -14,25 +14,31 @@ from kvtier.tools.router_cli import settings_from_args
 
 def test_replicas_file_accepts_urls_and_objects_in_yaml_or_json(tmp_path: Path) -> None:
     yaml_file = tmp_path / "r.yaml"
-    yaml_file.write_text("replicas:\n  - http://127.0.0.1:8001/\n"
-                         "  - {url: 'http://127.0.0.1:8002', name: b, vllm_events: 'ipc:///x'}\n"
-                         "  - http://127.0.0.1:8003=tcp://127.0.0.1:5557\n")
+    yaml_file.write_text(
+        "replicas:\n  - http://127.0.0.1:8001/\n"
+        "  - {url: 'http://127.0.0.1:8002', name: b, vllm_events: 'ipc:///x'}\n"
+        "  - http://127.0.0.1:8003=tcp://127.0.0.1:5557\n"
+    )
     json_file = tmp_path / "r.json"
     json_file.write_text('["http://127.0.0.1:8001"]')
     assert load_replicas_file(yaml_file) == (
         ReplicaSettings(url="http://127.0.0.1:8001", name="http://127.0.0.1:8001"),
         ReplicaSettings(url="http://127.0.0.1:8002", name="b", vllm_events="ipc:///x"),
-        ReplicaSettings(url="http://127.0.0.1:8003", vllm_events="tcp://127.0.0.1:5557"))
+        ReplicaSettings(url="http://127.0.0.1:8003", vllm_events="tcp://127.0.0.1:5557"),
+    )
     assert load_replicas_file(json_file) == (ReplicaSettings(url="http://127.0.0.1:8001"),)
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("[]", "no list"),
-    ("- ftp://x\n", "entry 0.url: 'ftp://x' is not an http"),
-    ("- {url: 'http://a:1', colour: red}\n", "entry 0.colour: unknown setting"),
-    ("- 5\n", "entry 0"),
-    ("{oops", "cannot read"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[]", "no list"),
+        ("- ftp://x\n", "entry 0.url: 'ftp://x' is not an http"),
+        ("- {url: 'http://a:1', colour: red}\n", "entry 0.colour: unknown setting"),
+        ("- 5\n", "entry 0"),
+        ("{oops", "cannot read"),
+    ],
+)
 def test_bad_replicas_files_are_config_errors(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(text)
@@ -40,16 +46,19 @@ def test_bad_replicas_files_are_config_errors(tmp_path: Path, text: str, match: 
         load_replicas_file(path)
 
 
-@pytest.mark.parametrize(("options", "message"), [
-    ({"replicas": ()}, "^replicas: at least one replica"),
-    ({"block_tokens": 0}, "^block_tokens: input should be greater than 0"),
-    ({"port": 70000}, "^port: input should be less than 65536"),
-    ({"health_interval_s": 0}, "^health_interval_s:"),
-    ({"api_key": ""}, "^api_key:"),
-    ({"strategy": "fastest"}, "^strategy:"),
-    ({"max_body_bytes": "1x"}, "^max_body_bytes: cannot read"),
-    ({"replicas": ["http://a:1", "http://a:1"]}, "^replicas: duplicate"),
-])
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"replicas": ()}, "^replicas: at least one replica"),
+        ({"block_tokens": 0}, "^block_tokens: input should be greater than 0"),
+        ({"port": 70000}, "^port: input should be less than 65536"),
+        ({"health_interval_s": 0}, "^health_interval_s:"),
+        ({"api_key": ""}, "^api_key:"),
+        ({"strategy": "fastest"}, "^strategy:"),
+        ({"max_body_bytes": "1x"}, "^max_body_bytes: cannot read"),
+        ({"replicas": ["http://a:1", "http://a:1"]}, "^replicas: duplicate"),
+    ],
+)
 def test_router_settings_name_the_bad_field(options: dict, message: str) -> None:
     base: dict = {"replicas": ["http://127.0.0.1:8001"]}
     with pytest.raises(ConfigError, match=message):
@@ -64,37 +73,77 @@ def test_defaults_leave_the_block_size_to_the_replicas() -> None:
 def test_flags_become_router_settings(tmp_path: Path) -> None:
     extra = tmp_path / "r.yaml"
     extra.write_text("- http://127.0.0.1:8003\n")
-    args = build_parser().parse_args([
-        "router", "--replica", "http://127.0.0.1:8001",
-        "--replica", "http://127.0.0.1:8002=ipc:///tmp/kv", "--replicas-file", str(extra),
-        "--strategy", "kvaware", "--port", "9000", "--api-key", "k", "--events", "tcp://a:1",
-        "--block-tokens", "16", "--max-body-bytes", "1MiB", "--health-interval-s", "0.5"])
+    args = build_parser().parse_args(
+        [
+            "router",
+            "--replica",
+            "http://127.0.0.1:8001",
+            "--replica",
+            "http://127.0.0.1:8002=ipc:///tmp/kv",
+            "--replicas-file",
+            str(extra),
+            "--strategy",
+            "kvaware",
+            "--port",
+            "9000",
+            "--api-key",
+            "k",
+            "--events",
+            "tcp://a:1",
+            "--block-tokens",
+            "16",
+            "--max-body-bytes",
+            "1MiB",
+            "--health-interval-s",
+            "0.5",
+        ]
+    )
     settings = settings_from_args(args)
     assert [r.url for r in settings.replicas] == [
-        "http://127.0.0.1:8001", "http://127.0.0.1:8002", "http://127.0.0.1:8003"]
+        "http://127.0.0.1:8001",
+        "http://127.0.0.1:8002",
+        "http://127.0.0.1:8003",
+    ]
     assert settings.replicas[1].vllm_events == "ipc:///tmp/kv"
-    assert (settings.strategy, settings.port, settings.api_key, settings.events,
-            settings.block_tokens, settings.max_body_bytes, settings.health_interval_s) == \
-        ("kvaware", 9000, "k", ("tcp://a:1",), 16, 1024**2, 0.5)
+    assert (
+        settings.strategy,
+        settings.port,
+        settings.api_key,
+        settings.events,
+        settings.block_tokens,
+        settings.max_body_bytes,
+        settings.health_interval_s,
+    ) == ("kvaware", 9000, "k", ("tcp://a:1",), 16, 1024**2, 0.5)
 
 
 def test_every_router_setting_has_a_flag() -> None:
     text = _router_help()
     for name in RouterSettings.model_fields:
         flag = {"replicas": "--replica", "model_dir": "--model"}.get(
-            name, "--" + name.replace("_", "-"))
+            name, "--" + name.replace("_", "-")
+        )
         assert flag in text, flag
 
 
 def _router_help() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    return sub.choices["router"].format_help()  # type: ignore[attr-defined]
+    return str(sub.choices["router"].format_help())  # type: ignore[index]
 
 
 def test_events_flag_accumulates_when_repeated_or_listed() -> None:
-    args = build_parser().parse_args(["router", "--replica", "http://a:1", "--events",
-                                      "tcp://e:1", "--events", "tcp://e:2", "tcp://e:3"])
+    args = build_parser().parse_args(
+        [
+            "router",
+            "--replica",
+            "http://a:1",
+            "--events",
+            "tcp://e:1",
+            "--events",
+            "tcp://e:2",
+            "tcp://e:3",
+        ]
+    )
     assert settings_from_args(args).events == ("tcp://e:1", "tcp://e:2", "tcp://e:3")
 
 

@@ -21,7 +21,8 @@ def whole(tokenizer: Tokenizer) -> Callable[[str], list[int]]:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_chunked_encoding_equals_whole_encoding_on_real_text(
-        seed: int, tokenizer: Tokenizer, whole: Callable[[str], list[int]]) -> None:
+    seed: int, tokenizer: Tokenizer, whole: Callable[[str], list[int]]
+) -> None:
     corpus = Corpus(tokenizer.hf)
     text = corpus.document(1500, seed) + "\n\nQuestion:   what   now?\t\n  "
     encoder = ChunkedEncoder(whole, min_chars=64)
@@ -31,7 +32,8 @@ def test_chunked_encoding_equals_whole_encoding_on_real_text(
 
 
 def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost(
-        tokenizer: Tokenizer, whole: Callable[[str], list[int]]) -> None:
+    tokenizer: Tokenizer, whole: Callable[[str], list[int]]
+) -> None:
     calls: list[str] = []
 
     def counting(text: str) -> list[int]:
@@ -50,21 +52,23 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost(
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(
-        chat: bool, tokenizer: Tokenizer) -> None:
+    chat: bool, tokenizer: Tokenizer
+) -> None:
     tok = tokenizer
     text = Corpus(tok.hf).document(1200, 7) + "\nQuestion: which item comes next?"
-    body = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    body = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
     exact = tok.request_tokens(body, chat)
     prompt = tok.prompt(body, chat)
-    assert 0 < len(prompt.tail) <= 2 * 256 and exact[:len(prompt.ids)] == prompt.ids
+    assert 0 < len(prompt.tail) <= 2 * 256 and exact[: len(prompt.ids)] == prompt.ids
     assert tok.tokens(prompt) == exact and len(exact) <= prompt.max_tokens
     assert abs(prompt.estimated_tokens - len(exact)) <= 20
     full, routed = tok.hash_ids(exact, 16), tok.hash_ids(prompt.ids, 16)
-    assert routed == full[:len(routed)] and len(routed) == len(prompt.ids) // 16
+    assert routed == full[: len(routed)] and len(routed) == len(prompt.ids) // 16
 
 
 def test_a_repeated_head_skips_the_chunks_and_hashes_its_blocks_as_hashing_does(
-        tokenizer: Tokenizer) -> None:
+    tokenizer: Tokenizer,
+) -> None:
     tok = tokenizer
     document = Corpus(tok.hf).document(1200, 8)
     first = tok.prompt({"prompt": document + "\nQuestion: one?"}, chat=False)
@@ -77,13 +81,17 @@ def test_a_repeated_head_skips_the_chunks_and_hashes_its_blocks_as_hashing_does(
     for salt in (None, "tenant-a"):
         assert tok.block_hashes(first, 16, salt) == tok.hash_ids(first.ids, 16, salt)
         assert tok.block_hashes(first, 16, salt) == tok.block_hashes(
-            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), 16, salt)
+            tok.prompt({"prompt": document + "\nQuestion: four?"}, chat=False), 16, salt
+        )
     assert tok.block_hashes(first, 16) != tok.block_hashes(first, 16, "tenant-a")
     assert tok.block_hashes(first, 32) == tok.hash_ids(first.ids, 32)  # the block size counts
     # the same head after a leading special token (a BOS; this tokenizer adds none itself)
     with_bos = Prompt([1] + first.ids, first.tail, first.head)
-    assert tok.block_hashes(with_bos, 16) == tok.hash_ids(with_bos.ids, 16) != \
-        tok.block_hashes(first, 16)
+    assert (
+        tok.block_hashes(with_bos, 16)
+        == tok.hash_ids(with_bos.ids, 16)
+        != tok.block_hashes(first, 16)
+    )
 
 
 def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:
@@ -116,13 +124,24 @@ def test_a_tokenizer_failing_the_self_check_is_used_whole() -> None:
 def test_chat_tokens_render_tools_and_text_parts(tokenizer: Tokenizer) -> None:
     tok = tokenizer
     plain = tok.request_tokens({"messages": [{"role": "user", "content": "a\nb"}]}, chat=True)
-    parts = tok.request_tokens({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}},
-        {"type": "text", "text": "b"}]}]}, chat=True)
+    parts = tok.request_tokens(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a"},
+                        {"type": "image_url", "image_url": {}},
+                        {"type": "text", "text": "b"},
+                    ],
+                }
+            ]
+        },
+        chat=True,
+    )
     assert parts == plain
     with pytest.raises(BadRequest) as err:
-        tok.request_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]},
-                           chat=True)
+        tok.request_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, chat=True)
     assert (err.value.status, err.value.param) == (400, "messages[0].content")
 
 
@@ -130,8 +149,9 @@ def test_completion_prompt_forms(tokenizer: Tokenizer) -> None:
     tok = tokenizer
     assert tok.request_tokens({"prompt": [5, 6, 7]}, chat=False) == [5, 6, 7]
     assert tok.request_tokens({"prompt": [[5, 6], [7]]}, chat=False) == [5, 6]
-    assert tok.request_tokens({"prompt": ["hello", "x"]}, chat=False) == \
-        tok.request_tokens({"prompt": "hello"}, chat=False)
+    assert tok.request_tokens({"prompt": ["hello", "x"]}, chat=False) == tok.request_tokens(
+        {"prompt": "hello"}, chat=False
+    )
     for bad in ([], [True], [-1], [[1], "x"], {"a": 1}):
         with pytest.raises(BadRequest):
             tok.request_tokens({"prompt": bad}, chat=False)

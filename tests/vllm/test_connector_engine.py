@@ -31,10 +31,10 @@ from kvtier.core.events import EventKind
 from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventSubscriber
+from kvtier.net.ports import free_port
 from kvtier.tools.vllm_server import ServerProcess
 from tests.helpers.engines import (
     complete,
-    free_port,
     kv_transfer_config,
     metric,
     prompt_ids,
@@ -49,8 +49,15 @@ BLOCK = 128
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 
-LENGTHS = {"l1": 1100, "l2": 2100, "corrupt": 1400, "race": 1300, "salted": 1200, "no_l2": 900,
-           "events": 1000}
+LENGTHS = {
+    "l1": 1100,
+    "l2": 2100,
+    "corrupt": 1400,
+    "race": 1300,
+    "salted": 1200,
+    "no_l2": 900,
+    "events": 1000,
+}
 
 
 class _Prompts(dict[str, list[int]]):
@@ -110,22 +117,39 @@ def events_endpoint() -> str:
 
 
 @pytest.fixture(scope="module")
-def replica_a(expected: dict[tuple[str, int], list[int]], l2_dir: Path, events_endpoint: str,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def replica_a(
+    expected: dict[tuple[str, int], list[int]],
+    l2_dir: Path,
+    events_endpoint: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-a")
-    with start(logs, "replica-a", tiny_cache=True,
-               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30,
-                                            events_endpoint=events_endpoint,
-                                            replica_id="replica-a")) as server:
+    with start(
+        logs,
+        "replica-a",
+        tiny_cache=True,
+        connector=kv_transfer_config(
+            l2_path=str(l2_dir),
+            l1_bytes=1 << 30,
+            events_endpoint=events_endpoint,
+            replica_id="replica-a",
+        ),
+    ) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def replica_b(replica_a: ServerProcess, l2_dir: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def replica_b(
+    replica_a: ServerProcess, l2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-b")
-    with start(logs, "replica-b", tiny_cache=True, cpu_ids="1",
-               connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30)) as server:
+    with start(
+        logs,
+        "replica-b",
+        tiny_cache=True,
+        cpu_ids="1",
+        connector=kv_transfer_config(l2_path=str(l2_dir), l1_bytes=1 << 30),
+    ) as server:
         yield server
 
 
@@ -146,7 +170,8 @@ def _wait_for_files(paths: list[Path], timeout_s: float = 60.0) -> None:
 
 
 def test_l1_hit_after_l0_eviction_gives_identical_tokens(
-        replica_a: ServerProcess, expected: dict[tuple[str, int], list[int]]) -> None:
+    replica_a: ServerProcess, expected: dict[tuple[str, int], list[int]]
+) -> None:
     tokens = PROMPTS["l1"]
     assert complete(replica_a, tokens) == expected["l1", 0]
     for evictor in evictors():  # push the prompt's blocks out of the 40-block L0
@@ -165,8 +190,11 @@ def test_l1_hit_after_l0_eviction_gives_identical_tokens(
 
 
 def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
-        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[tuple[str, int], list[int]]) -> None:
+    replica_a: ServerProcess,
+    replica_b: ServerProcess,
+    l2_dir: Path,
+    expected: dict[tuple[str, int], list[int]],
+) -> None:
     tokens = PROMPTS["l2"]
     assert complete(replica_a, tokens) == expected["l2", 0]
     _wait_for_files(_block_files(l2_dir, tokens))
@@ -183,8 +211,11 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
 
 
 def test_corrupt_l2_file_is_removed_counted_and_recomputed(
-        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[tuple[str, int], list[int]]) -> None:
+    replica_a: ServerProcess,
+    replica_b: ServerProcess,
+    l2_dir: Path,
+    expected: dict[tuple[str, int], list[int]],
+) -> None:
     tokens = PROMPTS["corrupt"]
     assert complete(replica_a, tokens) == expected["corrupt", 0]
     files = _block_files(l2_dir, tokens)
@@ -207,16 +238,20 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
 
 
 def test_two_replicas_computing_one_prefix_together_write_each_block_once(
-        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[tuple[str, int], list[int]]) -> None:
+    replica_a: ServerProcess,
+    replica_b: ServerProcess,
+    l2_dir: Path,
+    expected: dict[tuple[str, int], list[int]],
+) -> None:
     tokens = PROMPTS["race"]
     results: dict[str, list[int]] = {}
 
     def run(name: str, server: ServerProcess) -> None:
         results[name] = complete(server, tokens)
 
-    threads = [threading.Thread(target=run, args=(n, s))
-               for n, s in (("a", replica_a), ("b", replica_b))]
+    threads = [
+        threading.Thread(target=run, args=(n, s)) for n, s in (("a", replica_a), ("b", replica_b))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -235,8 +270,11 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
 
 
 def test_cache_salt_splits_the_cache(
-        replica_a: ServerProcess, replica_b: ServerProcess, l2_dir: Path,
-        expected: dict[tuple[str, int], list[int]]) -> None:
+    replica_a: ServerProcess,
+    replica_b: ServerProcess,
+    l2_dir: Path,
+    expected: dict[tuple[str, int], list[int]],
+) -> None:
     tokens = PROMPTS["salted"]
     assert complete(replica_a, tokens, cache_salt="tenant-a") == expected["salted", 0]
     _wait_for_files(_block_files(l2_dir, tokens, salt="tenant-a"))
@@ -253,11 +291,15 @@ def test_cache_salt_splits_the_cache(
 
 
 def test_unusable_l2_path_runs_l1_only_and_is_counted(
-        tmp_path: Path, expected: dict[tuple[str, int], list[int]]) -> None:
+    tmp_path: Path, expected: dict[tuple[str, int], list[int]]
+) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("L2 cannot live under a regular file")
-    with start(tmp_path, "no-l2", connector=kv_transfer_config(
-            l2_path=str(not_a_dir / "l2"), l1_bytes=1 << 30)) as server:
+    with start(
+        tmp_path,
+        "no-l2",
+        connector=kv_transfer_config(l2_path=str(not_a_dir / "l2"), l1_bytes=1 << 30),
+    ) as server:
         tokens = PROMPTS["no_l2"]
         assert complete(server, tokens) == expected["no_l2", 0]
         reset_l0(server)
@@ -268,16 +310,18 @@ def test_unusable_l2_path_runs_l1_only_and_is_counted(
 
 
 def test_saved_blocks_are_announced_with_the_routers_engine_block_hashes(
-        replica_a: ServerProcess, events_endpoint: str) -> None:
+    replica_a: ServerProcess, events_endpoint: str
+) -> None:
     tokens = PROMPTS["events"]
-    engine_hashes = block_hashes(tokens, 128)[:_usable(tokens) // 128]
+    engine_hashes = block_hashes(tokens, 128)[: _usable(tokens) // 128]
     with EventSubscriber([events_endpoint]) as sub:
         time.sleep(1.0)  # let the subscription reach the publisher
         complete(replica_a, tokens, max_tokens=1)
         stored: dict[Tier, list[bytes]] = {Tier.L1: [], Tier.L2: []}
         deadline = time.monotonic() + 60
-        while (len(stored[Tier.L1]) < len(engine_hashes) or len(stored[Tier.L2]) <
-               len(engine_hashes)) and time.monotonic() < deadline:
+        while (
+            len(stored[Tier.L1]) < len(engine_hashes) or len(stored[Tier.L2]) < len(engine_hashes)
+        ) and time.monotonic() < deadline:
             for event in sub.drain(timeout_s=0.5):
                 assert event.replica == "replica-a"
                 if event.kind == EventKind.STORED and event.tier in stored:

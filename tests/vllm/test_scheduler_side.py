@@ -60,17 +60,30 @@ def rt() -> Iterator[process_store.ProcessStore]:
     process_store.release(shared)
 
 
-def _side(rt: process_store.ProcessStore, block_ids: dict[str, list[int]] | None = None) -> SchedulerSide:
-    return SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
-                         events=False, block_ids_of=lambda r: (block_ids or {})[r], load_async=True)
+def _side(
+    rt: process_store.ProcessStore, block_ids: dict[str, list[int]] | None = None
+) -> SchedulerSide:
+    return SchedulerSide(
+        [rt],
+        BLOCK,
+        ENGINE,
+        lookup_ttl_s=10.0,
+        counters=ConnectorCounters(),
+        events=False,
+        block_ids_of=lambda r: (block_ids or {})[r],
+        load_async=True,
+    )
 
 
-def _store_blocks(rt: process_store.ProcessStore, tokens: list[int], n: int, salt: str | None = None) -> None:
+def _store_blocks(
+    rt: process_store.ProcessStore, tokens: list[int], n: int, salt: str | None = None
+) -> None:
     extra = extra_key(cache_salt=salt) if salt else b""
     parent = root_hash(extra)
     for h in block_hashes(tokens, BLOCK, extra)[:n]:
-        rt.store.save(h, BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,), parent=parent),
-                      bytes(8))
+        rt.store.save(
+            h, BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,), parent=parent), bytes(8)
+        )
         parent = h
 
 
@@ -87,7 +100,8 @@ def _answer(side: SchedulerSide, request: FakeRequest, local: int) -> tuple[int 
 
 
 def test_lookup_answers_none_first_then_full_blocks_short_of_the_last_token(
-        rt: process_store.ProcessStore) -> None:
+    rt: process_store.ProcessStore,
+) -> None:
     tokens = list(range(1024))
     _store_blocks(rt, tokens, 4)  # all four blocks are cached...
     side = _side(rt)
@@ -105,8 +119,11 @@ def test_only_the_contiguous_prefix_counts(rt: process_store.ProcessStore) -> No
     tokens = list(range(1300))
     hashes = block_hashes(tokens, BLOCK)
     _store_blocks(rt, tokens, 2)
-    rt.store.save(hashes[3], BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,),
-                                       parent=hashes[2]), bytes(8))  # block 2 is missing
+    rt.store.save(
+        hashes[3],
+        BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,), parent=hashes[2]),
+        bytes(8),
+    )  # block 2 is missing
     side = _side(rt)
     try:
         assert _answer(side, FakeRequest("r", tokens), 0) == (512, True)
@@ -114,7 +131,9 @@ def test_only_the_contiguous_prefix_counts(rt: process_store.ProcessStore) -> No
         side.close()
 
 
-def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: process_store.ProcessStore) -> None:
+def test_no_lookup_when_l0_already_covers_every_offerable_block(
+    rt: process_store.ProcessStore,
+) -> None:
     side = _side(rt)
     try:
         request = FakeRequest("r", list(range(600)))
@@ -124,7 +143,8 @@ def test_no_lookup_when_l0_already_covers_every_offerable_block(rt: process_stor
 
 
 def test_a_salted_request_does_not_hit_unsalted_or_other_salts_blocks(
-        rt: process_store.ProcessStore) -> None:
+    rt: process_store.ProcessStore,
+) -> None:
     tokens = list(range(800))
     _store_blocks(rt, tokens, 3, salt="tenant-a")
     side = _side(rt)
@@ -194,11 +214,20 @@ def test_l1_mirror_makes_a_worker_process_l1_visible(rt: process_store.ProcessSt
 
 
 def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
-        rt: process_store.ProcessStore) -> None:
+    rt: process_store.ProcessStore,
+) -> None:
     tokens = list(range(5 * BLOCK))
     _store_blocks(rt, tokens, 3)
-    side = SchedulerSide([rt], BLOCK, ENGINE, lookup_ttl_s=10.0, counters=ConnectorCounters(),
-                         events=False, block_ids_of=lambda r: [], load_async=True,
-                         lookup_wait_s=5.0)
+    side = SchedulerSide(
+        [rt],
+        BLOCK,
+        ENGINE,
+        lookup_ttl_s=10.0,
+        counters=ConnectorCounters(),
+        events=False,
+        block_ids_of=lambda r: [],
+        load_async=True,
+        lookup_wait_s=5.0,
+    )
     assert side.matched_tokens(FakeRequest("r1", tokens), 0) == (3 * BLOCK, True)  # type: ignore[arg-type]
     side.close()

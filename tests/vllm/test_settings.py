@@ -13,10 +13,19 @@ from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
 
 # A non-default value for every store setting, valid together.
 STORE_VALUES: dict[str, Any] = {
-    "l1_bytes": 1 << 20, "l2_path": "/mnt/kv", "l2_url": None, "l2_profile": "juicefs",
-    "l2_capacity_bytes": 1 << 30, "l2_high_watermark": 0.8, "l2_low_watermark": 0.5,
-    "l2_janitor_interval_s": 2.5, "l2_touch_interval_s": 30.0, "l2_exists_ttl_s": 0.25,
-    "admission": "min-tokens", "admission_min_tokens": 512, "write_queue_blocks": 8,
+    "l1_bytes": 1 << 20,
+    "l2_path": "/mnt/kv",
+    "l2_url": None,
+    "l2_profile": "juicefs",
+    "l2_capacity_bytes": 1 << 30,
+    "l2_high_watermark": 0.8,
+    "l2_low_watermark": 0.5,
+    "l2_janitor_interval_s": 2.5,
+    "l2_touch_interval_s": 30.0,
+    "l2_exists_ttl_s": 0.25,
+    "admission": "min-tokens",
+    "admission_min_tokens": 512,
+    "write_queue_blocks": 8,
     "io_threads": 3,
 }
 
@@ -33,8 +42,11 @@ def test_defaults_without_extra_config_or_environment() -> None:
 @pytest.mark.parametrize("name", sorted(StoreSettings.model_fields))
 def test_every_store_setting_is_reachable_through_the_extra_config(name: str) -> None:
     value = STORE_VALUES[name]
-    extra = {"l2_path": "/mnt/kv", name: value} if name != "l2_url" else \
-        {"l2_url": "redis://127.0.0.1:6379/0"}
+    extra = (
+        {"l2_path": "/mnt/kv", name: value}
+        if name != "l2_url"
+        else {"l2_url": "redis://127.0.0.1:6379/0"}
+    )
     connector = ConnectorSettings.from_sources(extra, {})
     expected = value if name != "l2_url" else "redis://127.0.0.1:6379/0"
     assert getattr(connector.store_settings(), name) == expected
@@ -53,9 +65,14 @@ def test_every_store_setting_is_reachable_through_the_environment(name: str) -> 
 def test_environment_fills_what_the_extra_config_leaves_out() -> None:
     config = ConnectorSettings.from_sources(
         {"l2_path": "/mnt/kv", "block_tokens": 512},
-        {"KVTIER_L2_PATH": "/ignored", "KVTIER_L1_BYTES": "1GiB",
-         "KVTIER_EVENTS_ENDPOINT": "tcp://127.0.0.1:5601", "KVTIER_LOOKUP_TTL_S": "0.5",
-         "KVTIER_LOAD_ASYNC": "true"})
+        {
+            "KVTIER_L2_PATH": "/ignored",
+            "KVTIER_L1_BYTES": "1GiB",
+            "KVTIER_EVENTS_ENDPOINT": "tcp://127.0.0.1:5601",
+            "KVTIER_LOOKUP_TTL_S": "0.5",
+            "KVTIER_LOAD_ASYNC": "true",
+        },
+    )
     assert config.l2_path == "/mnt/kv"
     assert config.block_tokens == 512
     assert config.l1_bytes == 1024**3
@@ -69,17 +86,20 @@ def test_unknown_key_is_rejected_by_name_with_the_known_ones() -> None:
         ConnectorSettings.from_sources({"l2_pth": "/mnt/kv"}, {})
 
 
-@pytest.mark.parametrize(("extra", "field"), [
-    ({"l1_bytes": -1}, "l1_bytes"),
-    ({"l1_bytes": "lots"}, "l1_bytes"),
-    ({"block_tokens": 0}, "block_tokens"),
-    ({"block_tokens": "many"}, "block_tokens"),
-    ({"events_endpoint": "127.0.0.1:5601"}, "events_endpoint"),
-    ({"io_threads": 0}, "io_threads"),
-    ({"load_threads": 0}, "load_threads"),
-    ({"l2_low_watermark": 0.95, "l2_path": "/x"}, "l2_low_watermark"),
-    ({"admission": "sometimes"}, "admission"),
-])
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"l1_bytes": -1}, "l1_bytes"),
+        ({"l1_bytes": "lots"}, "l1_bytes"),
+        ({"block_tokens": 0}, "block_tokens"),
+        ({"block_tokens": "many"}, "block_tokens"),
+        ({"events_endpoint": "127.0.0.1:5601"}, "events_endpoint"),
+        ({"io_threads": 0}, "io_threads"),
+        ({"load_threads": 0}, "load_threads"),
+        ({"l2_low_watermark": 0.95, "l2_path": "/x"}, "l2_low_watermark"),
+        ({"admission": "sometimes"}, "admission"),
+    ],
+)
 def test_invalid_values_name_their_field(extra: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=f"^{field}:"):
         ConnectorSettings.from_sources(extra, {})
@@ -96,7 +116,8 @@ def test_transfer_config_loads_the_connector_and_recomputes_failed_loads() -> No
     assert transfer == {
         "kv_connector": "KvtierConnector",
         "kv_connector_module_path": "kvtier.vllm.connector",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"l1_bytes": 1024, "l2_path": "/mnt/kv"},
     }
     assert ConnectorSettings.from_sources(transfer["kv_connector_extra_config"], {}) == config

@@ -29,8 +29,9 @@ def test_gather_copies_blocks_layer_by_layer_in_natural_layer_order() -> None:
     kv = PagedKV(caches, per_block=2)
     out = kv.new_host_buffer()
     kv.gather([5, 1], out)
-    for i, name in enumerate(["model.layers.0.attn", "model.layers.2.attn",
-                              "model.layers.10.attn"]):
+    for i, name in enumerate(
+        ["model.layers.0.attn", "model.layers.2.attn", "model.layers.10.attn"]
+    ):
         assert torch.equal(out[i, 0], caches[name][5])
         assert torch.equal(out[i, 1], caches[name][1])
 

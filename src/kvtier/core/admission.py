@@ -25,43 +25,47 @@ from kvtier.core.settings import AdmissionName, StoreSettings
 
 
 class AdmissionPolicy(Protocol):
-    name: ClassVar[str]
+    name: ClassVar[AdmissionName]
 
-    def admit(self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool,
-              prefix_tokens: int | None) -> bool:
+    def admit(
+        self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool, prefix_tokens: int | None
+    ) -> bool:
         """Whether to keep this block; `prefix_tokens` counts tokens up to its end (or None)."""
         ...
 
 
 class AlwaysAdmit:
-    name: ClassVar[str] = "always"
+    name: ClassVar[AdmissionName] = "always"
 
-    def admit(self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool,
-              prefix_tokens: int | None) -> bool:
+    def admit(
+        self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool, prefix_tokens: int | None
+    ) -> bool:
         return True
 
 
 class MinTokensAdmit:
-    name: ClassVar[str] = "min-tokens"
+    name: ClassVar[AdmissionName] = "min-tokens"
 
     def __init__(self, min_tokens: int) -> None:
         self.min_tokens = min_tokens
 
-    def admit(self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool,
-              prefix_tokens: int | None) -> bool:
+    def admit(
+        self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool, prefix_tokens: int | None
+    ) -> bool:
         tokens = meta.num_tokens if prefix_tokens is None else prefix_tokens
         return tokens >= self.min_tokens
 
 
 class ReusedAdmit:
-    name: ClassVar[str] = "reused"
+    name: ClassVar[AdmissionName] = "reused"
 
     def __init__(self, remember: int = 1 << 16) -> None:
         self._seen: Lru[BlockHash, bool] = Lru(remember)
         self._lock = threading.Lock()
 
-    def admit(self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool,
-              prefix_tokens: int | None) -> bool:
+    def admit(
+        self, block_hash: BlockHash, meta: BlockMeta, *, reused: bool, prefix_tokens: int | None
+    ) -> bool:
         with self._lock:
             if reused or block_hash in self._seen:
                 self._seen.pop(block_hash)

@@ -52,8 +52,14 @@ _CHECKED_BYTES = _FIELDS.size  # 184: the header checksum covers everything befo
 
 # Element sizes of dtypes whose payload length can be cross-checked against the shape.
 _ITEMSIZE = {
-    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1,
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
 }
 
 
@@ -115,12 +121,14 @@ def check_payload_length(meta: BlockMeta, payload_bytes: int) -> None:
     """Reject a payload whose length contradicts the dtype and shape in `meta`."""
     expected = meta.expected_payload_bytes()
     if expected is not None and expected != payload_bytes:
-        raise CodecError(f"payload: {payload_bytes} bytes, but {meta.dtype}{list(meta.shape)} "
-                         f"needs {expected}")
+        raise CodecError(
+            f"payload: {payload_bytes} bytes, but {meta.dtype}{list(meta.shape)} needs {expected}"
+        )
 
 
-def encode_header(namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
-                  payload: Buffer) -> bytes:
+def encode_header(
+    namespace: Namespace, block_hash: BlockHash, meta: BlockMeta, payload: Buffer
+) -> bytes:
     """Header bytes for `payload` (which is written right after it, unchanged)."""
     view = byte_view(payload)
     check_payload_length(meta, view.nbytes)
@@ -130,21 +138,35 @@ def encode_header(namespace: Namespace, block_hash: BlockHash, meta: BlockMeta,
     if len(ns) > 32:
         raise CodecError(f"namespace: at most 32 ASCII bytes, got {namespace!r}")
     shape = list(meta.shape) + [0] * (MAX_DIMS - len(meta.shape))
-    fields = _FIELDS.pack(MAGIC, FORMAT_VERSION, 0, HEADER_BYTES, ns, block_hash, meta.parent,
-                          meta.num_tokens, meta.dtype.encode("ascii"), len(meta.shape), *shape,
-                          view.nbytes, payload_checksum(view))
+    fields = _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        HEADER_BYTES,
+        ns,
+        block_hash,
+        meta.parent,
+        meta.num_tokens,
+        meta.dtype.encode("ascii"),
+        len(meta.shape),
+        *shape,
+        view.nbytes,
+        payload_checksum(view),
+    )
     head = fields + _HEADER_CHECK.pack(xxhash.xxh3_64_intdigest(fields))
     return head + bytes(HEADER_BYTES - len(head))
 
 
-def decode_header(data: Buffer, *, namespace: Namespace,
-                  block_hash: BlockHash | None = None) -> Header:
+def decode_header(
+    data: Buffer, *, namespace: Namespace, block_hash: BlockHash | None = None
+) -> Header:
     """Parse and validate a header; `block_hash`, when given, must match the stored one."""
     view = memoryview(data)
     if view.nbytes < HEADER_BYTES:
         raise CodecError(f"header: {view.nbytes} bytes, need {HEADER_BYTES}")
-    (magic, version, _, header_bytes, ns, stored_hash, parent, num_tokens, dtype, ndim,
-     *rest) = _FIELDS.unpack_from(view)
+    (magic, version, _, header_bytes, ns, stored_hash, parent, num_tokens, dtype, ndim, *rest) = (
+        _FIELDS.unpack_from(view)
+    )
     shape, payload_bytes, checksum = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
     if magic != MAGIC:
         raise CodecError(f"magic: {magic!r} is not a kvtier block")
@@ -159,15 +181,23 @@ def decode_header(data: Buffer, *, namespace: Namespace,
     if stored_ns != namespace:
         raise CodecError(f"namespace: block is from {stored_ns!r}, reader is {namespace!r}")
     if block_hash is not None and stored_hash != block_hash:
-        raise CodecError(f"block_hash: file holds {stored_hash.hex()}, "
-                         f"expected {block_hash.hex()}")
+        raise CodecError(f"block_hash: file holds {stored_hash.hex()}, expected {block_hash.hex()}")
     if ndim > MAX_DIMS or any(shape[ndim:]):
         raise CodecError(f"shape: {ndim} dims with trailing {shape[ndim:]}")
-    meta = BlockMeta(num_tokens=num_tokens, dtype=dtype.rstrip(b"\0").decode("ascii"),
-                     shape=tuple(shape[:ndim]), parent=BlockHash(parent))
+    meta = BlockMeta(
+        num_tokens=num_tokens,
+        dtype=dtype.rstrip(b"\0").decode("ascii"),
+        shape=tuple(shape[:ndim]),
+        parent=BlockHash(parent),
+    )
     check_payload_length(meta, payload_bytes)
-    return Header(namespace=Namespace(stored_ns), block_hash=BlockHash(stored_hash), meta=meta,
-                  payload_bytes=payload_bytes, checksum=checksum)
+    return Header(
+        namespace=Namespace(stored_ns),
+        block_hash=BlockHash(stored_hash),
+        meta=meta,
+        payload_bytes=payload_bytes,
+        checksum=checksum,
+    )
 
 
 def verify_payload(header: Header, payload: Buffer, *, checksum: int | None = None) -> None:

@@ -94,8 +94,9 @@ def root_hash(extra: bytes = b"") -> BlockHash:
     return BlockHash(hashlib.blake2b(_ROOT + extra, digest_size=HASH_BYTES).digest())
 
 
-def extra_key(*, lora: str | None = None, cache_salt: str | None = None,
-              mm_hashes: Sequence[str] = ()) -> bytes:
+def extra_key(
+    *, lora: str | None = None, cache_salt: str | None = None, mm_hashes: Sequence[str] = ()
+) -> bytes:
     """Canonical bytes for the request attributes that must split the cache."""
     if lora is None and cache_salt is None and not mm_hashes:
         return b""
@@ -114,8 +115,9 @@ def _chain(parent: BlockHash, packed_ids: bytes) -> BlockHash:
     return BlockHash(h.digest())
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int, extra: bytes = b"",
-                 parent: BlockHash | None = None) -> list[BlockHash]:
+def block_hashes(
+    token_ids: Sequence[int], block_tokens: int, extra: bytes = b"", parent: BlockHash | None = None
+) -> list[BlockHash]:
     """Chained hashes of every full block of `token_ids` (the partial tail is skipped).
 
     `parent` continues an existing chain (incremental hashing of a growing sequence); by default
@@ -129,6 +131,6 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, extra: bytes = b""
     step = 4 * block_tokens
     out: list[BlockHash] = []
     for start in range(0, len(packed), step):
-        h = _chain(h, packed[start:start + step])
+        h = _chain(h, packed[start : start + step])
         out.append(h)
     return out

@@ -37,8 +37,17 @@ from pydantic.fields import FieldInfo
 from kvtier.core.errors import ConfigError
 
 __all__ = [
-    "L2_URL_SCHEMES", "AdmissionName", "ByteSize", "L2ProfileName", "Settings", "StoreSettings",
-    "add_flags", "describe_fields", "from_flags", "parse_bytes", "to_flags",
+    "L2_URL_SCHEMES",
+    "AdmissionName",
+    "ByteSize",
+    "L2ProfileName",
+    "Settings",
+    "StoreSettings",
+    "add_flags",
+    "describe_fields",
+    "from_flags",
+    "parse_bytes",
+    "to_flags",
 ]
 
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -74,8 +83,13 @@ L2_URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
 class Settings(BaseModel):
     """Base of every settings class: frozen, unknown keys rejected, field docstrings kept."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True,
-                              validate_default=True, populate_by_name=True)
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_default=True,
+        populate_by_name=True,
+    )
 
     def __init__(self, **values: Any) -> None:
         """Keyword arguments only; a bad value raises `ConfigError` naming its key."""
@@ -119,8 +133,11 @@ def config_error(cls: type[BaseModel], exc: ValidationError, where: str = "") ->
     if error["type"] == "missing":
         return ConfigError(f"{full}: required")
     given = error.get("input")
-    shown = "" if isinstance(given, dict) or given is None or repr(given) in message \
+    shown = (
+        ""
+        if isinstance(given, dict) or given is None or repr(given) in message
         else f", got {given!r}"
+    )
     return ConfigError(f"{full}: {message[0].lower()}{message[1:]}{shown}")
 
 
@@ -131,7 +148,8 @@ def _fields_at(cls: type[BaseModel], loc: Sequence[int | str]) -> list[tuple[str
         if isinstance(part, int):
             continue
         field = model.model_fields.get(str(part)) or next(
-            (f for f in model.model_fields.values() if f.alias == part), None)
+            (f for f in model.model_fields.values() if f.alias == part), None
+        )
         inner = _model_in(field.annotation) if field is not None else None
         if inner is None:
             break
@@ -150,6 +168,7 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
 
 
 # ----- the store ------------------------------------------------------------------------------
+
 
 class StoreSettings(Settings):
     """One replica's `TieredStore`: L1 host memory and an optional shared L2.
@@ -205,24 +224,29 @@ class StoreSettings(Settings):
             if self.l2_path is not None:
                 raise ValueError("l2_url: set either l2_path or l2_url, not both")
             if self.l2_capacity_bytes is not None:
-                raise ValueError("l2_capacity_bytes: applies to l2_path only; a Valkey L2 is "
-                                 "bounded by its server's maxmemory")
+                raise ValueError(
+                    "l2_capacity_bytes: applies to l2_path only; a Valkey L2 is "
+                    "bounded by its server's maxmemory"
+                )
         if self.l2_capacity_bytes == 0:
             raise ValueError("l2_capacity_bytes: must be positive or unset")
         if self.l2_low_watermark > self.l2_high_watermark:
-            raise ValueError(f"l2_low_watermark: must not exceed l2_high_watermark "
-                             f"({self.l2_high_watermark}), got {self.l2_low_watermark}")
+            raise ValueError(
+                f"l2_low_watermark: must not exceed l2_high_watermark "
+                f"({self.l2_high_watermark}), got {self.l2_low_watermark}"
+            )
         return self
 
 
 # ----- flags and docs -------------------------------------------------------------------------
+
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
 def _is_bool(annotation: Any) -> bool:
-    return annotation is bool or (get_origin(annotation) is None and annotation == bool)
+    return annotation is bool
 
 
 def _is_sequence(annotation: Any) -> bool:
@@ -232,10 +256,15 @@ def _is_sequence(annotation: Any) -> bool:
     return any(_is_sequence(a) for a in get_args(annotation) if a is not type(None))
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type[Settings], *,
-              only: Iterable[str] | None = None, skip: Iterable[str] = (),
-              flags: Mapping[str, str] | None = None,
-              metavars: Mapping[str, str] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type[Settings],
+    *,
+    only: Iterable[str] | None = None,
+    skip: Iterable[str] = (),
+    flags: Mapping[str, str] | None = None,
+    metavars: Mapping[str, str] | None = None,
+) -> None:
     """One flag per field of `cls` (`--l2-path` for `l2_path`, or the name `flags` gives), its
     help from the field's docstring and default; a sequence field takes several values and may
     be repeated. Values stay strings until `from_flags` validates them."""
@@ -258,9 +287,12 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         parser.add_argument((flags or {}).get(name, _flag(name)), **kwargs)
 
 
-def from_flags(cls: type[Settings], args: argparse.Namespace,
-               base: Mapping[str, Any] | None = None,
-               flags: Mapping[str, str] | None = None) -> Any:
+def from_flags(
+    cls: type[Settings],
+    args: argparse.Namespace,
+    base: Mapping[str, Any] | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> Any:
     """`cls` from the flags `add_flags` declared (those given override `base`); an error names
     the flag."""
     values = dict(base or {})
@@ -274,12 +306,13 @@ def from_flags(cls: type[Settings], args: argparse.Namespace,
         message = str(config_error(cls, exc))
         key = message.split(":", 1)[0].split(".")[0]
         if key in cls.model_fields:
-            message = (flags or {}).get(key, _flag(key)) + message[len(key):]
+            message = (flags or {}).get(key, _flag(key)) + message[len(key) :]
         raise ConfigError(message) from None
 
 
-def to_flags(cls: type[Settings], values: Mapping[str, Any],
-             flags: Mapping[str, str] | None = None) -> list[str]:
+def to_flags(
+    cls: type[Settings], values: Mapping[str, Any], flags: Mapping[str, str] | None = None
+) -> list[str]:
     """The command-line arguments `add_flags` reads back as `values` (for child processes)."""
     args: list[str] = []
     for name, value in values.items():
@@ -298,6 +331,11 @@ def describe_fields(cls: type[Settings]) -> list[tuple[str, str, str]]:
     rows = []
     for name, field in cls.model_fields.items():
         default = field.get_default(call_default_factory=True)
-        rows.append((field.alias or name, "unset" if default is None else str(default),
-                     " ".join((field.description or "").split())))
+        rows.append(
+            (
+                field.alias or name,
+                "unset" if default is None else str(default),
+                " ".join((field.description or "").split()),
+            )
+        )
     return rows

@@ -99,9 +99,15 @@ class StoreStats:
 class TieredStore:
     """Longest-prefix lookup, promotion, admission and write-through over L1 and L2."""
 
-    def __init__(self, config: StoreSettings, identity: ModelIdentity,
-                 on_event: EventSink | None = None, *, l2_tier: BlockTier | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: StoreSettings,
+        identity: ModelIdentity,
+        on_event: EventSink | None = None,
+        *,
+        l2_tier: BlockTier | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """The store builds the L2 `config` names (`l2_path` or `l2_url`, with the capacity
         janitor; see `kvtier.core.tiers.shared`) and closes it. `l2_tier` replaces it (another
         backend, or a test double); its creator keeps ownership and closes it.
@@ -125,13 +131,29 @@ class TieredStore:
                 self._l2 = self._shared.tier
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
-            ("saves", "admission_rejected", "lookups", "lookup_blocks", "lookup_hit_blocks",
-             "event_errors"), 0)
+            (
+                "saves",
+                "admission_rejected",
+                "lookups",
+                "lookup_blocks",
+                "lookup_hit_blocks",
+                "event_errors",
+            ),
+            0,
+        )
         self._closed = False
-        self._writes = None if self._l2 is None else WriteBehind(
-            self._l2, queue_blocks=config.write_queue_blocks, threads=config.io_threads,
-            confirm_ttl_s=config.l2_exists_ttl_s, clock=clock,
-            on_written=lambda result, h: self._record(result, Tier.L2, h))
+        self._writes = (
+            None
+            if self._l2 is None
+            else WriteBehind(
+                self._l2,
+                queue_blocks=config.write_queue_blocks,
+                threads=config.io_threads,
+                confirm_ttl_s=config.l2_exists_ttl_s,
+                clock=clock,
+                on_written=lambda result, h: self._record(result, Tier.L2, h),
+            )
+        )
 
     # ---- public API ---------------------------------------------------------------------
 
@@ -143,7 +165,7 @@ class TieredStore:
         """Tiers of the longest contiguous prefix of `hashes` available now."""
         found: list[Tier] = []
         while len(found) < len(hashes):
-            tiers = self._locate(hashes[len(found):len(found) + L2_BATCH])
+            tiers = self._locate(hashes[len(found) : len(found) + L2_BATCH])
             found += tiers
             if len(tiers) < L2_BATCH:
                 break
@@ -167,7 +189,7 @@ class TieredStore:
             if block is not None:
                 loaded.append(LoadedBlock(h, block.meta, block.payload, Tier.L1))
                 continue
-            run = self._l1_miss_run(hashes[len(loaded):len(loaded) + L2_BATCH])
+            run = self._l1_miss_run(hashes[len(loaded) : len(loaded) + L2_BATCH])
             blocks = self._l2_read(run)
             for rh, rblock in zip(run, blocks, strict=True):
                 if rblock is None:
@@ -176,8 +198,15 @@ class TieredStore:
                 loaded.append(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
         return loaded
 
-    def save(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer, *,
-             reused: bool = False, prefix_tokens: int | None = None) -> bool:
+    def save(
+        self,
+        block_hash: BlockHash,
+        meta: BlockMeta,
+        payload: Buffer,
+        *,
+        reused: bool = False,
+        prefix_tokens: int | None = None,
+    ) -> bool:
         """Offer one full block; returns whether the admission policy admitted it.
 
         `reused` says the block's prefix was already hit before (for the "reused" policy);
@@ -203,8 +232,9 @@ class TieredStore:
         if self._writes is not None:
             # Write from L1's immutable copy when there is one; else take a private copy,
             # since the caller may overwrite its buffer as soon as save() returns.
-            self._writes.offer(block_hash, meta,
-                               held.payload if held is not None else memoryview(bytes(view)))
+            self._writes.offer(
+                block_hash, meta, held.payload if held is not None else memoryview(bytes(view))
+            )
         return True
 
     def stats(self) -> StoreStats:
@@ -215,10 +245,13 @@ class TieredStore:
             l1=None if self._l1 is None else self._l1.stats(),
             l2=None if self._l2 is None else self._l2.stats(),
             l2_disabled_reason=self._l2_disabled_reason,
-            l2_queued=writes.get("queued", 0), l2_dropped=writes.get("dropped", 0),
+            l2_queued=writes.get("queued", 0),
+            l2_dropped=writes.get("dropped", 0),
             l2_abandoned=writes.get("abandoned", 0),
             l2_write_errors=writes.get("write_errors", 0),
-            l2_queue_depth=writes.get("depth", 0), **counts)
+            l2_queue_depth=writes.get("depth", 0),
+            **counts,
+        )
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued L2 write has finished; False if `timeout_s` ran out first."""
@@ -254,8 +287,7 @@ class TieredStore:
 
     def _locate(self, hashes: Sequence[BlockHash]) -> list[Tier]:
         """Tiers of the contiguous prefix of `hashes` (one L2 batch for the L1 misses)."""
-        in_l1 = (self._l1.contains_many(hashes) if self._l1 is not None
-                 else [False] * len(hashes))
+        in_l1 = self._l1.contains_many(hashes) if self._l1 is not None else [False] * len(hashes)
         misses = [h for h, hit in zip(hashes, in_l1, strict=True) if not hit]
         in_l2 = iter(self._l2_exists(misses) if misses else [])
         found: list[Tier] = []

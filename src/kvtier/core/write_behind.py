@@ -48,9 +48,16 @@ class _Job:
 class WriteBehind:
     """A bounded queue of L2 writes and the threads that perform them."""
 
-    def __init__(self, tier: BlockTier, *, queue_blocks: int, threads: int, confirm_ttl_s: float,
-                 on_written: Callable[[PutResult, BlockHash], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tier: BlockTier,
+        *,
+        queue_blocks: int,
+        threads: int,
+        confirm_ttl_s: float,
+        on_written: Callable[[PutResult, BlockHash], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._tier = tier
         self._confirm_ttl_s = confirm_ttl_s
         self._on_written = on_written
@@ -63,8 +70,10 @@ class WriteBehind:
         self._counts = dict.fromkeys(("queued", "dropped", "abandoned", "write_errors"), 0)
         self._abandon = False
         self._queue: queue.Queue[_Job | None] = queue.Queue(queue_blocks)
-        self._threads = [threading.Thread(target=self._write_loop, daemon=True,
-                                          name=f"kvtier-l2-writer-{i}") for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._write_loop, daemon=True, name=f"kvtier-l2-writer-{i}")
+            for i in range(threads)
+        ]
         for thread in self._threads:
             thread.start()
 

@@ -88,7 +88,8 @@ class ReplicaConnection(asyncio.Protocol):
             self.on_message_complete()  # a body delimited by the connection's close
         elif not self.complete and self.error is None:
             self.error = ConnectionResetError(
-                f"the replica closed the connection{f': {exc}' if exc else ''}")
+                f"the replica closed the connection{f': {exc}' if exc else ''}"
+            )
         self._wake()
 
     # ----- httptools callbacks -----
@@ -217,8 +218,13 @@ class Response:
 class HttpPool:
     """Keep-alive connections per base URL (`http://host:port` or `https://host:port`)."""
 
-    def __init__(self, connect_timeout_s: float | None, read_timeout_s: float | None,
-                 idle_s: float = 4.0, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        connect_timeout_s: float | None,
+        read_timeout_s: float | None,
+        idle_s: float = 4.0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         """`tls` verifies https:// servers (default: the system's trusted CAs)."""
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
@@ -227,24 +233,29 @@ class HttpPool:
         self._idle: dict[str, list[ReplicaConnection]] = {}
         self._addresses: dict[str, _Address] = {}
 
-    async def post(self, base_url: str, path: str, body: bytes,
-                   headers: Iterable[tuple[str, str]]) -> Response:
+    async def post(
+        self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
+    ) -> Response:
         """POST `body`; returns once the status line and headers are in."""
         return await self.request("POST", base_url, path, body, headers)
 
-    async def get(self, base_url: str, path: str,
-                  headers: Iterable[tuple[str, str]] = ()) -> Response:
+    async def get(
+        self, base_url: str, path: str, headers: Iterable[tuple[str, str]] = ()
+    ) -> Response:
         """GET `path`; returns once the status line and headers are in."""
         return await self.request("GET", base_url, path, b"", headers)
 
-    async def request(self, method: str, base_url: str, path: str, body: bytes,
-                      headers: Iterable[tuple[str, str]]) -> Response:
+    async def request(
+        self, method: str, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
+    ) -> Response:
         """Send one request; returns once the status line and headers are in. Raises
         `ConfigError` for a URL it cannot speak to, `OSError`s for the rest."""
         address = self._address(base_url)
         fields = "".join(f"{name}: {value}\r\n" for name, value in headers)
-        head = (f"{method} {path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
-                f"Content-Length: {len(body)}\r\n{fields}\r\n").encode("latin-1")
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+            f"Content-Length: {len(body)}\r\n{fields}\r\n"
+        ).encode("latin-1")
         conn = self._take_idle(base_url)
         if conn is not None:
             try:
@@ -256,8 +267,9 @@ class HttpPool:
         conn = await self._connect(address)
         return await self._exchange(base_url, conn, head, body)
 
-    async def _exchange(self, key: str, conn: ReplicaConnection, head: bytes,
-                        body: bytes) -> Response:
+    async def _exchange(
+        self, key: str, conn: ReplicaConnection, head: bytes, body: bytes
+    ) -> Response:
         try:
             conn.send(head, body)
             while not conn.headers_done:
@@ -300,8 +312,12 @@ class HttpPool:
         try:
             async with asyncio.timeout(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: ReplicaConnection(loop, self._read_timeout_s), address.host,
-                    address.port, ssl=tls, server_hostname=address.host if tls else None)
+                    lambda: ReplicaConnection(loop, self._read_timeout_s),
+                    address.host,
+                    address.port,
+                    ssl=tls,
+                    server_hostname=address.host if tls else None,
+                )
         except ssl.SSLError as exc:  # a certificate or handshake failure: cannot connect
             raise ConnectionRefusedError(f"TLS to {address.netloc} failed: {exc}") from exc
         return conn
@@ -313,8 +329,9 @@ class HttpPool:
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConfigError(f"url: expected http(s)://HOST[:PORT], got {base_url!r}")
             tls = parts.scheme == "https"
-            address = _Address(parts.hostname, parts.port or (443 if tls else 80),
-                               parts.netloc, tls)
+            address = _Address(
+                parts.hostname, parts.port or (443 if tls else 80), parts.netloc, tls
+            )
             self._addresses[base_url] = address
         return address
 

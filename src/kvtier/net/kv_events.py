@@ -39,8 +39,15 @@ from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import HASH_BYTES, BlockHash
 from kvtier.core.tiers.base import Tier
 
-__all__ = ["TOPIC", "WIRE_VERSION", "EventPublisher", "EventSubscriber", "decode", "encode",
-           "new_epoch"]
+__all__ = [
+    "TOPIC",
+    "WIRE_VERSION",
+    "EventPublisher",
+    "EventSubscriber",
+    "decode",
+    "encode",
+    "new_epoch",
+]
 
 TOPIC = b"kvtier.kv"
 WIRE_VERSION = 1
@@ -53,9 +60,15 @@ def new_epoch() -> str:
 
 def encode(event: KVEvent) -> bytes:
     """The JSON frame of one event."""
-    doc = {"v": WIRE_VERSION, "kind": event.kind.value, "replica": event.replica,
-           "epoch": event.epoch, "tier": event.tier.value, "seq": event.seq,
-           "hashes": [h.hex() for h in event.hashes]}
+    doc = {
+        "v": WIRE_VERSION,
+        "kind": event.kind.value,
+        "replica": event.replica,
+        "epoch": event.epoch,
+        "tier": event.tier.value,
+        "seq": event.seq,
+        "hashes": [h.hex() for h in event.hashes],
+    }
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -71,8 +84,14 @@ def decode(data: bytes) -> KVEvent:
         seq = doc["seq"]
         if not isinstance(seq, int):
             raise CodecError(f"event seq {seq!r} is not an integer")
-        return KVEvent(kind=EventKind(doc["kind"]), replica=str(doc["replica"]),
-                       epoch=str(doc["epoch"]), tier=Tier(doc["tier"]), hashes=hashes, seq=seq)
+        return KVEvent(
+            kind=EventKind(doc["kind"]),
+            replica=str(doc["replica"]),
+            epoch=str(doc["epoch"]),
+            tier=Tier(doc["tier"]),
+            hashes=hashes,
+            seq=seq,
+        )
     except CodecError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
@@ -86,8 +105,15 @@ class EventPublisher:
     `close()` sends what is queued (up to `linger_s`) and stops the sender thread.
     """
 
-    def __init__(self, endpoint: str, replica: str, *, epoch: str | None = None,
-                 max_queue: int = 10_000, linger_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replica: str,
+        *,
+        epoch: str | None = None,
+        max_queue: int = 10_000,
+        linger_s: float = 1.0,
+    ) -> None:
         if not endpoint:
             raise ConfigError("events_endpoint: must not be empty")
         if not replica:
@@ -110,8 +136,9 @@ class EventPublisher:
         except zmq.ZMQError as exc:
             self._socket.close(0)
             raise ConfigError(f"events_endpoint: cannot bind {endpoint}: {exc}") from exc
-        self._thread = threading.Thread(target=self._send_loop, name="kvtier-events-pub",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._send_loop, name="kvtier-events-pub", daemon=True
+        )
         self._thread.start()
 
     @property
@@ -127,8 +154,14 @@ class EventPublisher:
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
         """Enqueue one event; never blocks (a full queue drops it, leaving a `seq` gap)."""
         with self._lock:
-            event = KVEvent(kind=kind, replica=self.replica, epoch=self.epoch, tier=tier,
-                            hashes=tuple(hashes), seq=self._seq)
+            event = KVEvent(
+                kind=kind,
+                replica=self.replica,
+                epoch=self.epoch,
+                tier=tier,
+                hashes=tuple(hashes),
+                seq=self._seq,
+            )
             self._seq += 1
             try:
                 self._queue.put_nowait(event)
@@ -157,8 +190,12 @@ class EventPublisher:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
@@ -247,6 +284,10 @@ class EventSubscriber:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

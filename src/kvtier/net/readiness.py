@@ -19,8 +19,14 @@ from kvtier.core.errors import KvtierError
 __all__ = ["wait_ready"]
 
 
-def wait_ready(url: str, timeout_s: float, *, exited: Callable[[], int | None] | None = None,
-               what: str | None = None, interval_s: float = 0.3) -> None:
+def wait_ready(
+    url: str,
+    timeout_s: float,
+    *,
+    exited: Callable[[], int | None] | None = None,
+    what: str | None = None,
+    interval_s: float = 0.3,
+) -> None:
     """Return once `url` answers 200 (see the module docstring)."""
     what = what or url
     deadline = time.monotonic() + timeout_s

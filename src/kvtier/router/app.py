@@ -66,8 +66,9 @@ class Router:
     def __init__(self, config: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
         """`tokenizer` replaces the one built from `config.model_dir` (tests share one)."""
         if tokenizer is None and config.model_dir is None:
-            raise ConfigError("model_dir: required: the router tokenizes with the model's own "
-                              "tokenizer")
+            raise ConfigError(
+                "model_dir: required: the router tokenizes with the model's own tokenizer"
+            )
         self.config = config
         self.replicas = ReplicaSet(config.replicas)
         self.index = PrefixIndex(config.max_blocks)
@@ -105,21 +106,34 @@ class Router:
             try:
                 tls = ssl.create_default_context(cafile=self.config.replica_ca_file)
             except (OSError, ssl.SSLError) as exc:
-                raise ConfigError(f"replica_ca_file: cannot load "
-                                  f"{self.config.replica_ca_file}: {exc}") from exc
-        self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s,
-                              tls=tls)
-        self._upstream = Upstream(self._pool, self.replicas, self.policy, self.rng, self.clock,
-                                  self.metrics)
-        health = HealthChecker(self._pool, self.replicas, self.config.health_interval_s,
-                               self.config.health_timeout_s, self.config.unhealthy_after,
-                               lambda name: self.forget(name, "down"))
+                raise ConfigError(
+                    f"replica_ca_file: cannot load {self.config.replica_ca_file}: {exc}"
+                ) from exc
+        self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s, tls=tls)
+        self._upstream = Upstream(
+            self._pool, self.replicas, self.policy, self.rng, self.clock, self.metrics
+        )
+        health = HealthChecker(
+            self._pool,
+            self.replicas,
+            self.config.health_interval_s,
+            self.config.health_timeout_s,
+            self.config.unhealthy_after,
+            lambda name: self.forget(name, "down"),
+        )
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))
         vllm_events = {r.name: r.vllm_events for r in self.config.replicas if r.vllm_events}
         if self.config.strategy == "kvaware" and (self.config.events or vllm_events):
-            self._feed = EventFeed(self.index, self.config.events, vllm_events, self.forget,
-                                   self._count_event, self.clock, self.config.max_blocks)
+            self._feed = EventFeed(
+                self.index,
+                self.config.events,
+                vllm_events,
+                self.forget,
+                self._count_event,
+                self.clock,
+                self.config.max_blocks,
+            )
             self._feed.start()
 
     async def stop(self) -> None:
@@ -174,18 +188,24 @@ class Router:
                 raise BadRequest(405, f"{exchange.path} takes {method}, not {exchange.method}")
             if self.config.api_key and exchange.path.startswith("/v1/"):
                 given = exchange.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.config.api_key}"
-                                           .encode()):
-                    raise BadRequest(401, "invalid or missing API key", code="invalid_api_key",
-                                     type_="authentication_error")
+                if not hmac.compare_digest(
+                    given.encode(), f"Bearer {self.config.api_key}".encode()
+                ):
+                    raise BadRequest(
+                        401,
+                        "invalid or missing API key",
+                        code="invalid_api_key",
+                        type_="authentication_error",
+                    )
             return await handler(exchange)
         except BadRequest as exc:
             error = exc
         except BodyTooLarge as exc:
             error = BadRequest(413, str(exc))
         except RoutingError as exc:
-            error = BadRequest(503, str(exc), code="no_healthy_replica",
-                               type_="service_unavailable")
+            error = BadRequest(
+                503, str(exc), code="no_healthy_replica", type_="service_unavailable"
+            )
         except UpstreamFailed as exc:
             error = BadRequest(502, str(exc), code="upstream_failed", type_="upstream_error")
         except ClientGone:
@@ -214,13 +234,18 @@ class Router:
         assert self.tokenizer is not None  # set in start()
         prompt = self.tokenizer.prompt(body, chat)
         block_tokens = self.block_tokens
-        hashes = () if block_tokens is None else self.tokenizer.block_hashes(
-            prompt, block_tokens, body.get("cache_salt"))
+        hashes = (
+            ()
+            if block_tokens is None
+            else self.tokenizer.block_hashes(prompt, block_tokens, body.get("cache_salt"))
+        )
         self._check_length(body, prompt, chat)
         session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
         route = RouteRequest(hashes, block_tokens or 1, prompt.estimated_tokens, session)
-        headers = [("Content-Type", "application/json"),
-                   ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity"))]
+        headers = [
+            ("Content-Type", "application/json"),
+            ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity")),
+        ]
         if not self.config.api_key and "authorization" in exchange.headers:
             # without a key of its own the router passes the client's on (the replicas' key)
             headers.append(("Authorization", exchange.headers["authorization"]))
@@ -237,8 +262,12 @@ class Router:
     def _check_model(self, model: str) -> None:
         served = self.replicas.models()
         if served and model not in served:
-            raise BadRequest(404, f"the model '{model}' does not exist; served: "
-                                  f"{', '.join(sorted(served))}", "model", "model_not_found")
+            raise BadRequest(
+                404,
+                f"the model '{model}' does not exist; served: {', '.join(sorted(served))}",
+                "model",
+                "model_not_found",
+            )
 
     def _check_length(self, body: Mapping[str, Any], prompt: Prompt, chat: bool) -> None:
         limit = self.config.max_model_len or self.replicas.max_model_len()
@@ -250,11 +279,15 @@ class Router:
         assert self.tokenizer is not None
         prompt_tokens = len(self.tokenizer.tokens(prompt))
         if prompt_tokens >= limit or prompt_tokens + wanted > limit:
-            raise BadRequest(400, f"This model's maximum context length is {limit} tokens. "
-                                  f"However, you requested {prompt_tokens + wanted} tokens "
-                                  f"({prompt_tokens} in the prompt, {wanted} for the "
-                                  f"completion).", "messages" if chat else "prompt",
-                             "context_length_exceeded")
+            raise BadRequest(
+                400,
+                f"This model's maximum context length is {limit} tokens. "
+                f"However, you requested {prompt_tokens + wanted} tokens "
+                f"({prompt_tokens} in the prompt, {wanted} for the "
+                f"completion).",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
 
     async def _models(self, exchange: Exchange) -> int:
         assert self._pool is not None
@@ -277,15 +310,19 @@ class Router:
 
     async def _health(self, exchange: Exchange) -> int:
         healthy = [r.name for r in self.replicas.healthy()]
-        doc = {"status": "ok" if healthy else "unavailable", "healthy_replicas": healthy,
-               "replicas": len(self.replicas)}
+        doc = {
+            "status": "ok" if healthy else "unavailable",
+            "healthy_replicas": healthy,
+            "replicas": len(self.replicas),
+        }
         status = 200 if healthy else 503
         await exchange.respond_json(status, doc)
         return status
 
     async def _metrics(self, exchange: Exchange) -> int:
-        await exchange.respond(200, self.metrics.render(),
-                               [(b"content-type", CONTENT_TYPE.encode())])
+        await exchange.respond(
+            200, self.metrics.render(), [(b"content-type", CONTENT_TYPE.encode())]
+        )
         return 200
 
 
@@ -333,8 +370,12 @@ async def serve(router: Router) -> None:
         # long as the process: keep the collector from walking it again and again.
         gc.collect()
         gc.freeze()
-        log.info("kvtier router on %s (%s, %d replicas)", listening.url, config.strategy,
-                 len(router.replicas))
+        log.info(
+            "kvtier router on %s (%s, %d replicas)",
+            listening.url,
+            config.strategy,
+            len(router.replicas),
+        )
         try:
             await asyncio.shield(listening.closed)
         finally:

@@ -40,16 +40,16 @@ class ClientGone(Exception):
 
 
 class Exchange:
-    __slots__ = ("_receive", "_send", "client_gone", "done", "headers", "method", "path",
-                 "started")
+    __slots__ = ("_receive", "_send", "client_gone", "done", "headers", "method", "path", "started")
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._receive = receive
         self._send = send
         self.method: str = scope["method"]
         self.path: str = scope["path"]
-        self.headers = {name.decode("latin-1"): value.decode("latin-1")
-                        for name, value in scope["headers"]}
+        self.headers = {
+            name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]
+        }
         """Request headers by lower-case name (a repeated header keeps its last value)."""
         self.started = False
         """True once the status line is sent: errors can no longer be answered."""
@@ -78,8 +78,13 @@ class Exchange:
 
     async def respond(self, status: int, body: bytes, headers: Iterable[Header]) -> None:
         self.started = True
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": [*headers, (b"content-length", b"%d" % len(body))]})
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*headers, (b"content-length", b"%d" % len(body))],
+            }
+        )
         self.done = True
         await self._send({"type": "http.response.body", "body": body})
 
@@ -89,8 +94,9 @@ class Exchange:
     async def start(self, status: int, headers: Iterable[Header]) -> None:
         """Begin a streamed response (chunked transfer encoding)."""
         self.started = True
-        await self._send({"type": "http.response.start", "status": status,
-                          "headers": list(headers)})
+        await self._send(
+            {"type": "http.response.start", "status": status, "headers": list(headers)}
+        )
 
     async def write(self, chunk: bytes) -> None:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -133,8 +139,18 @@ def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def server(app: Callable[..., Awaitable[None]], host: str, port: int) -> uvicorn.Server:
     """A uvicorn server for the ASGI `app` (no lifespan, no access log, no proxy headers)."""
-    config = uvicorn.Config(app, host=host, port=port, loop="none", http="httptools",
-                            interface="asgi3", lifespan="off", proxy_headers=False,
-                            server_header=False, access_log=False, log_config=None,
-                            timeout_graceful_shutdown=2)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="httptools",
+        interface="asgi3",
+        lifespan="off",
+        proxy_headers=False,
+        server_header=False,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=2,
+    )
     return uvicorn.Server(config)

@@ -45,8 +45,13 @@ class ChunkedEncoder:
     prefix cut it identically.
     """
 
-    def __init__(self, encode: Callable[[str], list[int]], min_chars: int = 256,
-                 max_chunks: int = 4096, max_head_chars: int = HEAD_CHARS) -> None:
+    def __init__(
+        self,
+        encode: Callable[[str], list[int]],
+        min_chars: int = 256,
+        max_chunks: int = 4096,
+        max_head_chars: int = HEAD_CHARS,
+    ) -> None:
         self._encode = encode
         self.min_chars = min_chars
         self._chunks: Lru[str, list[int]] = Lru(max_chunks)
@@ -89,7 +94,7 @@ class ChunkedEncoder:
 
     def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
         cuts = self._cuts(text, min_chars)
-        return self._chunk_ids(text, cuts), text[cuts[-1] if cuts else 0:]
+        return self._chunk_ids(text, cuts), text[cuts[-1] if cuts else 0 :]
 
     @staticmethod
     def _cuts(text: str, min_chars: int) -> list[int]:

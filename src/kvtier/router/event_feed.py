@@ -76,8 +76,9 @@ class VllmRehasher:
     no longer mapped cannot be named and is skipped (counted in `unnamed`).
     """
 
-    def __init__(self, replica: str, index: PrefixIndex, forget: Forget,
-                 max_blocks: int = 1_000_000) -> None:
+    def __init__(
+        self, replica: str, index: PrefixIndex, forget: Forget, max_blocks: int = 1_000_000
+    ) -> None:
         self.replica = replica
         self._index = index
         self._forget = forget
@@ -115,8 +116,13 @@ class VllmRehasher:
         tokens: Sequence[int] = event.get("token_ids") or ()
         size = event.get("block_size")
         extra = event.get("extra_keys")
-        if tier is None or not isinstance(size, int) or size <= 0 or len(tokens) < size * len(
-                hashes) or (extra and any(e for e in extra)):
+        if (
+            tier is None
+            or not isinstance(size, int)
+            or size <= 0
+            or len(tokens) < size * len(hashes)
+            or (extra and any(e for e in extra))
+        ):
             self.unnamed += len(hashes)  # salted/LoRA/multimodal or foreign tiers: unnamable
             return
         parent_ext = event.get("parent_block_hash")
@@ -129,7 +135,7 @@ class VllmRehasher:
             return
         named: list[BlockHash] = []
         for i, ext in enumerate(hashes):
-            parent = chain_hash(parent, tokens[i * size:(i + 1) * size])
+            parent = chain_hash(parent, tokens[i * size : (i + 1) * size])
             self._names[_key(ext)] = parent
             self._names.move_to_end(_key(ext))
             named.append(parent)
@@ -141,8 +147,11 @@ class VllmRehasher:
         tier = _MEDIUM_TIER.get(event.get("medium"))
         if tier is None:
             return
-        named = [self._names.pop(_key(ext)) for ext in event.get("block_hashes") or ()
-                 if _key(ext) in self._names]
+        named = [
+            self._names.pop(_key(ext))
+            for ext in event.get("block_hashes") or ()
+            if _key(ext) in self._names
+        ]
         self._index.remove(self.replica, named, tier)
 
 
@@ -154,9 +163,16 @@ def _key(ext: object) -> object:
 class EventFeed:
     """Owns the event sockets; `start()` spawns the tasks, `close()` stops them."""
 
-    def __init__(self, index: PrefixIndex, kvtier_endpoints: Sequence[str],
-                 vllm_endpoints: dict[str, str], forget: Forget, count: Count,
-                 clock: Callable[[], float], max_blocks: int) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        kvtier_endpoints: Sequence[str],
+        vllm_endpoints: dict[str, str],
+        forget: Forget,
+        count: Count,
+        clock: Callable[[], float],
+        max_blocks: int,
+    ) -> None:
         self._index = index
         self._clock = clock
         self._count = count
@@ -193,8 +209,9 @@ class EventFeed:
                 self._count("vllm", "malformed")
                 continue
             try:
-                rehasher.apply(int.from_bytes(frames[1], "big"), frames[2], self._clock(),
-                               self._count)
+                rehasher.apply(
+                    int.from_bytes(frames[1], "big"), frames[2], self._clock(), self._count
+                )
             except (msgspec.DecodeError, TypeError, ValueError, AttributeError) as exc:
                 log.warning("bad vLLM KV event batch from %s: %s", rehasher.replica, exc)
                 self._count("vllm", "malformed")

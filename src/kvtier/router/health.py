@@ -33,9 +33,15 @@ def engine_block_tokens(metrics_text: bytes) -> int | None:
 
 
 class HealthChecker:
-    def __init__(self, pool: HttpPool, replicas: ReplicaSet, interval_s: float,
-                 timeout_s: float, unhealthy_after: int,
-                 on_down: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        pool: HttpPool,
+        replicas: ReplicaSet,
+        interval_s: float,
+        timeout_s: float,
+        unhealthy_after: int,
+        on_down: Callable[[str], None],
+    ) -> None:
         self._pool = pool
         self._replicas = replicas
         self._interval_s = interval_s
@@ -89,8 +95,10 @@ class HealthChecker:
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):
             return
-        replica.models = tuple(str(e["id"]) for e in entries
-                               if isinstance(e, dict) and "id" in e)
-        lens = [e["max_model_len"] for e in entries
-                if isinstance(e, dict) and isinstance(e.get("max_model_len"), int)]
+        replica.models = tuple(str(e["id"]) for e in entries if isinstance(e, dict) and "id" in e)
+        lens = [
+            e["max_model_len"]
+            for e in entries
+            if isinstance(e, dict) and isinstance(e.get("max_model_len"), int)
+        ]
         replica.max_model_len = min(lens) if lens else None

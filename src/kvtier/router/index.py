@@ -116,8 +116,12 @@ class PrefixIndex:
             dropped += 1
         return dropped
 
-    def match(self, hashes: Sequence[BlockHash], also: Iterable[PrefixIndex] = (),
-              replicas: Iterable[str] = ()) -> dict[str, list[Tier]]:
+    def match(
+        self,
+        hashes: Sequence[BlockHash],
+        also: Iterable[PrefixIndex] = (),
+        replicas: Iterable[str] = (),
+    ) -> dict[str, list[Tier]]:
         """Best tier of each block of every known replica's longest contiguous cached prefix.
 
         `also` merges other indexes into the walk (e.g. a policy's speculative entries beside the

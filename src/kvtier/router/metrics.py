@@ -35,8 +35,25 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0, 10.0, 30.0, 60.0, 120.0)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+)
 
 
 class HotCounter:
@@ -60,8 +77,9 @@ class HotHistogram:
     """A labelled histogram for the request path: `observe(value, *labels)` is one bisect and
     two list updates (per-bucket counts, made cumulative at scrape time)."""
 
-    def __init__(self, name: str, doc: str, labels: Sequence[str],
-                 buckets: Sequence[float]) -> None:
+    def __init__(
+        self, name: str, doc: str, labels: Sequence[str], buckets: Sequence[float]
+    ) -> None:
         self._name, self._doc, self._labels = name, doc, list(labels)
         self._bounds = tuple(buckets)
         self.series: dict[tuple[str, ...], list[float]] = {}
@@ -78,8 +96,7 @@ class HotHistogram:
         family = HistogramMetricFamily(self._name, self._doc, labels=self._labels)
         for labels, series in list(self.series.items()):
             cumulative, buckets = 0.0, []
-            for bound, count in zip((*map(str, self._bounds), "+Inf"), series[:-1],
-                                    strict=True):
+            for bound, count in zip((*map(str, self._bounds), "+Inf"), series[:-1], strict=True):
                 cumulative += count
                 buckets.append((bound, cumulative))
             family.add_metric(labels, buckets, series[-1])
@@ -87,50 +104,79 @@ class HotHistogram:
 
 
 class RouterMetrics:
-    def __init__(self, replicas: ReplicaSet, strategy: str,
-                 index_sizes: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self, replicas: ReplicaSet, strategy: str, index_sizes: Callable[[], dict[str, int]]
+    ) -> None:
         self.registry = CollectorRegistry()
         self.strategy = strategy
         self._replicas = replicas
         self._index_sizes = index_sizes
         r = self.registry
-        self.requests = HotCounter("kvtier_router_requests", "Requests answered.",
-                                   ["endpoint", "status"])
-        self.latency = HotHistogram("kvtier_router_request_seconds", "Arrival to last byte.",
-                                    ["endpoint"], _LATENCY_BUCKETS)
-        self.first_byte = HotHistogram("kvtier_router_first_byte_seconds",
-                                       "Arrival to first byte from the replica.", ["endpoint"],
-                                       _LATENCY_BUCKETS)
-        self.overhead = HotHistogram("kvtier_router_overhead_seconds",
-                                     "Arrival to upstream send: parse, tokenize, route.", [],
-                                     _LATENCY_BUCKETS)
-        self.in_flight = Gauge("kvtier_router_in_flight", "Requests held on a replica.",
-                               ["replica"], registry=r)
-        self.queued = Gauge("kvtier_router_queued_prefill_tokens",
-                            "Uncached prompt tokens awaiting their first byte.", ["replica"],
-                            registry=r)
-        self.healthy = Gauge("kvtier_router_replica_healthy", "1 when the replica is up.",
-                             ["replica"], registry=r)
-        self.decisions = HotCounter("kvtier_router_decisions", "Routing decisions.",
-                                    ["strategy", "reason"])
-        self.routed = HotCounter("kvtier_router_routed", "Attempts sent to each replica.",
-                                 ["replica"])
-        self.failovers = Counter("kvtier_router_failovers",
-                                 "Attempts that failed over off a replica.", ["replica"],
-                                 registry=r)
-        self.stream_errors = Counter("kvtier_router_stream_errors", "Streams cut short.",
-                                     ["cause"], registry=r)
-        self.index_blocks = Gauge("kvtier_router_index_blocks", "Entries in a prefix index.",
-                                  ["index"], registry=r)
-        self.events = Counter("kvtier_router_events", "KV events applied.", ["source", "kind"],
-                              registry=r)
-        self.purges = Counter("kvtier_router_index_purges", "Replica purges from the index.",
-                              ["cause"], registry=r)
+        self.requests = HotCounter(
+            "kvtier_router_requests", "Requests answered.", ["endpoint", "status"]
+        )
+        self.latency = HotHistogram(
+            "kvtier_router_request_seconds", "Arrival to last byte.", ["endpoint"], _LATENCY_BUCKETS
+        )
+        self.first_byte = HotHistogram(
+            "kvtier_router_first_byte_seconds",
+            "Arrival to first byte from the replica.",
+            ["endpoint"],
+            _LATENCY_BUCKETS,
+        )
+        self.overhead = HotHistogram(
+            "kvtier_router_overhead_seconds",
+            "Arrival to upstream send: parse, tokenize, route.",
+            [],
+            _LATENCY_BUCKETS,
+        )
+        self.in_flight = Gauge(
+            "kvtier_router_in_flight", "Requests held on a replica.", ["replica"], registry=r
+        )
+        self.queued = Gauge(
+            "kvtier_router_queued_prefill_tokens",
+            "Uncached prompt tokens awaiting their first byte.",
+            ["replica"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "kvtier_router_replica_healthy", "1 when the replica is up.", ["replica"], registry=r
+        )
+        self.decisions = HotCounter(
+            "kvtier_router_decisions", "Routing decisions.", ["strategy", "reason"]
+        )
+        self.routed = HotCounter(
+            "kvtier_router_routed", "Attempts sent to each replica.", ["replica"]
+        )
+        self.failovers = Counter(
+            "kvtier_router_failovers",
+            "Attempts that failed over off a replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "kvtier_router_stream_errors", "Streams cut short.", ["cause"], registry=r
+        )
+        self.index_blocks = Gauge(
+            "kvtier_router_index_blocks", "Entries in a prefix index.", ["index"], registry=r
+        )
+        self.events = Counter(
+            "kvtier_router_events", "KV events applied.", ["source", "kind"], registry=r
+        )
+        self.purges = Counter(
+            "kvtier_router_index_purges", "Replica purges from the index.", ["cause"], registry=r
+        )
         r.register(self)  # exports the hot series through collect()
 
     def collect(self) -> Iterator[Metric]:
-        for hot in (self.requests, self.latency, self.first_byte, self.overhead,
-                    self.decisions, self.routed):
+        for hot in (
+            self.requests,
+            self.latency,
+            self.first_byte,
+            self.overhead,
+            self.decisions,
+            self.routed,
+        ):
             yield hot.family()
 
     def render(self) -> bytes:

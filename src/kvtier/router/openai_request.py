@@ -13,8 +13,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["BadRequest", "ChatOptions", "chat_options", "completion_prompt", "messages",
-           "parse_body", "requested_tokens"]
+__all__ = [
+    "BadRequest",
+    "ChatOptions",
+    "chat_options",
+    "completion_prompt",
+    "messages",
+    "parse_body",
+    "requested_tokens",
+]
 
 # field -> (accepted types, description) for the OpenAI fields the router reads or checks
 _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
@@ -36,14 +43,26 @@ _decode_json = msgspec.json.Decoder().decode  # 2-3x faster than json.loads on l
 class BadRequest(Exception):
     """Answered `status` with an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None, type_: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code, self.type = status, param, code, type_
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {
+                "message": str(self),
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def parse_body(raw: bytes, *, chat: bool) -> dict[str, Any]:
@@ -86,8 +105,9 @@ def _text_content(content: object, where: str) -> str:
         texts = []
         for part in content:
             if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise BadRequest(400, f"{where}: each content part must be an object with a "
-                                      "type", where)
+                raise BadRequest(
+                    400, f"{where}: each content part must be an object with a type", where
+                )
             if part["type"] == "text":
                 if not isinstance(part.get("text"), str):
                     raise BadRequest(400, f"{where}: a text part needs a string 'text'", where)
@@ -124,22 +144,28 @@ class ChatOptions(msgspec.Struct, frozen=True):
 
 def chat_options(body: Mapping[str, Any]) -> ChatOptions:
     tools = body.get("tools")
-    if tools is not None and not (isinstance(tools, list)
-                                  and all(isinstance(t, Mapping) for t in tools)):
+    if tools is not None and not (
+        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
+    ):
         raise BadRequest(400, "'tools' must be a list of objects", "tools")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise BadRequest(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    return ChatOptions(tools=tools,
-                       add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-                       continue_final_message=bool(body.get("continue_final_message", False)),
-                       template_kwargs=kwargs,
-                       add_special_tokens=bool(body.get("add_special_tokens", False)))
+    return ChatOptions(
+        tools=tools,
+        add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+        continue_final_message=bool(body.get("continue_final_message", False)),
+        template_kwargs=kwargs,
+        add_special_tokens=bool(body.get("add_special_tokens", False)),
+    )
 
 
 def _is_tokens(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
 
 
 def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
@@ -150,8 +176,15 @@ def completion_prompt(body: Mapping[str, Any]) -> str | list[int]:
         return prompt
     if _is_tokens(prompt):
         return list(prompt)  # type: ignore[arg-type]
-    if isinstance(prompt, list) and prompt and (
-            all(isinstance(p, str) for p in prompt) or all(_is_tokens(p) for p in prompt)):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and (all(isinstance(p, str) for p in prompt) or all(_is_tokens(p) for p in prompt))
+    ):
         return completion_prompt({"prompt": prompt[0]})
-    raise BadRequest(400, "'prompt' must be a string, a list of strings, a list of token ids "
-                          "or a list of token-id lists", "prompt")
+    raise BadRequest(
+        400,
+        "'prompt' must be a string, a list of strings, a list of token ids "
+        "or a list of token-id lists",
+        "prompt",
+    )

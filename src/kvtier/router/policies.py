@@ -47,7 +47,13 @@ from kvtier.core.tiers.base import Tier
 from kvtier.router.index import PrefixIndex
 
 __all__ = [
-    "POLICIES", "CostPolicy", "CostWeights", "Decision", "Policy", "ReplicaView", "RouteRequest",
+    "POLICIES",
+    "CostPolicy",
+    "CostWeights",
+    "Decision",
+    "Policy",
+    "ReplicaView",
+    "RouteRequest",
     "make_policy",
 ]
 
@@ -119,8 +125,9 @@ class CostWeights:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.history_half_life_s <= 0:
-            raise ConfigError(f"history_half_life_s: must be positive, "
-                              f"got {self.history_half_life_s}")
+            raise ConfigError(
+                f"history_half_life_s: must be positive, got {self.history_half_life_s}"
+            )
 
     def credits(self) -> dict[Tier, float]:
         return {Tier.L0: self.l0_credit, Tier.L1: self.l1_credit, Tier.L2: self.l2_credit}
@@ -129,8 +136,9 @@ class CostWeights:
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision: ...
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision: ...
 
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None: ...
 
@@ -138,6 +146,7 @@ class Policy(Protocol):
 
 
 # ----- helpers shared by the strategies -----
+
 
 def _healthy(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
     """Healthy replicas sorted by name, so a seeded rng gives the same pick in any view order."""
@@ -178,6 +187,7 @@ class _History:
 
 # ----- cache-aware strategies -----
 
+
 class CostPolicy:
     """Choose by the cost formula over a prefix match; subclasses say where matches come from."""
 
@@ -193,8 +203,9 @@ class CostPolicy:
     def _match(self, request: RouteRequest, names: list[str]) -> dict[str, list[Tier]]:
         return self.speculative.match(request.hashes, replicas=names)
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision:
         w = self.weights
         healthy = _healthy(replicas)
         matches = self._match(request, [r.name for r in healthy])
@@ -202,13 +213,16 @@ class CostPolicy:
         mean_recent = sum(recent.values()) / len(healthy)
         costs: dict[str, float] = {}
         for r in healthy:
-            credit = sum(map(self._credits.__getitem__, matches.get(r.name, ()))) \
-                * request.block_tokens
+            credit = (
+                sum(map(self._credits.__getitem__, matches.get(r.name, ()))) * request.block_tokens
+            )
             uncached = max(0.0, request.prompt_tokens - credit)
             excess = max(0.0, recent[r.name] / mean_recent - 1.0) if mean_recent > 0 else 0.0
-            costs[r.name] = (uncached * (1.0 + w.history_weight * excess)
-                             + w.queue_weight * r.queued_prefill_tokens
-                             + w.running_penalty * r.in_flight)
+            costs[r.name] = (
+                uncached * (1.0 + w.history_weight * excess)
+                + w.queue_weight * r.queued_prefill_tokens
+                + w.running_penalty * r.in_flight
+            )
         chosen = _pick_min(costs, w.tie_tokens, rng)
         cached = {name: _cached_tokens(matches.get(name, ()), request) for name in costs}
         best = max(cached.values())
@@ -239,8 +253,13 @@ class KVAwarePolicy(CostPolicy):
 
     name = "kvaware"
 
-    def __init__(self, index: PrefixIndex | None = None, weights: CostWeights | None = None,
-                 max_blocks: int = 1_000_000, speculative_ttl_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex | None = None,
+        weights: CostWeights | None = None,
+        max_blocks: int = 1_000_000,
+        speculative_ttl_s: float = 10.0,
+    ) -> None:
         super().__init__(weights, max_blocks)
         if speculative_ttl_s <= 0:
             raise ConfigError(f"speculative_ttl_s: must be positive, got {speculative_ttl_s}")
@@ -267,8 +286,9 @@ class PrefixOnlyPolicy:
     def __init__(self, max_blocks: int = 1_000_000) -> None:
         self.index = PrefixIndex(max_blocks)
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision:
         healthy = _healthy(replicas)
         matches = self.index.match(request.hashes, replicas=[r.name for r in healthy])
         lengths = {r.name: float(len(matches.get(r.name, ()))) for r in healthy}
@@ -285,13 +305,15 @@ class PrefixOnlyPolicy:
 
 # ----- cache-blind strategies -----
 
+
 class LeastLoadPolicy:
     """Fewest requests in flight, then fewest queued prefill tokens; random among equals."""
 
     name = "leastload"
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision:
         healthy = _healthy(replicas)
         low = min((r.in_flight, r.queued_prefill_tokens) for r in healthy)
         tied = [r.name for r in healthy if (r.in_flight, r.queued_prefill_tokens) == low]
@@ -312,8 +334,9 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._turn = 0
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision:
         healthy = _healthy(replicas)
         return Decision(healthy[self._turn % len(healthy)].name, "roundrobin", 0)
 
@@ -336,8 +359,9 @@ class SessionPolicy:
         self._sessions: OrderedDict[str, str] = OrderedDict()  # session -> replica, LRU
         self._fallback = LeastLoadPolicy()
 
-    def choose(self, request: RouteRequest, replicas: Sequence[ReplicaView],
-               rng: random.Random, now: float) -> Decision:
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision:
         healthy = _healthy(replicas)
         if request.session is not None:
             replica = self._sessions.get(request.session)
@@ -373,8 +397,9 @@ def make_policy(name: str, **options: object) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
-        raise ConfigError(f"strategy: unknown {name!r}; choose from "
-                          f"{', '.join(sorted(POLICIES))}") from None
+        raise ConfigError(
+            f"strategy: unknown {name!r}; choose from {', '.join(sorted(POLICIES))}"
+        ) from None
     try:
         return factory(**options)
     except TypeError as exc:

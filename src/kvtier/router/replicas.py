@@ -40,8 +40,9 @@ class Replica:
         return self.settings.name
 
     def view(self, excluded: bool = False) -> ReplicaView:
-        return ReplicaView(self.name, self.in_flight, self.queued_prefill_tokens,
-                           self.healthy and not excluded)
+        return ReplicaView(
+            self.name, self.in_flight, self.queued_prefill_tokens, self.healthy and not excluded
+        )
 
 
 class LoadClaim:

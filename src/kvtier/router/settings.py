@@ -115,8 +115,9 @@ class RouterSettings(Settings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if not self.replicas:
-            raise ValueError("replicas: at least one replica is required (--replica URL or "
-                             "--replicas-file FILE)")
+            raise ValueError(
+                "replicas: at least one replica is required (--replica URL or --replicas-file FILE)"
+            )
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replicas: duplicate names in {names}")
@@ -136,9 +137,13 @@ def load_replicas_file(path: str | Path) -> tuple[ReplicaSettings, ...]:
     entries = []
     for i, entry in enumerate(doc):
         if not isinstance(entry, (str, dict)):
-            raise ConfigError(f"replicas_file {path} entry {i}: expected a URL or an object "
-                              "with 'url'")
-        entries.append(ReplicaSettings.from_mapping(
-            entry if isinstance(entry, dict) else replica_fields(entry),
-            where=f"replicas_file {path} entry {i}"))
+            raise ConfigError(
+                f"replicas_file {path} entry {i}: expected a URL or an object with 'url'"
+            )
+        entries.append(
+            ReplicaSettings.from_mapping(
+                entry if isinstance(entry, dict) else replica_fields(entry),
+                where=f"replicas_file {path} entry {i}",
+            )
+        )
     return tuple(entries)

@@ -65,18 +65,21 @@ class Tokenizer:
         """The Hugging Face tokenizer itself."""
         self.encoder = ChunkedEncoder(self._plain_encoder())
         self._hashes: Lru[tuple[str, str | None, int, int], tuple[BlockHash, ...]] = Lru(
-            HEAD_CHARS, lambda key, _: len(key[0]))
+            HEAD_CHARS, lambda key, _: len(key[0])
+        )
         """Block hashes of recent prompt heads, by (head, cache salt, ids count, block size)."""
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
         self._specials = list(self.hf.encode("", add_special_tokens=True))
         probe = SELF_CHECK[0]
-        self._specials_lead = list(self.hf.encode(probe, add_special_tokens=True)) == \
-            self._specials + self.encoder(probe)
+        self._specials_lead = list(
+            self.hf.encode(probe, add_special_tokens=True)
+        ) == self._specials + self.encoder(probe)
 
     def _plain_encoder(self) -> Callable[[str], list[int]]:
         """Encoding without special tokens; the Rust backend's own `encode` when it agrees with
         the wrapper: the wrapper goes through `encode_batch`, whose thread pool spins after
         every call and costs the router more CPU than the encoding itself."""
+
         def wrapped(text: str) -> list[int]:
             return list(self.hf.encode(text, add_special_tokens=False))
 
@@ -118,10 +121,13 @@ class Tokenizer:
         options, conversation = chat_options(body), messages(body)
         try:
             text = self.hf.apply_chat_template(
-                conversation, tools=options.tools, tokenize=False,
+                conversation,
+                tokenize=False,
+                tools=None if options.tools is None else [dict(t) for t in options.tools],
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
-                **options.template_kwargs)
+                **options.template_kwargs,
+            )
         except Exception as exc:  # jinja raises many types; any is a bad request
             raise BadRequest(400, f"chat template failed: {exc}", "messages") from exc
         if not isinstance(text, str):
@@ -129,13 +135,15 @@ class Tokenizer:
         return text
 
     @staticmethod
-    def hash_ids(token_ids: Sequence[int], block_tokens: int,
-                 cache_salt: str | None = None) -> tuple[BlockHash, ...]:
+    def hash_ids(
+        token_ids: Sequence[int], block_tokens: int, cache_salt: str | None = None
+    ) -> tuple[BlockHash, ...]:
         """Hashes of the full blocks of `token_ids`, as the replicas' connector names them."""
         return tuple(block_hashes(token_ids, block_tokens, extra_key(cache_salt=cache_salt)))
 
-    def block_hashes(self, prompt: Prompt, block_tokens: int,
-                     cache_salt: str | None = None) -> tuple[BlockHash, ...]:
+    def block_hashes(
+        self, prompt: Prompt, block_tokens: int, cache_salt: str | None = None
+    ) -> tuple[BlockHash, ...]:
         """`hash_ids(prompt.ids)`, memoized by the prompt's head. The ids count in the key tells
         a head encoded with leading special tokens from the same head without them."""
         if prompt.head is None:

@@ -62,8 +62,15 @@ def sse_error(message: str, code: int) -> bytes:
 
 
 class Upstream:
-    def __init__(self, pool: HttpPool, replicas: ReplicaSet, policy: Policy,
-                 rng: random.Random, clock: Callable[[], float], metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        pool: HttpPool,
+        replicas: ReplicaSet,
+        policy: Policy,
+        rng: random.Random,
+        clock: Callable[[], float],
+        metrics: RouterMetrics,
+    ) -> None:
         self._pool = pool
         self._replicas = replicas
         self._policy = policy
@@ -79,8 +86,9 @@ class Upstream:
         for _ in range(len(self._replicas)):
             now = self._clock()
             try:
-                decision = self._policy.choose(fwd.route, self._replicas.views(excluded),
-                                               self._rng, now)
+                decision = self._policy.choose(
+                    fwd.route, self._replicas.views(excluded), self._rng, now
+                )
             except RoutingError:
                 if not excluded:
                     raise
@@ -103,11 +111,11 @@ class Upstream:
             self._metrics.failovers.labels(replica.name).inc()
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
-    async def _attempt(self, exchange: Exchange, fwd: Forward, replica: Replica,
-                       claim: LoadClaim) -> int:
+    async def _attempt(
+        self, exchange: Exchange, fwd: Forward, replica: Replica, claim: LoadClaim
+    ) -> int:
         try:
-            resp = await self._pool.post(replica.settings.url, fwd.endpoint, fwd.body,
-                                         fwd.headers)
+            resp = await self._pool.post(replica.settings.url, fwd.endpoint, fwd.body, fwd.headers)
         except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -161,8 +169,9 @@ class _Retry(Exception):
 
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.
-_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length",
-                         b"date", b"server"})
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+)
 
 
 def _passthrough(headers: list[Header], replica: Replica) -> list[Header]:

@@ -17,16 +17,22 @@ S1_SCENARIOS = ("cold", "l0", "l1", "l2_cross")
 
 def s1_table(rows: list[dict[str, object]]) -> str:
     """Median TTFT per prompt length and tier for kvtier, with cold/hit ratios."""
-    kvtier = {(r["tokens"], r["scenario"]): r.get("ttft_ms") for r in rows
-              if r.get("system") == "kvtier"}
-    lines = ["| tokens | cold ms | L0 ms | L1 ms | L2 (other replica) ms | cold / L2 |",
-             "|---|---|---|---|---|---|"]
+    kvtier = {
+        (r["tokens"], r["scenario"]): r.get("ttft_ms") for r in rows if r.get("system") == "kvtier"
+    }
+    lines = [
+        "| tokens | cold ms | L0 ms | L1 ms | L2 (other replica) ms | cold / L2 |",
+        "|---|---|---|---|---|---|",
+    ]
     for tokens in sorted({t for t, _ in kvtier}, key=lambda t: int(str(t))):
         cells = [kvtier.get((tokens, s)) for s in S1_SCENARIOS]
         cold, l2 = cells[0], cells[3]
         ratio = f"{float(str(cold)) / float(str(l2)):.1f}x" if cold and l2 else ""
-        lines.append(f"| {tokens} | " + " | ".join(
-            f"{float(str(c)):.0f}" if c is not None else "" for c in cells) + f" | {ratio} |")
+        lines.append(
+            f"| {tokens} | "
+            + " | ".join(f"{float(str(c)):.0f}" if c is not None else "" for c in cells)
+            + f" | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -46,14 +52,36 @@ def _cmd(args: argparse.Namespace) -> int:
     out = Path(args.report_dir)
     out.mkdir(parents=True, exist_ok=True)
     print("kvtier demo 1/2: S2 multi-round chat on a 2-replica fleet", flush=True)
-    code = _bench(["chat", "--users", "3", "--rounds", "3",
-                 "--configs", "roundrobin-l0,kvtier-l1l2-kvaware", "--report-dir", str(out),
-                 "--json", str(out / "s2.json")])
+    code = _bench(
+        [
+            "chat",
+            "--users",
+            "3",
+            "--rounds",
+            "3",
+            "--configs",
+            "roundrobin-l0,kvtier-l1l2-kvaware",
+            "--report-dir",
+            str(out),
+            "--json",
+            str(out / "s2.json"),
+        ]
+    )
     if code:
         return code
     print("\nkvtier demo 2/2: S1 time to first token by tier", flush=True)
-    code = _bench(["tiers", "--lengths", "1024,2500", "--runs", "1", "--skip-peers",
-                 "--json", str(out / "s1.json")])
+    code = _bench(
+        [
+            "tiers",
+            "--lengths",
+            "1024,2500",
+            "--runs",
+            "1",
+            "--skip-peers",
+            "--json",
+            str(out / "s1.json"),
+        ]
+    )
     if code:
         return code
     table = s1_table(json.loads((out / "s1.json").read_text()))
@@ -65,8 +93,13 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "demo", help="a few-minute demo: S2 chat on a 2-replica fleet, then S1 tiers",
-        description=__doc__)
-    p.add_argument("--report-dir", default="out/demo",
-                   help="report, plots and JSON go here (default: %(default)s)")
+        "demo",
+        help="a few-minute demo: S2 chat on a 2-replica fleet, then S1 tiers",
+        description=__doc__,
+    )
+    p.add_argument(
+        "--report-dir",
+        default="out/demo",
+        help="report, plots and JSON go here (default: %(default)s)",
+    )
     p.set_defaults(func=_cmd)

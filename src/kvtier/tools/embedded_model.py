@@ -66,7 +66,8 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # The GGUF loader marks the model as quantized; the dequantized weights are plain bf16.
     if hasattr(model.config, "quantization_config"):
@@ -83,11 +84,13 @@ def _verify(model_dir: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": VERIFY_PROMPT}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": VERIFY_PROMPT}], tokenize=False, add_generation_prompt=True
+    )
     inputs = tokenizer(text, return_tensors="pt")
     output = model.generate(**inputs, max_new_tokens=12, do_sample=False)  # type: ignore[misc]
-    answer = str(tokenizer.decode(output[0][inputs["input_ids"].shape[1]:],
-                                  skip_special_tokens=True))
+    answer = str(
+        tokenizer.decode(output[0][inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    )
     if VERIFY_EXPECT not in answer:
         raise ModelError(f"verification failed: {VERIFY_PROMPT!r} answered {answer!r}")
     return answer
@@ -119,9 +122,17 @@ def prepare(target: Path | None = None, *, force: bool = False, quiet: bool = Fa
         steps.set_postfix_str("verifying with a greedy generation")
         answer = _verify(staging)
         steps.update()
-        (staging / _MARKER).write_text(json.dumps(
-            {"source": PACKAGE, "gguf": GGUF_NAME, "verified_prompt": VERIFY_PROMPT,
-             "verified_answer": answer}, indent=2))
+        (staging / _MARKER).write_text(
+            json.dumps(
+                {
+                    "source": PACKAGE,
+                    "gguf": GGUF_NAME,
+                    "verified_prompt": VERIFY_PROMPT,
+                    "verified_answer": answer,
+                },
+                indent=2,
+            )
+        )
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
@@ -151,10 +162,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     model = subparsers.add_parser("model", help="manage the embedded default model")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     p = model_sub.add_parser(
-        "prepare", help="install, convert and verify SmolLM2-135M-Instruct (bf16)",
+        "prepare",
+        help="install, convert and verify SmolLM2-135M-Instruct (bf16)",
         description=f"Install {PACKAGE} (no dependencies), convert its GGUF into a bf16 "
-                    "safetensors directory vLLM can serve, and verify it answers "
-                    f"{VERIFY_PROMPT!r} with {VERIFY_EXPECT!r}. Idempotent; prints the path.")
+        "safetensors directory vLLM can serve, and verify it answers "
+        f"{VERIFY_PROMPT!r} with {VERIFY_EXPECT!r}. Idempotent; prints the path.",
+    )
     p.add_argument("--dir", help=f"target directory (default: {default_model_dir()})")
     p.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     p.set_defaults(func=_cmd_prepare)

@@ -30,10 +30,17 @@ import httptools
 
 __all__ = ["SSE_CHUNKS", "FakeReplica"]
 
-SSE_CHUNKS = [b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
-              b"data: [DONE]\n\n"]
-_STATUS = {200: b"OK", 404: b"Not Found", 500: b"Internal Server Error",
-           503: b"Service Unavailable"}
+SSE_CHUNKS = [
+    b'data: {"choices": [{"text": "a"}]}\n\n',
+    b'data: {"choices": [{"text": "b"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+_STATUS = {
+    200: b"OK",
+    404: b"Not Found",
+    500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}
 
 
 @dataclass
@@ -85,23 +92,37 @@ class FakeReplica:
             self._writers.discard(writer)
             writer.transport.abort()
 
-    async def _answer(self, writer: asyncio.StreamWriter, method: str, path: str,
-                      body: bytes) -> bool:
+    async def _answer(
+        self, writer: asyncio.StreamWriter, method: str, path: str, body: bytes
+    ) -> bool:
         """Answer one request; False when the connection must end."""
         if method == "GET" and path == "/health":
             await _respond(writer, 200 if self.healthy else 503, b"ok", b"text/plain")
         elif method == "GET" and path == "/v1/models":
-            await _respond_json(writer, 200, {"object": "list", "data": [
-                {"id": self.model, "object": "model", "max_model_len": self.max_model_len}]})
+            await _respond_json(
+                writer,
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
+                    ],
+                },
+            )
         elif method == "GET" and path == "/metrics":
-            text = (f'vllm:cache_config_info{{block_size="{self.block_tokens}",'
-                    f'engine="0"}} 1.0\n')
+            text = f'vllm:cache_config_info{{block_size="{self.block_tokens}",engine="0"}} 1.0\n'
             await _respond(writer, 200, text.encode(), b"text/plain")
         elif method == "POST" and path == "/tokenize":
             words = str(json.loads(body).get("prompt", "")).split()
-            await _respond_json(writer, 200, {"tokens": [hash(w) % 50000 for w in words],
-                                              "count": len(words),
-                                              "max_model_len": self.max_model_len})
+            await _respond_json(
+                writer,
+                200,
+                {
+                    "tokens": [hash(w) % 50000 for w in words],
+                    "count": len(words),
+                    "max_model_len": self.max_model_len,
+                },
+            )
         elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             return await self._generate(writer, json.loads(body))
         else:
@@ -118,14 +139,23 @@ class FakeReplica:
         if self.mode == "hang":
             await asyncio.sleep(3600)
         if not body.get("stream"):
-            await _respond_json(writer, 200, {
-                "id": "x", "object": "text_completion", "model": self.model,
-                "choices": [{"text": "ok", "index": 0, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                "served_by": self.url})
+            await _respond_json(
+                writer,
+                200,
+                {
+                    "id": "x",
+                    "object": "text_completion",
+                    "model": self.model,
+                    "choices": [{"text": "ok", "index": 0, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    "served_by": self.url,
+                },
+            )
             return True
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                     b"Transfer-Encoding: chunked\r\n\r\n")
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
         await _chunk(writer, SSE_CHUNKS[0])
         if self.mode == "die_mid_stream":
             await asyncio.sleep(0.05)
@@ -163,10 +193,13 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] 
     return parser.get_method().decode(), path, b"".join(parts["body"])
 
 
-async def _respond(writer: asyncio.StreamWriter, status: int, body: bytes,
-                   content_type: bytes) -> None:
-    writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-                 % (status, _STATUS.get(status, b"Status"), content_type, len(body), body))
+async def _respond(
+    writer: asyncio.StreamWriter, status: int, body: bytes, content_type: bytes
+) -> None:
+    writer.write(
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+        % (status, _STATUS.get(status, b"Status"), content_type, len(body), body)
+    )
     await writer.drain()
 
 

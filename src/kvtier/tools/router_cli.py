@@ -44,17 +44,25 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "router", help="run the KV-aware OpenAI-compatible router in front of vLLM replicas",
+        "router",
+        help="run the KV-aware OpenAI-compatible router in front of vLLM replicas",
         description="An asynchronous OpenAI-compatible proxy (/v1/completions, "
-                    "/v1/chat/completions with SSE streaming, /v1/models, /health, /metrics) "
-                    "that sends each request to the replica most likely to hold its prompt's "
-                    "KV cache, weighed against load; fails over before the first byte.",
+        "/v1/chat/completions with SSE streaming, /v1/models, /health, /metrics) "
+        "that sends each request to the replica most likely to hold its prompt's "
+        "KV cache, weighed against load; fails over before the first byte.",
         epilog="Every flag is a router setting (docs/router.md lists them). kvaware follows "
-               "the replicas' KV events: kvtier connector events via --events, vLLM's own via "
-               "--replica URL=ENDPOINT.")
-    add_flags(p, RouterSettings, flags=FLAGS,
-              metavars={"replicas": "URL[=VLLM_EVENTS]", "events": "ENDPOINT",
-                        "model_dir": "DIR"})
-    p.add_argument("--replicas-file", metavar="FILE",
-                   help="YAML/JSON list of replica URLs or {url, name, vllm_events} objects")
+        "the replicas' KV events: kvtier connector events via --events, vLLM's own via "
+        "--replica URL=ENDPOINT.",
+    )
+    add_flags(
+        p,
+        RouterSettings,
+        flags=FLAGS,
+        metavars={"replicas": "URL[=VLLM_EVENTS]", "events": "ENDPOINT", "model_dir": "DIR"},
+    )
+    p.add_argument(
+        "--replicas-file",
+        metavar="FILE",
+        help="YAML/JSON list of replica URLs or {url, name, vllm_events} objects",
+    )
     p.set_defaults(func=_run)

@@ -49,10 +49,24 @@ class ServerSpec:
     log_path: Path | None = None
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "kvtier.vllm.launch", "serve", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port),
-               "--enforce-eager", "--max-model-len", str(self.max_model_len),
-               "--served-model-name", Path(self.model).name, "--dtype", resolve_dtype(self.dtype)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.vllm.launch",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--enforce-eager",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--served-model-name",
+            Path(self.model).name,
+            "--dtype",
+            resolve_dtype(self.dtype),
+        ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + list(self.extra_args)
@@ -60,12 +74,18 @@ class ServerSpec:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         bind = self.cpu_ids or ",".join(str(i) for i in range(self.threads))
-        env.update({
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_CPU_CI_ENV": "1", "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": bind, "OMP_NUM_THREADS": str(self.threads),
-            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-        })
+        env.update(
+            {
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_CPU_CI_ENV": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": bind,
+                "OMP_NUM_THREADS": str(self.threads),
+                "VLLM_NO_USAGE_STATS": "1",
+                "DO_NOT_TRACK": "1",
+            }
+        )
         env.update(self.env)
         return env
 
@@ -97,10 +117,18 @@ class ServerProcess:
         self.spec = spec
         self.url = f"http://127.0.0.1:{spec.port}"
         with ExitStack() as stack:
-            log = (stack.enter_context(open(spec.log_path, "ab")) if spec.log_path
-                   else subprocess.DEVNULL)
-            self._proc = subprocess.Popen(spec.command(), env=spec.environment(), stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+            log = (
+                stack.enter_context(open(spec.log_path, "ab"))
+                if spec.log_path
+                else subprocess.DEVNULL
+            )
+            self._proc = subprocess.Popen(
+                spec.command(),
+                env=spec.environment(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     @property
     def pid(self) -> int:
@@ -111,9 +139,13 @@ class ServerProcess:
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
         try:
-            wait_ready(self.url + "/health", timeout_s, exited=self._proc.poll,
-                       what=f"vLLM server on port {self.spec.port} (log: {self.spec.log_path})",
-                       interval_s=0.5)
+            wait_ready(
+                self.url + "/health",
+                timeout_s,
+                exited=self._proc.poll,
+                what=f"vLLM server on port {self.spec.port} (log: {self.spec.log_path})",
+                interval_s=0.5,
+            )
         except KvtierError:
             self.stop()
             raise
@@ -144,8 +176,12 @@ class ServerProcess:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 

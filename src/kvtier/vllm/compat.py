@@ -38,11 +38,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-__all__ = ["SUPPORTED_SERIES", "CacheHitSource", "EngineGeometry", "KVConnectorBase_V1",
-           "KVConnectorMetadata", "KVConnectorPromMetrics", "KVConnectorRole", "KVConnectorStats",
-           "KVConnectorWorkerMetadata",
-           "block_ids", "check_version", "engine_geometry", "extra_config", "model_path",
-           "request_extra", "request_token_ids", "vllm_version", "worker_tp_rank"]
+__all__ = [
+    "SUPPORTED_SERIES",
+    "CacheHitSource",
+    "EngineGeometry",
+    "KVConnectorBase_V1",
+    "KVConnectorMetadata",
+    "KVConnectorPromMetrics",
+    "KVConnectorRole",
+    "KVConnectorStats",
+    "KVConnectorWorkerMetadata",
+    "block_ids",
+    "check_version",
+    "engine_geometry",
+    "extra_config",
+    "model_path",
+    "request_extra",
+    "request_token_ids",
+    "vllm_version",
+    "worker_tp_rank",
+]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,8 +83,11 @@ def check_version(version: str | None = None) -> bool:
     series = ".".join(version.split(".")[:2])
     if series in SUPPORTED_SERIES:
         return True
-    log.warning("kvtier connector: vLLM %s is not in the supported table %s; "
-                "see docs/connector.md", version, SUPPORTED_SERIES)
+    log.warning(
+        "kvtier connector: vLLM %s is not in the supported table %s; see docs/connector.md",
+        version,
+        SUPPORTED_SERIES,
+    )
     return False
 
 
@@ -92,8 +110,10 @@ class EngineGeometry:
 
     def layout(self) -> str:
         """The namespace's `kv_layout`: engine blocks are stored verbatim."""
-        return (f"vllm-{self.platform}-paged:block={self.engine_block_tokens},"
-                f"heads={self.kv_heads},head={self.head_size},layers={self.num_layers}")
+        return (
+            f"vllm-{self.platform}-paged:block={self.engine_block_tokens},"
+            f"heads={self.kv_heads},head={self.head_size},layers={self.num_layers}"
+        )
 
 
 def engine_geometry(vllm_config: VllmConfig) -> EngineGeometry:

@@ -60,8 +60,9 @@ class KvtierConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.HOST
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         compat.check_version()
         self.config = ConnectorSettings.from_sources(compat.extra_config(vllm_config))
@@ -73,26 +74,44 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._stores = [
-                process_store.acquire(self.config,
-                                process_store.model_identity(self.config, geometry, model, rank),
-                                publish=False)
-                for rank in range(geometry.tp_size)]
+                process_store.acquire(
+                    self.config,
+                    process_store.model_identity(self.config, geometry, model, rank),
+                    publish=False,
+                )
+                for rank in range(geometry.tp_size)
+            ]
             self._scheduler = SchedulerSide(
-                self._stores, block_tokens, geometry.engine_block_tokens,
-                self.config.lookup_ttl_s, self.counters,
+                self._stores,
+                block_tokens,
+                geometry.engine_block_tokens,
+                self.config.lookup_ttl_s,
+                self.counters,
                 lookup_wait_s=self.config.lookup_wait_ms / 1000,
                 events=self.config.events_endpoint is not None,
-                block_ids_of=self._block_ids_of, load_async=self.config.load_async)
+                block_ids_of=self._block_ids_of,
+                load_async=self.config.load_async,
+            )
         else:
             rank = compat.worker_tp_rank()
             identity = process_store.model_identity(self.config, geometry, model, rank)
             self._stores = [process_store.acquire(self.config, identity, publish=rank == 0)]
-            self._worker = WorkerSide(self._stores[0], geometry, rank,
-                                      block_tokens, self.config.load_threads,
-                                      self.counters)
-        log.info("kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
-                 role.name, [r.namespace for r in self._stores], block_tokens,
-                 self.config.l1_bytes, self.config.l2_path)
+            self._worker = WorkerSide(
+                self._stores[0],
+                geometry,
+                rank,
+                block_tokens,
+                self.config.load_threads,
+                self.counters,
+            )
+        log.info(
+            "kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
+            role.name,
+            [r.namespace for r in self._stores],
+            block_tokens,
+            self.config.l1_bytes,
+            self.config.l2_path,
+        )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -113,8 +132,13 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete before the request is scheduled (asynchronous loading)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
-                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
         return  # whole blocks are copied after the forward pass, in `wait_for_save`
 
     def wait_for_save(self) -> None:
@@ -146,16 +170,19 @@ class KvtierConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._scheduler_side().new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return self._scheduler_side().matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         self._scheduler_side().after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Request,
-                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         by_tier = self._scheduler_side().hit_tokens(request)
         sources = {_HIT_SOURCE[t]: n for t, n in by_tier.items() if n}
         if sum(sources.values()) != num_external_tokens:
@@ -170,8 +197,9 @@ class KvtierConnector(KVConnectorBase_V1):
         if isinstance(meta, KvtierWorkerMeta):
             self._scheduler_side().apply_worker_meta(meta)
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().finished(request), None
 
     def take_events(self) -> Iterable[Any]:
@@ -184,9 +212,13 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KvtierPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvtierPromMetrics:
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- helpers ----------------------------------------------------------------------------

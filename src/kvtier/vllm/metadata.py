@@ -3,8 +3,9 @@ processes).
 
 `KvtierMetadata` is built once per step by `SchedulerSide.build_meta` on the scheduler thread
 and read by `WorkerSide` in every worker. `KvtierWorkerMeta` goes back: each worker's L1
-changes, aggregated over workers by vLLM, applied by `SchedulerSide.apply_worker_meta`. Engine block ids are the request's own blocks in vLLM's paged
-cache: they stay allocated to the request until the worker reports the transfer finished.
+changes, aggregated over workers by vLLM, applied by `SchedulerSide.apply_worker_meta`.
+Engine block ids are the request's own blocks in vLLM's paged cache: they stay allocated to the
+request until the worker reports the transfer finished.
 """
 
 from __future__ import annotations

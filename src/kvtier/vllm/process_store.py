@@ -67,13 +67,16 @@ def block_tokens(config: ConnectorSettings, geometry: EngineGeometry) -> int:
     engine's own block size."""
     tokens = config.block_tokens or geometry.engine_block_tokens
     if tokens % geometry.engine_block_tokens:
-        raise ConfigError(f"block_tokens: {tokens} is not a multiple of vLLM's block size "
-                          f"{geometry.engine_block_tokens}")
+        raise ConfigError(
+            f"block_tokens: {tokens} is not a multiple of vLLM's block size "
+            f"{geometry.engine_block_tokens}"
+        )
     return tokens
 
 
-def model_identity(config: ConnectorSettings, geometry: EngineGeometry, model_path: str,
-                   tp_rank: int) -> ModelIdentity:
+def model_identity(
+    config: ConnectorSettings, geometry: EngineGeometry, model_path: str, tp_rank: int
+) -> ModelIdentity:
     """The namespace identity of one TP rank's blocks."""
     return ModelIdentity(
         model=config.model_id or Path(model_path.rstrip("/")).name or model_path,
@@ -165,15 +168,24 @@ def acquire(config: ConnectorSettings, identity: ModelIdentity, *, publish: bool
             store_config = config.store_settings()
             publisher = None
             if publish and config.events_endpoint:
-                publisher = EventPublisher(config.events_endpoint,
-                                           config.replica_id or default_replica_id())
-            shared = ProcessStore(namespace=namespace, store=None,  # type: ignore[arg-type]
-                                  aliases=HashAliases(), publisher=publisher)
+                publisher = EventPublisher(
+                    config.events_endpoint, config.replica_id or default_replica_id()
+                )
+            shared = ProcessStore(
+                namespace=namespace,
+                store=None,  # type: ignore[arg-type]
+                aliases=HashAliases(),
+                publisher=publisher,
+            )
             shared.store = TieredStore(store_config, identity, on_event=shared.on_event)
             _by_namespace[namespace] = shared
-            log.info("kvtier: store for namespace %s (L1 %d bytes, L2 %s, events %s)",
-                     namespace, store_config.l1_bytes, config.l2_path,
-                     config.events_endpoint if publisher else None)
+            log.info(
+                "kvtier: store for namespace %s (L1 %d bytes, L2 %s, events %s)",
+                namespace,
+                store_config.l1_bytes,
+                config.l2_path,
+                config.events_endpoint if publisher else None,
+            )
         shared.users += 1
         return shared
 

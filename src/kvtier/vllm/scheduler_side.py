@@ -76,10 +76,18 @@ class _Tracked:
 
 
 class SchedulerSide:
-    def __init__(self, stores: Sequence[ProcessStore], block_tokens: int, engine_block_tokens: int,
-                 lookup_ttl_s: float, counters: ConnectorCounters, events: bool,
-                 block_ids_of: Callable[[str], list[int]], load_async: bool,
-                 lookup_wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        stores: Sequence[ProcessStore],
+        block_tokens: int,
+        engine_block_tokens: int,
+        lookup_ttl_s: float,
+        counters: ConnectorCounters,
+        events: bool,
+        block_ids_of: Callable[[str], list[int]],
+        load_async: bool,
+        lookup_wait_s: float = 0.0,
+    ) -> None:
         """`stores`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
         self._stores = list(stores)
@@ -118,8 +126,11 @@ class SchedulerSide:
         self._extend_hashes(tracked, tokens, usable)
         lookup = tracked.lookup
         now = time.monotonic()
-        if (lookup is None or lookup.n_hashes < usable
-                or (lookup.done_at is not None and now - lookup.done_at > self._ttl)):
+        if (
+            lookup is None
+            or lookup.n_hashes < usable
+            or (lookup.done_at is not None and now - lookup.done_at > self._ttl)
+        ):
             lookup = tracked.lookup = self._submit(tracked.hashes[:usable])
             if self._lookup_wait_s <= 0:
                 return None, False
@@ -146,20 +157,26 @@ class SchedulerSide:
         ids = compat.block_ids(blocks)
         p = self._per_block
         tiers = tuple(tracked.found[first:last])
-        self._loads.append(LoadSpec(
-            req_id=request.request_id, hashes=tuple(tracked.hashes[first:last]),
-            engine_block_ids=tuple(ids[first * p + skip:end // self._engine_block]), skip=skip,
-            tiers=tiers,
-            engine_hashes=tuple(tracked.engine_hashes[first * p:last * p]),
-            asynchronous=self._load_async))
+        self._loads.append(
+            LoadSpec(
+                req_id=request.request_id,
+                hashes=tuple(tracked.hashes[first:last]),
+                engine_block_ids=tuple(ids[first * p + skip : end // self._engine_block]),
+                skip=skip,
+                tiers=tiers,
+                engine_hashes=tuple(tracked.engine_hashes[first * p : last * p]),
+                asynchronous=self._load_async,
+            )
+        )
         hit_tokens: dict[Tier, int] = {}
         for i, tier in enumerate(tiers):
             start = max(local, (first + i) * self._block)
             n = min(end, (first + i + 1) * self._block) - start
             hit_tokens[tier] = hit_tokens.get(tier, 0) + n
         tracked.hit_tokens = hit_tokens
-        self._counters.add(hit_tokens_l1=hit_tokens.get(Tier.L1, 0),
-                           hit_tokens_l2=hit_tokens.get(Tier.L2, 0))
+        self._counters.add(
+            hit_tokens_l1=hit_tokens.get(Tier.L1, 0), hit_tokens_l2=hit_tokens.get(Tier.L2, 0)
+        )
         # Loaded blocks stay unhandled: the save plan offers them again once computed, and the
         # saver skips those the store holds, so a block whose load failed is saved after vLLM
         # recomputes it.
@@ -172,8 +189,9 @@ class SchedulerSide:
         return dict(tracked.hit_tokens) if tracked is not None else {}
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvtierMetadata:
-        meta = KvtierMetadata(loads=self._loads,
-                              preempted=frozenset(scheduler_output.preempted_req_ids or ()))
+        meta = KvtierMetadata(
+            loads=self._loads, preempted=frozenset(scheduler_output.preempted_req_ids or ())
+        )
         self._loads = []
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
@@ -213,8 +231,9 @@ class SchedulerSide:
         if n_blocks > have:
             parent = tracked.hashes[-1] if have else None
             start = have * self._block
-            tracked.hashes += block_hashes(tokens[start:n_blocks * self._block], self._block,
-                                           tracked.extra, parent)
+            tracked.hashes += block_hashes(
+                tokens[start : n_blocks * self._block], self._block, tracked.extra, parent
+            )
         if self._events:
             n_engine = n_blocks * self._per_block
             have_e = len(tracked.engine_hashes)
@@ -222,8 +241,11 @@ class SchedulerSide:
                 parent = tracked.engine_hashes[-1] if have_e else None
                 start = have_e * self._engine_block
                 tracked.engine_hashes += block_hashes(
-                    tokens[start:n_engine * self._engine_block], self._engine_block,
-                    tracked.extra, parent)
+                    tokens[start : n_engine * self._engine_block],
+                    self._engine_block,
+                    tracked.extra,
+                    parent,
+                )
 
     def _submit(self, hashes: list[BlockHash]) -> _Lookup:
         lookup = _Lookup(n_hashes=len(hashes), future=self._lookups.submit(self._lookup, hashes))
@@ -268,16 +290,23 @@ class SchedulerSide:
         ids = self._block_ids_of(tracked.request.request_id)
         p = self._per_block
         if len(ids) < full * p:
-            log.warning("kvtier: request %s has %d blocks, expected >= %d; not saving",
-                        tracked.request.request_id, len(ids), full * p)
+            log.warning(
+                "kvtier: request %s has %d blocks, expected >= %d; not saving",
+                tracked.request.request_id,
+                len(ids),
+                full * p,
+            )
             return None
         parent = tracked.hashes[first - 1] if first else root_hash(tracked.extra)
         hashes = tuple(tracked.hashes[first:full])
         tracked.handled_blocks = full
         tracked.has_saves = True
-        return SaveSpec(req_id=tracked.request.request_id, hashes=hashes,
-                        parents=(parent, *hashes[:-1]),
-                        engine_block_ids=tuple(ids[first * p:full * p]), first_index=first,
-                        reused_blocks=tracked.hit_blocks,
-                        engine_hashes=tuple(tracked.engine_hashes[first * p:full * p]))
-
+        return SaveSpec(
+            req_id=tracked.request.request_id,
+            hashes=hashes,
+            parents=(parent, *hashes[:-1]),
+            engine_block_ids=tuple(ids[first * p : full * p]),
+            first_index=first,
+            reused_blocks=tracked.hit_blocks,
+            engine_hashes=tuple(tracked.engine_hashes[first * p : full * p]),
+        )

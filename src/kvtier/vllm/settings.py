@@ -24,8 +24,13 @@ from pydantic import Field, field_validator
 from kvtier.core.errors import ConfigError
 from kvtier.core.settings import StoreSettings
 
-__all__ = ["CONNECTOR_CLASS", "CONNECTOR_MODULE", "ENV_PREFIX", "ConnectorSettings",
-           "kv_transfer_config"]
+__all__ = [
+    "CONNECTOR_CLASS",
+    "CONNECTOR_MODULE",
+    "ENV_PREFIX",
+    "ConnectorSettings",
+    "kv_transfer_config",
+]
 
 ENV_PREFIX = "KVTIER_"
 CONNECTOR_CLASS = "KvtierConnector"
@@ -68,8 +73,9 @@ class ConnectorSettings(StoreSettings):
         return value
 
     @classmethod
-    def from_sources(cls, extra: Mapping[str, Any] | None,
-                     environ: Mapping[str, str] | None = None) -> Self:
+    def from_sources(
+        cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> Self:
         """Extra-config keys first, then `KVTIER_*` environment variables, then defaults."""
         values = dict(extra or {})
         environ = os.environ if environ is None else environ
@@ -83,13 +89,14 @@ class ConnectorSettings(StoreSettings):
         except ConfigError as exc:
             key = str(exc).split(":", 1)[0]
             if key in from_env:  # name the variable the bad value came from
-                raise ConfigError(f"{ENV_PREFIX}{key.upper()}{str(exc)[len(key):]}") from None
+                raise ConfigError(f"{ENV_PREFIX}{key.upper()}{str(exc)[len(key) :]}") from None
             raise
 
     def store_settings(self) -> StoreSettings:
         """The store's share of the settings."""
         return StoreSettings.from_mapping(
-            {name: getattr(self, name) for name in StoreSettings.model_fields})
+            {name: getattr(self, name) for name in StoreSettings.model_fields}
+        )
 
     def as_extra_config(self) -> dict[str, Any]:
         """The non-default settings, as `kv_connector_extra_config`."""
@@ -102,6 +109,10 @@ def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:
     Load failures are recomputed (`kv_load_failure_policy: "recompute"`): with vLLM's default
     ("fail") a block lost between lookup and load would fail the request.
     """
-    return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": settings.as_extra_config()}
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": settings.as_extra_config(),
+    }

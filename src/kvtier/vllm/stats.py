@@ -96,15 +96,22 @@ class ConnectorCounters:
 class KvtierPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per entry of `COUNTERS`, per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for name, doc in COUNTERS.items():
-            metric = self._counter_cls(name=f"kvtier:{name}", documentation=doc,
-                                       labelnames=labelnames)
-            self._counters[name] = {idx: metric.labels(*values)
-                                    for idx, values in per_engine_labelvalues.items()}
+            metric = self._counter_cls(
+                name=f"kvtier:{name}", documentation=doc, labelnames=labelnames
+            )
+            self._counters[name] = {
+                idx: metric.labels(*values) for idx, values in per_engine_labelvalues.items()
+            }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, value in transfer_stats_data.items():

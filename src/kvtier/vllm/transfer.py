@@ -70,13 +70,19 @@ class PagedKV:
         names = sorted(kv_caches, key=_layer_order)
         self.layers = [kv_caches[n] for n in names]
         first = self.layers[0]
-        for name, t in zip(names, self.layers):
+        for name, t in zip(names, self.layers, strict=True):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
-                raise ConfigError(f"kv_caches: layer {name} has shape {tuple(t.shape)} "
-                                  f"{t.dtype}, unlike {tuple(first.shape)} {first.dtype}")
+                raise ConfigError(
+                    f"kv_caches: layer {name} has shape {tuple(t.shape)} "
+                    f"{t.dtype}, unlike {tuple(first.shape)} {first.dtype}"
+                )
         self.device = first.device
-        self.layout = BlockLayout(num_layers=len(self.layers), per_block=per_block,
-                                  engine_block_shape=tuple(first.shape[1:]), dtype=first.dtype)
+        self.layout = BlockLayout(
+            num_layers=len(self.layers),
+            per_block=per_block,
+            engine_block_shape=tuple(first.shape[1:]),
+            dtype=first.dtype,
+        )
         self._cuda = _CudaStaging(self.layout) if self.device.type == "cuda" else None
 
     @property
@@ -85,8 +91,9 @@ class PagedKV:
 
     def new_host_buffer(self) -> torch.Tensor:
         """A host tensor shaped like one payload (pinned when the cache is on CUDA)."""
-        return torch.empty(self.layout.shape, dtype=self.layout.dtype,
-                           pin_memory=self._cuda is not None)
+        return torch.empty(
+            self.layout.shape, dtype=self.layout.dtype, pin_memory=self._cuda is not None
+        )
 
     def gather(self, engine_block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy the engine blocks of one kvtier block into `out` (a host buffer)."""
@@ -105,8 +112,10 @@ class PagedKV:
         locally computed KV); fewer ids than the rest of the block write only a leading part.
         """
         if len(engine_block_ids) > self.layout.per_block - skip:
-            raise ValueError(f"at most {self.layout.per_block - skip} engine block ids, got "
-                             f"{len(engine_block_ids)}")
+            raise ValueError(
+                f"at most {self.layout.per_block - skip} engine block ids, got "
+                f"{len(engine_block_ids)}"
+            )
         self._check_ids(engine_block_ids, len(engine_block_ids))
         if not engine_block_ids:
             return
@@ -129,8 +138,7 @@ class PagedKV:
 def payload_view(payload: memoryview, layout: BlockLayout) -> torch.Tensor:
     """A tensor over a stored payload's bytes (zero-copy; the caller only reads it)."""
     if payload.nbytes != layout.payload_bytes:
-        raise ValueError(f"payload has {payload.nbytes} bytes, layout needs "
-                         f"{layout.payload_bytes}")
+        raise ValueError(f"payload has {payload.nbytes} bytes, layout needs {layout.payload_bytes}")
     with warnings.catch_warnings():  # read-only buffers warn; the view is never written
         warnings.simplefilter("ignore", UserWarning)
         raw = torch.frombuffer(payload, dtype=torch.uint8)
@@ -152,8 +160,7 @@ class _CudaStaging:
         self.staging = torch.empty(layout.shape, dtype=layout.dtype, pin_memory=True)
         self._lock = threading.Lock()  # one stream and one staging buffer: one copy at a time
 
-    def gather(self, layers: Sequence[torch.Tensor], ids: Sequence[int],
-               out: torch.Tensor) -> None:
+    def gather(self, layers: Sequence[torch.Tensor], ids: Sequence[int], out: torch.Tensor) -> None:
         device = layers[0].device
         with self._lock, torch.cuda.stream(self.stream):
             # The forward writes these blocks on the default stream: order after it.
@@ -163,8 +170,9 @@ class _CudaStaging:
                 out[layer].copy_(torch.index_select(t, 0, idx), non_blocking=True)
             self.stream.synchronize()
 
-    def scatter(self, layers: Sequence[torch.Tensor], src: torch.Tensor,
-                ids: Sequence[int]) -> None:
+    def scatter(
+        self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int]
+    ) -> None:
         """`src`: (layers, len(ids), *engine block) on the host."""
         device = layers[0].device
         n = len(ids)

@@ -47,8 +47,15 @@ PREEMPT_WAIT_S = 30.0
 
 
 class WorkerSide:
-    def __init__(self, shared: ProcessStore, geometry: EngineGeometry, tp_rank: int,
-                 block_tokens: int, load_threads: int, counters: ConnectorCounters) -> None:
+    def __init__(
+        self,
+        shared: ProcessStore,
+        geometry: EngineGeometry,
+        tp_rank: int,
+        block_tokens: int,
+        load_threads: int,
+        counters: ConnectorCounters,
+    ) -> None:
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -76,14 +83,22 @@ class WorkerSide:
         for d in kv.layout.engine_block_shape:
             elements *= d
         expected = 2 * g.kv_heads * g.engine_block_tokens * g.head_size
-        if (kv.layout.num_layers != g.num_layers or elements != expected
-                or kv.layout.dtype_name != g.dtype):
+        if (
+            kv.layout.num_layers != g.num_layers
+            or elements != expected
+            or kv.layout.dtype_name != g.dtype
+        ):
             raise ConfigError(
                 f"kv_caches: {kv.layout.num_layers} layers of {kv.layout.engine_block_shape} "
-                f"{kv.layout.dtype_name} per block do not match the namespace geometry {g}")
+                f"{kv.layout.dtype_name} per block do not match the namespace geometry {g}"
+            )
         self._kv = kv
-        log.info("kvtier: registered %d KV layers, %d engine blocks, %d bytes per kvtier block",
-                 kv.layout.num_layers, kv.num_engine_blocks, kv.layout.payload_bytes)
+        log.info(
+            "kvtier: registered %d KV layers, %d engine blocks, %d bytes per kvtier block",
+            kv.layout.num_layers,
+            kv.num_engine_blocks,
+            kv.layout.payload_bytes,
+        )
 
     # ---- per step -----------------------------------------------------------------------
 
@@ -96,8 +111,9 @@ class WorkerSide:
     def start_loads(self, meta: KvtierMetadata) -> None:
         """Queue asynchronous loads; run synchronous ones to completion (this step's forward
         pass reads them)."""
-        sync = [self._loader.submit(self._load, spec) for spec in meta.loads
-                if not spec.asynchronous]
+        sync = [
+            self._loader.submit(self._load, spec) for spec in meta.loads if not spec.asynchronous
+        ]
         for spec in meta.loads:
             if spec.asynchronous:
                 self._loader.submit(self._load, spec)
@@ -112,8 +128,7 @@ class WorkerSide:
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
             self._finishing.update(r for r in finished_req_ids if r in self._save_jobs)
-            sending = {r for r in self._finishing
-                       if all(f.done() for f in self._save_jobs[r])}
+            sending = {r for r in self._finishing if all(f.done() for f in self._save_jobs[r])}
             for r in sending:
                 self._finishing.discard(r)
                 del self._save_jobs[r]
@@ -149,11 +164,16 @@ class WorkerSide:
             for i, block in enumerate(self._store.load(spec.hashes)):
                 skip = spec.skip if i == 0 else 0
                 if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
-                    log.warning("kvtier: block %s has layout %s %s, expected %s %s",
-                                block.block_hash.hex(), block.meta.shape, block.meta.dtype,
-                                kv.layout.shape, kv.layout.dtype_name)
+                    log.warning(
+                        "kvtier: block %s has layout %s %s, expected %s %s",
+                        block.block_hash.hex(),
+                        block.meta.shape,
+                        block.meta.dtype,
+                        kv.layout.shape,
+                        kv.layout.dtype_name,
+                    )
                     break
-                ids = spec.engine_block_ids[done_ids:done_ids + p - skip]
+                ids = spec.engine_block_ids[done_ids : done_ids + p - skip]
                 kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
                 done_ids += len(ids)
                 counts[block.tier] += 1
@@ -162,12 +182,21 @@ class WorkerSide:
             log.exception("kvtier: load for request %s failed", spec.req_id)
         failed = spec.engine_block_ids[done_ids:]
         elapsed = time.perf_counter() - start
-        self._counters.add(load_blocks_l1=counts[Tier.L1], load_blocks_l2=counts[Tier.L2],
-                           load_bytes=loaded_bytes, load_seconds=elapsed,
-                           load_max_seconds=elapsed, load_failed_blocks=len(failed))
+        self._counters.add(
+            load_blocks_l1=counts[Tier.L1],
+            load_blocks_l2=counts[Tier.L2],
+            load_bytes=loaded_bytes,
+            load_seconds=elapsed,
+            load_max_seconds=elapsed,
+            load_failed_blocks=len(failed),
+        )
         if failed:
-            log.warning("kvtier: request %s: %d of %d engine blocks failed to load; vLLM "
-                        "recomputes them", spec.req_id, len(failed), len(spec.engine_block_ids))
+            log.warning(
+                "kvtier: request %s: %d of %d engine blocks failed to load; vLLM recomputes them",
+                spec.req_id,
+                len(failed),
+                len(spec.engine_block_ids),
+            )
         with self._lock:  # errors and completion become visible together
             self._load_errors.update(failed)
             if spec.asynchronous:
@@ -189,12 +218,20 @@ class WorkerSide:
                     skipped += 1
                     continue
                 index = spec.first_index + i
-                kv.gather(spec.engine_block_ids[i * p:(i + 1) * p], buffer)
-                meta = BlockMeta(num_tokens=self._block, dtype=kv.layout.dtype_name,
-                                 shape=kv.layout.shape, parent=spec.parents[i])
-                if self._store.save(block_hash, meta, host_bytes(buffer),
-                                    reused=index < spec.reused_blocks,
-                                    prefix_tokens=(index + 1) * self._block):
+                kv.gather(spec.engine_block_ids[i * p : (i + 1) * p], buffer)
+                meta = BlockMeta(
+                    num_tokens=self._block,
+                    dtype=kv.layout.dtype_name,
+                    shape=kv.layout.shape,
+                    parent=spec.parents[i],
+                )
+                if self._store.save(
+                    block_hash,
+                    meta,
+                    host_bytes(buffer),
+                    reused=index < spec.reused_blocks,
+                    prefix_tokens=(index + 1) * self._block,
+                ):
                     saved += 1
                 else:
                     rejected += 1
@@ -202,18 +239,21 @@ class WorkerSide:
             failed = len(spec.hashes) - saved - skipped - rejected
             log.exception("kvtier: save for request %s failed", spec.req_id)
         nbytes = saved * (self._kv.layout.payload_bytes if self._kv is not None else 0)
-        self._counters.add(save_blocks=saved, save_bytes=nbytes,
-                           save_seconds=time.perf_counter() - start,
-                           save_skipped_blocks=skipped, save_rejected_blocks=rejected,
-                           save_failed_blocks=failed)
+        self._counters.add(
+            save_blocks=saved,
+            save_bytes=nbytes,
+            save_seconds=time.perf_counter() - start,
+            save_skipped_blocks=skipped,
+            save_rejected_blocks=rejected,
+            save_failed_blocks=failed,
+        )
 
-    def _alias(self, hashes: tuple[BlockHash, ...],
-               engine_hashes: tuple[BlockHash, ...]) -> None:
+    def _alias(self, hashes: tuple[BlockHash, ...], engine_hashes: tuple[BlockHash, ...]) -> None:
         if not engine_hashes:
             return
         p = self._per_block
         for i, block_hash in enumerate(hashes):
-            self._shared.aliases.add(block_hash, engine_hashes[i * p:(i + 1) * p])
+            self._shared.aliases.add(block_hash, engine_hashes[i * p : (i + 1) * p])
 
     def _require_kv(self) -> PagedKV:
         if self._kv is None:

@@ -48,11 +48,17 @@ def fill(root: Path, count: int, nbytes: int, *, seed: int = 1) -> list[str]:
 
 
 def config(**kw: object) -> JanitorSettings:
-    base: dict[str, object] = {"capacity_bytes": 10 * (4096 + 100 * KIB),
-                               "high_watermark": 0.8, "low_watermark": 0.5, "interval_s": 0.1,
-                               "lease_ttl_s": 1.0, "grace_s": 0.0, "stale_s": 0.0}
+    base: dict[str, object] = {
+        "capacity_bytes": 10 * (4096 + 100 * KIB),
+        "high_watermark": 0.8,
+        "low_watermark": 0.5,
+        "interval_s": 0.1,
+        "lease_ttl_s": 1.0,
+        "grace_s": 0.0,
+        "stale_s": 0.0,
+    }
     base.update(kw)
-    return JanitorSettings(**base)  # type: ignore[arg-type]
+    return JanitorSettings(**base)
 
 
 def test_plan_evicts_least_recently_used_down_to_the_low_watermark() -> None:
@@ -70,8 +76,10 @@ def test_in_flight_temp_files_count_towards_usage() -> None:
     blocks = (Entry("old", 10, 1), Entry("new", 10, 2))
     cfg = JanitorSettings(capacity_bytes=40, high_watermark=0.75, low_watermark=0.5)
     assert plan_eviction(Usage(blocks, 0, (), ()), cfg, trim=False) == []
-    assert [e.path for e in plan_eviction(Usage(blocks, 15, (), ()), cfg,
-                                          trim=False)] == ["old", "new"]
+    assert [e.path for e in plan_eviction(Usage(blocks, 15, (), ()), cfg, trim=False)] == [
+        "old",
+        "new",
+    ]
 
 
 def test_a_pass_above_high_evicts_the_oldest_blocks_and_reports_it(tmp_path: Path) -> None:
@@ -114,7 +122,7 @@ def test_only_one_janitor_acts_and_a_dead_holders_lease_is_taken_over(tmp_path: 
     b = FileLease(str(tmp_path / "lease"), "b", ttl_s=10, stale_s=1, clock=clock)
     clock.now = os.stat(tmp_path).st_mtime
     assert a.try_acquire() and not b.try_acquire()
-    assert b.current() is not None and b.current().holder == "a"  # type: ignore[union-attr]
+    assert b.current() is not None and b.current().holder == "a"
     clock.now += 5
     assert not b.try_acquire()  # a's heartbeat is 5 s old: still alive
     clock.now += 7  # 12 s without renewal > ttl + stale: a is presumed dead
@@ -124,13 +132,13 @@ def test_only_one_janitor_acts_and_a_dead_holders_lease_is_taken_over(tmp_path: 
     assert a.try_acquire() and a.epoch == 3  # released: no need to wait for the TTL
 
 
-def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(
-        tmp_path: Path) -> None:
+def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(tmp_path: Path) -> None:
     paths = fill(tmp_path, 10, 100 * KIB)
     fd = os.open(paths[1], os.O_RDONLY)  # a reader opened it just before the eviction
     try:
-        Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB),
-                                      grace_s=3600)).run_once()
+        Janitor(
+            str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=3600)
+        ).run_once()
         assert not os.path.exists(paths[1])  # new readers miss
         assert len(os.read(fd, 1 << 20)) == 4096 + 100 * KIB  # this one completes
     finally:
@@ -141,8 +149,7 @@ def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(
     assert len(usage.graveyard) == 6 and len(usage.blocks) == 4
 
 
-def test_graveyard_is_purged_after_the_grace_and_orphan_temps_are_removed(
-        tmp_path: Path) -> None:
+def test_graveyard_is_purged_after_the_grace_and_orphan_temps_are_removed(tmp_path: Path) -> None:
     clock = Clock()
     fill(tmp_path, 10, 100 * KIB)
     orphan = tmp_path / NAMESPACE / "ab" / "cd"
@@ -150,15 +157,20 @@ def test_graveyard_is_purged_after_the_grace_and_orphan_temps_are_removed(
     (orphan / "x.kvt.dead.tmp").write_bytes(b"partial")
     os.utime(orphan / "x.kvt.dead.tmp", (0, 0))
     clock.now = os.stat(tmp_path).st_mtime
-    janitor = Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=30,
-                                            lease_ttl_s=100), clock=clock)
+    janitor = Janitor(
+        str(tmp_path),
+        config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=30, lease_ttl_s=100),
+        clock=clock,
+    )
     first = janitor.run_once()
     assert first is not None and first.orphans_removed == 1 and first.purged_bytes == 0
     assert not (orphan / "x.kvt.dead.tmp").exists()
     for entry in os.scandir(control_dir(str(tmp_path), "graveyard")):  # renamed 31 s ago
         stamp, rest = entry.name.split(".", 1)
-        os.rename(entry.path, os.path.join(os.path.dirname(entry.path),
-                                           f"{int(stamp) - 31 * 10**9}.{rest}"))
+        os.rename(
+            entry.path,
+            os.path.join(os.path.dirname(entry.path), f"{int(stamp) - 31 * 10**9}.{rest}"),
+        )
     second = janitor.run_once()
     assert second is not None and second.purged_bytes == 6 * (4096 + 100 * KIB)
     assert os.listdir(control_dir(str(tmp_path), "graveyard")) == []

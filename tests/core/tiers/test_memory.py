@@ -15,7 +15,9 @@ from tests.helpers.tiers import hash_of, meta_for, payload_for
 
 def put(tier: MemoryTier, name: str, nbytes: int = 100, parent: str | None = None) -> PutResult:
     h = hash_of(name)
-    return tier.put(h, meta_for(nbytes, hash_of(parent) if parent else None), payload_for(h, nbytes))
+    return tier.put(
+        h, meta_for(nbytes, hash_of(parent) if parent else None), payload_for(h, nbytes)
+    )
 
 
 def names(tier: MemoryTier, *candidates: str) -> list[str]:

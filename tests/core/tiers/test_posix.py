@@ -63,7 +63,11 @@ def test_round_trip_returns_the_bytes_and_meta_read_only(tmp_path: Path) -> None
     assert block.payload.readonly
     stats = tier.stats()
     assert (stats.hits, stats.misses, stats.bytes_read, stats.bytes_written) == (
-        1, 0, NBYTES, NBYTES)
+        1,
+        0,
+        NBYTES,
+        NBYTES,
+    )
 
 
 def test_second_put_of_a_block_is_skipped(tmp_path: Path) -> None:
@@ -86,7 +90,8 @@ def test_lost_link_race_is_success_and_leaves_no_temp_file(tmp_path: Path) -> No
 
 
 def test_publish_falls_back_to_rename_without_hard_links(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def no_link(src: str, dst: str) -> None:
         raise OSError(errno.EPERM, "hard links not supported")
 
@@ -144,9 +149,10 @@ def _empty(path: Path) -> None:
     path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_payload_bit, _flip_header_bit,
-                                    _wrong_version, _header_only, _empty])
-def test_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "damage", [_truncate, _flip_payload_bit, _flip_header_bit, _wrong_version, _header_only, _empty]
+)
+def test_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage) -> None:
     tier = tier_in(tmp_path)
     h = put(tier, "a")
     path = Path(tier.path(h))
@@ -197,8 +203,11 @@ def test_immutable_root_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "ro"
     root.mkdir()
     chattr = shutil.which("chattr")
-    if chattr is None or subprocess.run([chattr, "+i", str(root)], check=False,
-                                        capture_output=True).returncode != 0:
+    if (
+        chattr is None
+        or subprocess.run([chattr, "+i", str(root)], check=False, capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("chattr +i is not available on this file system")
     try:
         with pytest.raises(TierError, match="not writable"):
@@ -208,7 +217,8 @@ def test_immutable_root_is_refused(tmp_path: Path) -> None:
 
 
 def test_directory_vanishing_later_turns_puts_into_counted_errors(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     tier = tier_in(tmp_path)
     h = put(tier, "a")
     shutil.rmtree(tmp_path / NAMESPACE)
@@ -237,11 +247,27 @@ def test_contains_answers_are_cached_for_the_ttl(tmp_path: Path) -> None:
 def test_concurrent_processes_never_read_torn_blocks(tmp_path: Path) -> None:
     """Three processes publish, remove and read the same 12 blocks for 300 rounds each."""
     writers, rounds, blocks, nbytes = 3, 300, 12, 256 * 1024
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.posix_worker", str(tmp_path), str(w), str(writers),
-         str(rounds), str(blocks), str(nbytes), str(1000 + w)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for w in range(writers)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.helpers.posix_worker",
+                str(tmp_path),
+                str(w),
+                str(writers),
+                str(rounds),
+                str(blocks),
+                str(nbytes),
+                str(1000 + w),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(writers)
+    ]
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -260,8 +286,7 @@ def test_concurrent_processes_never_read_torn_blocks(tmp_path: Path) -> None:
     assert files(tmp_path, "*.tmp") == []
 
 
-def test_a_read_hit_refreshes_a_stale_access_record_and_a_bad_read_does_not(
-        tmp_path: Path) -> None:
+def test_a_read_hit_refreshes_a_stale_access_record_and_a_bad_read_does_not(tmp_path: Path) -> None:
     recorder = AccessRecorder(touch_interval_s=60.0)
     tier = PosixTier(str(tmp_path), NAMESPACE, MANIFEST, exists_ttl_s=0, access=recorder)
     good, bad = put(tier, "read-often"), put(tier, "bit-rot")

@@ -27,21 +27,34 @@ KIB = 1024
 
 
 def tier_for(server: ValkeyServer) -> ValkeyTier:
-    return ValkeyTier(ValkeyTierSettings(url=server.url, backoff_initial_s=0.05, backoff_max_s=0.2),
-                      NAMESPACE, IDENTITY.manifest())
+    return ValkeyTier(
+        ValkeyTierSettings(url=server.url, backoff_initial_s=0.05, backoff_max_s=0.2),
+        NAMESPACE,
+        IDENTITY.manifest(),
+    )
 
 
 def test_blocks_written_by_another_process_are_hit_in_one_batch(
-        valkey_server: ValkeyServer) -> None:
-    report = run_worker("write", f"valkey:{valkey_server.url}", "--seed", "1", "--count", "8",
-                        "--bytes", str(256 * KIB))
+    valkey_server: ValkeyServer,
+) -> None:
+    report = run_worker(
+        "write",
+        f"valkey:{valkey_server.url}",
+        "--seed",
+        "1",
+        "--count",
+        "8",
+        "--bytes",
+        str(256 * KIB),
+    )
     assert report == {"stored": 8, "already_present": 0, "errors": 0}
     tier = tier_for(valkey_server)
     hashes = [make_block(1, i, 256 * KIB)[0] for i in range(8)]
     assert tier.contains_many(hashes + [make_block(1, 8, 1)[0]]) == [True] * 8 + [False]
     blocks = tier.get_many(hashes)
-    assert [bytes(b.payload) for b in blocks if b] == [make_block(1, i, 256 * KIB)[2]
-                                                      for i in range(8)]
+    assert [bytes(b.payload) for b in blocks if b] == [
+        make_block(1, i, 256 * KIB)[2] for i in range(8)
+    ]
     assert blocks[3] is not None and blocks[3].meta == make_block(1, 3, 256 * KIB)[1]
     stats = tier.stats()
     assert (stats.hits, stats.misses, stats.errors) == (8, 0, 0)
@@ -51,14 +64,16 @@ def test_keys_are_namespace_and_hash_hex_with_codec_bytes(valkey_server: ValkeyS
     tier = tier_for(valkey_server)
     h, meta, payload = make_block(2, 0, 4 * KIB)
     assert tier.put(h, meta, payload).stored
-    raw = cast("bytes | None",
-               valkey.Valkey.from_url(valkey_server.url).get(f"{NAMESPACE}:{h.hex()}"))
+    raw = cast(
+        "bytes | None", valkey.Valkey.from_url(valkey_server.url).get(f"{NAMESPACE}:{h.hex()}")
+    )
     assert raw is not None and raw.startswith(b"KVTBLK\r\n") and raw.endswith(payload)
     assert len(raw) == 4096 + len(payload)
 
 
 def test_concurrent_writers_of_the_same_blocks_publish_once_and_readers_never_see_a_mix(
-        valkey_server: ValkeyServer) -> None:
+    valkey_server: ValkeyServer,
+) -> None:
     url = f"valkey:{valkey_server.url}"
     common = ["--seed", "3", "--count", "16", "--bytes", str(512 * KIB)]
     reader = spawn_worker("read", url, *common, "--variants", "1,2", "--seconds", "3")

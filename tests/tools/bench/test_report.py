@@ -5,8 +5,9 @@ from kvtier.tools.bench.report import Run, markdown_table, percentile, plot, sum
 from kvtier.tools.bench.workload import Record
 
 
-def record(round_: int, ttft: float, prompt: int, cached: int, reusable: int,
-           error: str | None = None) -> Record:
+def record(
+    round_: int, ttft: float, prompt: int, cached: int, reusable: int, error: str | None = None
+) -> Record:
     return Record("s", round_, float(round_), ttft, ttft + 100, prompt, cached, reusable, error)
 
 
@@ -19,12 +20,17 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_summary_counts_served_reusable_tokens_only_up_to_what_was_reusable() -> None:
-    run = Run("S2", "cfg", (
-        record(0, 300.0, 500, 0, 0),
-        record(1, 100.0, 700, 512, 384),   # served more than reusable: capped at 384
-        record(2, 120.0, 900, 256, 640),
-        record(3, 0.0, 900, 0, 640, error="boom"),  # errors are excluded from figures
-    ), {"l1_hit_tokens": 7})
+    run = Run(
+        "S2",
+        "cfg",
+        (
+            record(0, 300.0, 500, 0, 0),
+            record(1, 100.0, 700, 512, 384),  # served more than reusable: capped at 384
+            record(2, 120.0, 900, 256, 640),
+            record(3, 0.0, 900, 0, 640, error="boom"),  # errors are excluded from figures
+        ),
+        {"l1_hit_tokens": 7},
+    )
     row = summarize(run)
     assert row["requests"] == 3 and row["errors"] == 1
     assert row["ttft_p50_ms"] == 120.0
@@ -41,8 +47,10 @@ def test_markdown_table_reports_speed_up_against_the_baseline() -> None:
 
 
 def test_plots_and_json_are_written(tmp_path: Path) -> None:
-    runs = [Run("S2", name, (record(0, 300.0, 500, 0, 0), record(1, t, 700, 384, 384)), {})
-            for name, t in (("a", 200.0), ("b", 50.0))]
+    runs = [
+        Run("S2", name, (record(0, 300.0, 500, 0, 0), record(1, t, 700, 384, 384)), {})
+        for name, t in (("a", 200.0), ("b", 50.0))
+    ]
     paths = plot(runs, tmp_path, "S2")
     assert [p.name for p in paths] == ["s2_ttft.png", "s2_ttft_by_round.png", "s2_hit_share.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths)

@@ -28,20 +28,29 @@ BLOCK = 128
 
 def test_workload_interleaves_rounds_and_counts_the_ideal_hits(tokenizer: Tokenizer) -> None:
     tok = tokenizer.hf
-    workload = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256,
-                              block_tokens=BLOCK)
+    workload = build_workload(
+        tok, Corpus(tok), "t", prefixes=4, suffixes=3, prefix_tokens=256, block_tokens=BLOCK
+    )
     assert len(workload.prompts) == 12
     heads = [p.split(".\n", 1)[0] for p in workload.prompts]
     for r in range(3):  # every prefix once per round
-        assert Counter(heads[4 * r:4 * r + 4]) == {f"Document t-{p}": 1 for p in range(4)}
+        assert Counter(heads[4 * r : 4 * r + 4]) == {f"Document t-{p}": 1 for p in range(4)}
     # each repeat can hit at most its 2 full 128-token prefix blocks
     assert workload.ideal_hit_tokens == 4 * 2 * 256
 
 
 def test_unique_contexts_leave_only_the_prefix_shared(tokenizer: Tokenizer) -> None:
     tok = tokenizer.hf
-    workload = build_workload(tok, Corpus(tok), "t", prefixes=2, suffixes=2, prefix_tokens=256,
-                              suffix_tokens=300, block_tokens=BLOCK)
+    workload = build_workload(
+        tok,
+        Corpus(tok),
+        "t",
+        prefixes=2,
+        suffixes=2,
+        prefix_tokens=256,
+        suffix_tokens=300,
+        block_tokens=BLOCK,
+    )
     first, repeat = workload.prompts[0], workload.prompts[2]
     assert first.split(".\n", 1)[0] == repeat.split(".\n", 1)[0]  # the same document
     assert len(tok.encode(repeat)) > 256 + 300 - 20
@@ -50,22 +59,33 @@ def test_unique_contexts_leave_only_the_prefix_shared(tokenizer: Tokenizer) -> N
 
 def test_ideal_hits_count_full_blocks_shared_with_any_earlier_request() -> None:
     a = list(range(3 * BLOCK))
-    b = a[:2 * BLOCK] + [7] * BLOCK  # shares 2 blocks with a
+    b = a[: 2 * BLOCK] + [7] * BLOCK  # shares 2 blocks with a
     c = a[:BLOCK] + [9] * 2 * BLOCK  # shares 1 with a and b
     assert ideal_hit_tokens([a], BLOCK) == 0
     assert ideal_hit_tokens([a, b, c], BLOCK) == (2 + 1) * BLOCK
     assert ideal_hit_tokens([a, a], BLOCK) == 2 * BLOCK  # the last token is always computed
 
 
-def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests(tokenizer: Tokenizer) -> None:
+def test_a_system_prompt_opens_every_prompt_and_counts_for_first_requests(
+    tokenizer: Tokenizer,
+) -> None:
     tok = tokenizer.hf
-    plain = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
-                              block_tokens=BLOCK)
-    shared = build_workload(tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256,
-                            system_tokens=256, block_tokens=BLOCK)
+    plain = build_workload(
+        tok, Corpus(tok), "t", prefixes=4, suffixes=2, prefix_tokens=256, block_tokens=BLOCK
+    )
+    shared = build_workload(
+        tok,
+        Corpus(tok),
+        "t",
+        prefixes=4,
+        suffixes=2,
+        prefix_tokens=256,
+        system_tokens=256,
+        block_tokens=BLOCK,
+    )
     system = shared.prompts[0].split("Document t-", 1)[0]
     assert system.startswith("System t.") and all(p.startswith(system) for p in shared.prompts)
-    assert [p[len(system):] for p in shared.prompts] == list(plain.prompts)
+    assert [p[len(system) :] for p in shared.prompts] == list(plain.prompts)
     # every prompt after the first can hit the system prompt's 2 blocks; repeats also their
     # document's 2
     assert shared.ideal_hit_tokens == 7 * 256 + plain.ideal_hit_tokens
@@ -94,11 +114,19 @@ def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
     passthrough = RouterProcess(PASSTHROUGH, [Replica(url)], tmp_path)
     try:
         asyncio.run(passthrough.ready(30))
-        figures = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url}, url,
-                                               ["a b c"], pairs=20))
-        streaks = asyncio.run(measure_overhead({PASSTHROUGH: passthrough.url, "direct": url},
-                                               url, ["a b c"], pairs=20, streak=7,
-                                               prefix="overhead_cold"))
+        figures = asyncio.run(
+            measure_overhead({PASSTHROUGH: passthrough.url}, url, ["a b c"], pairs=20)
+        )
+        streaks = asyncio.run(
+            measure_overhead(
+                {PASSTHROUGH: passthrough.url, "direct": url},
+                url,
+                ["a b c"],
+                pairs=20,
+                streak=7,
+                prefix="overhead_cold",
+            )
+        )
     finally:
         passthrough.stop()
         os.killpg(fake.pid, signal.SIGKILL)

@@ -39,8 +39,9 @@ def test_chat_sessions_share_the_system_prompt_and_differ_per_user(corpus: Corpu
 
 def test_each_user_opens_with_a_document_of_their_own(corpus: Corpus) -> None:
     sessions = chat_sessions(corpus, ChatShape(users=2, rounds=2, document_tokens=400))
-    first, later = (len(corpus.encode(s.turns[r].content or "")) for r in (0, 1)
-                    for s in sessions[:1])
+    first, later = (
+        len(corpus.encode(s.turns[r].content or "")) for r in (0, 1) for s in sessions[:1]
+    )
     assert first - later >= 350
     docs = {(s.turns[0].content or "").split("\n\n")[0] for s in sessions}
     assert len(docs) == 2
@@ -50,15 +51,17 @@ def test_each_user_opens_with_a_document_of_their_own(corpus: Corpus) -> None:
 
 def test_rag_questions_reuse_a_few_documents(corpus: Corpus) -> None:
     sessions = rag_sessions(corpus, RagShape(documents=2, document_tokens=300, questions=6))
-    docs = {s.turns[0].content.split("\n\nQuestion:")[0] for s in sessions}
+    docs = {str(s.turns[0].content).split("\n\nQuestion:")[0] for s in sessions}
     assert len(docs) == 2
 
 
 def test_trace_keeps_the_prefix_structure(corpus: Corpus, tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
-    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
-            {"timestamp": 2000, "input_length": 1536, "output_length": 5, "hash_ids": [1, 2, 3]},
-            {"timestamp": 4000, "input_length": 1024, "output_length": 5, "hash_ids": [4, 5]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+        {"timestamp": 2000, "input_length": 1536, "output_length": 5, "hash_ids": [1, 2, 3]},
+        {"timestamp": 4000, "input_length": 1024, "output_length": 5, "hash_ids": [4, 5]},
+    ]
     trace.write_text("\n".join(json.dumps(r) for r in rows))
     shape = TraceShape(tokens_per_block=64, time_scale=0.5)
     a, b, c = (s.turns[0].prompt_ids for s in trace_sessions(corpus, trace, shape))
@@ -76,7 +79,7 @@ def test_unreadable_trace_is_a_config_error(corpus: Corpus, tmp_path: Path) -> N
 
 def test_reusable_tokens_are_full_blocks_already_sent() -> None:
     seen = _Seen(block_tokens=4)
-    assert seen.reusable(list(range(10))) == 0          # nothing sent before
-    assert seen.reusable(list(range(10))) == 8          # 2 full blocks; the last token is computed
+    assert seen.reusable(list(range(10))) == 0  # nothing sent before
+    assert seen.reusable(list(range(10))) == 8  # 2 full blocks; the last token is computed
     assert seen.reusable(list(range(9))) == 8
     assert seen.reusable([99] + list(range(1, 10))) == 0  # first block differs: chain breaks

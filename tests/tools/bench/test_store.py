@@ -14,18 +14,44 @@ from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.store import EMBEDDED, StoreBenchConfig, geometry_of
 from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
 
-FIGURES = ("l1_put_gbps", "l1_get_gbps", "memcpy_gbps", "l2_write_gbps", "l2_read_gbps",
-           "raw_write_gbps", "raw_read_gbps", "l1_put_ratio", "l1_get_ratio", "l2_write_ratio",
-           "l2_read_ratio")
+FIGURES = (
+    "l1_put_gbps",
+    "l1_get_gbps",
+    "memcpy_gbps",
+    "l2_write_gbps",
+    "l2_read_gbps",
+    "raw_write_gbps",
+    "raw_read_gbps",
+    "l1_put_ratio",
+    "l1_get_ratio",
+    "l2_write_ratio",
+    "l2_read_ratio",
+)
 
 
-def test_cli_writes_all_figures_and_cleans_up(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_all_figures_and_cleans_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "store.json"
     l2_root = tmp_path / "l2"
     l2_root.mkdir()
-    code = main(["bench", "store", "--json", str(out), "--l2", f"posix:{l2_root}",
-                 "--block-tokens", "4", "--blocks", "16", "--repeats", "2", "--quiet"])
+    code = main(
+        [
+            "bench",
+            "store",
+            "--json",
+            str(out),
+            "--l2",
+            f"posix:{l2_root}",
+            "--block-tokens",
+            "4",
+            "--blocks",
+            "16",
+            "--repeats",
+            "2",
+            "--quiet",
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     for key in FIGURES:
@@ -38,17 +64,43 @@ def test_cli_writes_all_figures_and_cleans_up(tmp_path: Path,
     assert "l2_read_ratio" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("target", [
-    pytest.param("valkey", marks=pytest.mark.valkey),
-    pytest.param("juicefs", marks=[pytest.mark.juicefs, pytest.mark.skipif(
-        not fuse_available(), reason="FUSE mounts need root + /dev/fuse")]),
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param("valkey", marks=pytest.mark.valkey),
+        pytest.param(
+            "juicefs",
+            marks=[
+                pytest.mark.juicefs,
+                pytest.mark.skipif(
+                    not fuse_available(), reason="FUSE mounts need root + /dev/fuse"
+                ),
+            ],
+        ),
+    ],
+)
 def test_cli_benchmarks_a_started_l2_target_next_to_its_raw_operations(
-        target: str, tmp_path: Path) -> None:
+    target: str, tmp_path: Path
+) -> None:
     out = tmp_path / f"{target}.json"
     before = set(Path(tempfile.gettempdir()).glob(f"kvtier-bench-{target}-*"))
-    code = main(["bench", "store", "--json", str(out), "--l2", target, "--block-tokens", "4",
-                 "--blocks", "16", "--repeats", "2", "--quiet"])
+    code = main(
+        [
+            "bench",
+            "store",
+            "--json",
+            str(out),
+            "--l2",
+            target,
+            "--block-tokens",
+            "4",
+            "--blocks",
+            "16",
+            "--repeats",
+            "2",
+            "--quiet",
+        ]
+    )
     assert code == 0
     result = json.loads(out.read_text())
     for key in FIGURES:
@@ -70,20 +122,33 @@ def test_embedded_block_is_the_documented_size() -> None:
 
 
 def test_geometry_is_read_from_a_model_directory(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-        "hidden_size": 512}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "hidden_size": 512,
+            }
+        )
+    )
     geometry = geometry_of(str(tmp_path))
     assert (geometry.layers, geometry.kv_heads, geometry.head_dim) == (4, 2, 64)
     with pytest.raises(ConfigError, match="model"):
         geometry_of(str(tmp_path / "missing"))
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"blocks": 12}, "blocks"), ({"block_tokens": 0}, "block_tokens"),
-    ({"repeats": 0}, "repeats"), ({"l2": "posix:"}, "l2"), ({"l2": "s3"}, "l2"),
-    ({"l2": "valkey", "cold": True}, "cold"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"blocks": 12}, "blocks"),
+        ({"block_tokens": 0}, "block_tokens"),
+        ({"repeats": 0}, "repeats"),
+        ({"l2": "posix:"}, "l2"),
+        ({"l2": "s3"}, "l2"),
+        ({"l2": "valkey", "cold": True}, "cold"),
+    ],
+)
 def test_config_rejects_invalid_fields(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         StoreBenchConfig(**kwargs)  # type: ignore[arg-type]

@@ -40,11 +40,16 @@ def test_hyperpod_keys_map_one_to_one(tmp_path: Path) -> None:
     assert spec.cache.l2.url == "redis://127.0.0.1:6390"
     assert (spec.local.router_port, spec.local.replica_base_port) == (9000, 9100)
     assert spec.local.router == {"health_interval_s": 0.25}
-    connector = spec.connector_settings(replica_id="r0", events_endpoint="tcp://127.0.0.1:1",
-                                        l2_location="redis://127.0.0.1:6390")
+    connector = spec.connector_settings(
+        replica_id="r0", events_endpoint="tcp://127.0.0.1:1", l2_location="redis://127.0.0.1:6390"
+    )
     assert connector is not None
-    assert (connector.l1_bytes, connector.l2_url, connector.block_tokens,
-            connector.l2_exists_ttl_s) == (int(1.5 * 1024**3), "redis://127.0.0.1:6390", 256, 0.5)
+    assert (
+        connector.l1_bytes,
+        connector.l2_url,
+        connector.block_tokens,
+        connector.l2_exists_ttl_s,
+    ) == (int(1.5 * 1024**3), "redis://127.0.0.1:6390", 256, 0.5)
 
 
 def test_defaults_without_a_file() -> None:
@@ -62,29 +67,49 @@ def test_tieredstorage_is_the_posix_backend() -> None:
     assert spec.cache.l2.kind == "posix"
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    ({"replicas": 0}, "replicas: input should be greater than 0"),
-    ({"replicas": "2"}, "replicas: input should be a valid integer, got '2'"),
-    ({"intelligentRoutingSpec": {"routingStrategy": "fastest"}},
-     "intelligentRoutingSpec.routingStrategy: input should be 'prefixaware', "),
-    ({"kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "s3"}}},
-     "kvCacheSpec.l2CacheSpec.l2CacheBackend: .*got 's3'"),
-    ({"kvCacheSpec": {"l2CacheSpec": {"l2CacheLocalUrl": "http://x"}}},
-     "kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: 'http://x' is not a redis://"),
-    ({"kvCacheSpec": {"enableL1cache": True}},
-     "kvCacheSpec.enableL1cache: unknown setting (known: enableL1Cache, "),
-    ({"kvCacheSpec": {"l1CacheSizeGiB": True}},
-     "kvCacheSpec.l1CacheSizeGiB: input should be a valid number, got True"),
-    ({"kvtier": {"routerPort": 80}}, "kvtier.routerPort: input should be greater than or equal"),
-    ({"kvtier": {"routerPort": 8101}}, "kvtier.routerPort: collides"),
-    ({"kvtier": {"connector": {"block_tokens": 0}}},
-     "kvtier.connector.block_tokens: input should be greater than 0"),
-    ({"kvtier": {"connector": {"l2_path": "/x"}}},
-     "kvtier.connector.l2_path: set by kvCacheSpec.l2CacheSpec"),
-    ({"kvtier": {"router": {"max_blocks": "x"}}}, "kvtier.router.max_blocks: input should be"),
-    ({"kvtier": {"router": {"replicas": []}}}, "kvtier.router.replicas: set by replicas"),
-    (["a list"], "document: must be a mapping"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"replicas": 0}, "replicas: input should be greater than 0"),
+        ({"replicas": "2"}, "replicas: input should be a valid integer, got '2'"),
+        (
+            {"intelligentRoutingSpec": {"routingStrategy": "fastest"}},
+            "intelligentRoutingSpec.routingStrategy: input should be 'prefixaware', ",
+        ),
+        (
+            {"kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "s3"}}},
+            "kvCacheSpec.l2CacheSpec.l2CacheBackend: .*got 's3'",
+        ),
+        (
+            {"kvCacheSpec": {"l2CacheSpec": {"l2CacheLocalUrl": "http://x"}}},
+            "kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: 'http://x' is not a redis://",
+        ),
+        (
+            {"kvCacheSpec": {"enableL1cache": True}},
+            "kvCacheSpec.enableL1cache: unknown setting (known: enableL1Cache, ",
+        ),
+        (
+            {"kvCacheSpec": {"l1CacheSizeGiB": True}},
+            "kvCacheSpec.l1CacheSizeGiB: input should be a valid number, got True",
+        ),
+        (
+            {"kvtier": {"routerPort": 80}},
+            "kvtier.routerPort: input should be greater than or equal",
+        ),
+        ({"kvtier": {"routerPort": 8101}}, "kvtier.routerPort: collides"),
+        (
+            {"kvtier": {"connector": {"block_tokens": 0}}},
+            "kvtier.connector.block_tokens: input should be greater than 0",
+        ),
+        (
+            {"kvtier": {"connector": {"l2_path": "/x"}}},
+            "kvtier.connector.l2_path: set by kvCacheSpec.l2CacheSpec",
+        ),
+        ({"kvtier": {"router": {"max_blocks": "x"}}}, "kvtier.router.max_blocks: input should be"),
+        ({"kvtier": {"router": {"replicas": []}}}, "kvtier.router.replicas: set by replicas"),
+        (["a list"], "document: must be a mapping"),
+    ],
+)
 def test_invalid_configs_name_the_key(data: object, message: str) -> None:
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
         parse_spec(data)

@@ -23,10 +23,11 @@ def port_open(port: int) -> bool:
 
 
 def post(url: str, body: dict[str, object]) -> dict[str, object]:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())  # type: ignore[no-any-return]
+        return json.loads(resp.read())
 
 
 def test_up_serves_through_the_router_and_down_stops_everything(tmp_path: Path) -> None:
@@ -41,12 +42,16 @@ kvCacheSpec:
   enableL1Cache: true
   l1CacheSizeGiB: 1
   enableL2Cache: true
-  l2CacheSpec: {{l2CacheBackend: posix, l2CachePath: {tmp_path / 'l2'}}}
-kvtier: {{routerPort: {router_port}, replicaBasePort: {base_port}, workDir: {tmp_path / 'work'}}}
+  l2CacheSpec: {{l2CacheBackend: posix, l2CachePath: {tmp_path / "l2"}}}
+kvtier: {{routerPort: {router_port}, replicaBasePort: {base_port}, workDir: {tmp_path / "work"}}}
 """)
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli", "up", "--config", str(config)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "up", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 600
@@ -57,21 +62,30 @@ kvtier: {{routerPort: {router_port}, replicaBasePort: {base_port}, workDir: {tmp
             lines.append(line)
             if "endpoint:" in line:
                 break
-        assert any("endpoint:" in l for l in lines), "".join(lines)[-3000:]
+        assert any("endpoint:" in line for line in lines), "".join(lines)[-3000:]
         url = f"http://127.0.0.1:{router_port}"
         model = Path(resolve_model(None)).name
         prompt = "The history of the city, told slowly. " * 60
-        first = post(url + "/v1/completions",
-                     {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
-        second = post(url + "/v1/completions",
-                      {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        first = post(
+            url + "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
+        second = post(
+            url + "/v1/completions",
+            {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0},
+        )
         assert first["choices"][0]["text"] == second["choices"][0]["text"]  # type: ignore[index]
         details = second["usage"]["prompt_tokens_details"]  # type: ignore[index]
         assert details["cached_tokens"] >= 256  # served from a cache tier the second time
         assert (tmp_path / "work" / "cluster.json").is_file()
 
-        down = subprocess.run([sys.executable, "-m", "kvtier.cli", "down", "--config",
-                               str(config)], check=False, capture_output=True, text=True, timeout=180)
+        down = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "down", "--config", str(config)],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert down.returncode == 0, down.stderr
         assert proc.wait(timeout=120) == 0
         assert not (tmp_path / "work" / "cluster.json").exists()

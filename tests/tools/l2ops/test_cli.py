@@ -38,14 +38,19 @@ def stored_dir(tmp_path: Path, count: int) -> list[str]:
 
 
 def test_sizes_understand_binary_units() -> None:
-    assert [parse_bytes(s) for s in ("123", "512M", "10GiB", "1.5k")] == \
-        [123, 512 * 1024**2, 10 * 1024**3, 1536]
+    assert [parse_bytes(s) for s in ("123", "512M", "10GiB", "1.5k")] == [
+        123,
+        512 * 1024**2,
+        10 * 1024**3,
+        1536,
+    ]
     with pytest.raises(ValueError, match="size"):
         parse_bytes("lots")
 
 
 def test_status_shows_usage_and_gc_evicts_to_the_low_watermark(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     paths = stored_dir(tmp_path, 10)
     for i, path in enumerate(paths):
         os.utime(path, (1000 + i, 1000 + i))
@@ -54,11 +59,38 @@ def test_status_shows_usage_and_gc_evicts_to_the_low_watermark(
     assert (status["blocks"], status["block_bytes"]) == (10, 10 * (4096 + 8192))
     assert status["janitor"] == "none" and status["last_pass"] is None
     capacity = str(12 * (4096 + 8192))  # 10 of 12 slots: below the high watermark
-    assert run("l2", "gc", str(tmp_path), "--capacity", capacity, "--high", "0.9",
-               "--low", "0.5", "--json") == 0
+    assert (
+        run(
+            "l2",
+            "gc",
+            str(tmp_path),
+            "--capacity",
+            capacity,
+            "--high",
+            "0.9",
+            "--low",
+            "0.5",
+            "--json",
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["trigger"] is None
-    assert run("l2", "gc", str(tmp_path), "--capacity", capacity, "--high", "0.9",
-               "--low", "0.5", "--to-low", "--json") == 0
+    assert (
+        run(
+            "l2",
+            "gc",
+            str(tmp_path),
+            "--capacity",
+            capacity,
+            "--high",
+            "0.9",
+            "--low",
+            "0.5",
+            "--to-low",
+            "--json",
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert (report["trigger"], report["evicted_blocks"]) == ("forced", 4)  # down to 6 slots
     assert [os.path.exists(p) for p in paths] == [False] * 4 + [True] * 6
@@ -69,7 +101,8 @@ def test_status_shows_usage_and_gc_evicts_to_the_low_watermark(
 
 
 def test_verify_finds_and_removes_a_corrupt_file(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     paths = stored_dir(tmp_path, 3)
     with open(paths[1], "r+b") as f:
         f.seek(4096 + 100)
@@ -78,22 +111,27 @@ def test_verify_finds_and_removes_a_corrupt_file(
     out = capsys.readouterr().out
     assert f"BAD {paths[1]}" in out and "checksum" in out
     assert run("l2", "verify", str(tmp_path), "--remove", "--json") == 0
-    assert json.loads(capsys.readouterr().out.split("\n", 1)[1]) == \
-        {"checked": 3, "bad": 1, "removed": 1}
+    assert json.loads(capsys.readouterr().out.split("\n", 1)[1]) == {
+        "checked": 3,
+        "bad": 1,
+        "removed": 1,
+    }
     assert not os.path.exists(paths[1]) and os.path.exists(paths[0])
 
 
 @pytest.mark.valkey
-def test_status_and_verify_on_a_valkey_l2(valkey_server: ValkeyServer,
-                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_status_and_verify_on_a_valkey_l2(
+    valkey_server: ValkeyServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     tier = ValkeyTier(ValkeyTierSettings(url=valkey_server.url), NAMESPACE, IDENTITY.manifest())
     hashes = []
     for i in range(4):
         h, meta, payload = make_block(41, i, 8192)
         tier.put(h, meta, payload)
         hashes.append(h)
-    valkey.Valkey.from_url(valkey_server.url).setrange(f"{NAMESPACE}:{hashes[2].hex()}",
-                                                       5000, b"\xff")
+    valkey.Valkey.from_url(valkey_server.url).setrange(
+        f"{NAMESPACE}:{hashes[2].hex()}", 5000, b"\xff"
+    )
     assert run("l2", "status", valkey_server.url, "--json") == 0
     status = json.loads(capsys.readouterr().out)
     assert status["policy"] == "allkeys-lru" and status["keys"] >= 5

@@ -39,25 +39,66 @@ STALE_S = 1.5  # a block published through the other mount may be unseen this lo
 
 
 def janitor_args(path: str, holder: str, seconds: float) -> list[str]:
-    return ["janitor", path, "--holder", holder, "--seconds", str(seconds),
-            "--capacity", str(CAPACITY), "--high", str(HIGH), "--low", str(LOW),
-            "--lease-ttl", "2", "--interval", "0.1", "--grace", "0.5"]
+    return [
+        "janitor",
+        path,
+        "--holder",
+        holder,
+        "--seconds",
+        str(seconds),
+        "--capacity",
+        str(CAPACITY),
+        "--high",
+        str(HIGH),
+        "--low",
+        str(LOW),
+        "--lease-ttl",
+        "2",
+        "--interval",
+        "0.1",
+        "--grace",
+        "0.5",
+    ]
 
 
 def test_three_writers_stay_under_high_plus_in_flight_and_usage_falls_to_low(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount], tmp_path: Path) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount], tmp_path: Path
+) -> None:
     """Bound checked per sample: usage <= high watermark + what the janitor could not have
     seen at its latest pass: blocks finished after that pass began, or, when written through
     the other mount, within the cross-mount staleness before it."""
     a, b = two_mounts
     mount_of = {"standby": a.path, "writer-0": a.path, "writer-1": b.path, "writer-2": a.path}
     standby = spawn_worker(*janitor_args(a.path, "standby", 120))
-    writers = [spawn_worker("fill", mount_of[f"writer-{w}"], "--writer", str(w),
-                            "--bytes", str(BLOCK), "--seconds", "6", "--rate", "10",
-                            "--log", str(tmp_path / f"w{w}.json"),
-                            "--capacity", str(CAPACITY), "--high", str(HIGH), "--low", str(LOW),
-                            "--lease-ttl", "2", "--interval", "0.1", "--grace", "0.5")
-               for w in range(3)]
+    writers = [
+        spawn_worker(
+            "fill",
+            mount_of[f"writer-{w}"],
+            "--writer",
+            str(w),
+            "--bytes",
+            str(BLOCK),
+            "--seconds",
+            "6",
+            "--rate",
+            "10",
+            "--log",
+            str(tmp_path / f"w{w}.json"),
+            "--capacity",
+            str(CAPACITY),
+            "--high",
+            str(HIGH),
+            "--low",
+            str(LOW),
+            "--lease-ttl",
+            "2",
+            "--interval",
+            "0.1",
+            "--grace",
+            "0.5",
+        )
+        for w in range(3)
+    ]
     samples: list[tuple[tuple[float, str], int]] = []
     seen: tuple[float, str] = (0.0, "standby")  # newest janitor pass seen: (start, holder)
     try:
@@ -69,15 +110,17 @@ def test_three_writers_stay_under_high_plus_in_flight_and_usage_falls_to_low(
             time.sleep(0.05)
         reports = [finish_worker(w) for w in writers]
         assert all(r["errors"] == 0 for r in reports)
-        logs = {f"writer-{w}": json.loads((tmp_path / f"w{w}.json").read_text())
-                for w in range(3)}
+        logs = {f"writer-{w}": json.loads((tmp_path / f"w{w}.json").read_text()) for w in range(3)}
         total = sum(size + HEADER_BYTES for log in logs.values() for _, _, size in log)
         assert total > 2 * CAPACITY  # the janitor had to evict to keep up
         high = int(CAPACITY * HIGH)
         for (since, holder), used in samples:
             in_flight = sum(
-                size + HEADER_BYTES for writer, log in logs.items() for _, finished, size in log
-                if finished >= since - (0 if mount_of[writer] == mount_of[holder] else STALE_S))
+                size + HEADER_BYTES
+                for writer, log in logs.items()
+                for _, finished, size in log
+                if finished >= since - (0 if mount_of[writer] == mount_of[holder] else STALE_S)
+            )
             assert used <= high + in_flight, (used, high, in_flight)
         # Writers stopped: the standby janitor takes the lease and trims to the low watermark.
         low = int(CAPACITY * LOW)
@@ -92,12 +135,16 @@ def test_three_writers_stay_under_high_plus_in_flight_and_usage_falls_to_low(
 
 
 def test_the_lease_moves_to_another_process_when_its_holder_is_killed(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
-    procs = {"x": spawn_worker(*janitor_args(a.path, "x", 120)),
-             "y": spawn_worker(*janitor_args(b.path, "y", 120))}
+    procs = {
+        "x": spawn_worker(*janitor_args(a.path, "x", 120)),
+        "y": spawn_worker(*janitor_args(b.path, "y", 120)),
+    }
     observer = FileLease(control_dir(a.path, "lease"), "observer", ttl_s=2, stale_s=1)
     try:
+
         def holder_among(names: set[str]) -> LeaseInfo | None:
             info = observer.current()
             return info if info and not info.expired and info.holder in names else None
@@ -117,7 +164,8 @@ def test_the_lease_moves_to_another_process_when_its_holder_is_killed(
 
 
 def test_a_block_evicted_on_one_node_is_read_completely_by_a_reader_on_the_other(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     writer = PosixTier(a.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0)
     h, meta, payload = make_block(30, 0, 4 * 1024 * KIB)
@@ -128,9 +176,17 @@ def test_a_block_evicted_on_one_node_is_read_completely_by_a_reader_on_the_other
     try:
         head = os.read(fd, HEADER_BYTES)
         # Node A's janitor evicts everything while node B is mid-read.
-        janitor = Janitor(a.path, JanitorSettings(capacity_bytes=10 * FILE, low_watermark=0.01,
-                                                high_watermark=0.02, interval_s=0.1,
-                                                lease_ttl_s=2, grace_s=30))
+        janitor = Janitor(
+            a.path,
+            JanitorSettings(
+                capacity_bytes=10 * FILE,
+                low_watermark=0.01,
+                high_watermark=0.02,
+                interval_s=0.1,
+                lease_ttl_s=2,
+                grace_s=30,
+            ),
+        )
         # (An earlier test's janitor may hold the lease until its TTL runs out.)
         report = poll(lambda: janitor.run_once(force_low=True), deadline_s=15, interval_s=0.2)
         janitor.close()

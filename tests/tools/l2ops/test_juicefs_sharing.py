@@ -33,10 +33,12 @@ def tier_on(mount: JuiceFSMount) -> PosixTier:
 
 
 def test_blocks_written_through_one_mount_are_hit_through_the_other(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
-    report = run_worker("write", f"posix:{a.path}", "--seed", "10", "--count", "6",
-                        "--bytes", str(1024 * KIB))
+    report = run_worker(
+        "write", f"posix:{a.path}", "--seed", "10", "--count", "6", "--bytes", str(1024 * KIB)
+    )
     assert report == {"stored": 6, "already_present": 0, "errors": 0}
     reader = tier_on(b)
     for i in range(6):
@@ -47,13 +49,14 @@ def test_blocks_written_through_one_mount_are_hit_through_the_other(
 
 
 def test_a_new_process_finds_everything_already_in_l2_without_a_rebuild(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     run_worker("write", f"posix:{a.path}", "--seed", "11", "--count", "4", "--bytes", "4096")
+
     # Warm restart: a brand-new replica process on the other node reads them straight away.
     def read_all() -> dict[str, object] | None:
-        r = run_worker("read", f"posix:{b.path}", "--seed", "11", "--count", "4",
-                       "--bytes", "4096")
+        r = run_worker("read", f"posix:{b.path}", "--seed", "11", "--count", "4", "--bytes", "4096")
         return r if r["hits"] == 4 else None
 
     report = poll(read_all, VISIBLE_WITHIN_S)
@@ -61,13 +64,18 @@ def test_a_new_process_finds_everything_already_in_l2_without_a_rebuild(
 
 
 def test_concurrent_writers_through_both_mounts_never_produce_a_torn_read(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     common = ["--seed", "12", "--count", "12", "--bytes", str(768 * KIB)]
-    readers = [spawn_worker("read", f"posix:{m.path}", *common, "--variants", "1,2",
-                            "--seconds", "4") for m in (a, b)]
-    writers = [spawn_worker("write", f"posix:{m.path}", *common, "--variant", str(v))
-               for m, v in ((a, 1), (b, 2))]
+    readers = [
+        spawn_worker("read", f"posix:{m.path}", *common, "--variants", "1,2", "--seconds", "4")
+        for m in (a, b)
+    ]
+    writers = [
+        spawn_worker("write", f"posix:{m.path}", *common, "--variant", str(v))
+        for m, v in ((a, 1), (b, 2))
+    ]
     written = [finish_worker(w) for w in writers]
     reads = [finish_worker(r) for r in readers]
     assert sum(int(w["stored"]) for w in written) == 12  # type: ignore[call-overload]
@@ -81,7 +89,8 @@ def test_concurrent_writers_through_both_mounts_never_produce_a_torn_read(
 
 
 def test_the_fixture_mounts_are_real_fuse_mounts(
-        two_mounts: tuple[JuiceFSMount, JuiceFSMount]) -> None:
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
     a, b = two_mounts
     assert mounted_under(a.path) == [a.path] and mounted_under(b.path) == [b.path]
     assert os.stat(a.path).st_dev != os.stat(b.path).st_dev

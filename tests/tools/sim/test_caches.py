@@ -50,11 +50,14 @@ def test_discard_removes_a_block() -> None:
     assert 1 not in cache
 
 
-@pytest.mark.parametrize("policy, capacity, message", [
-    ("lfu", 1, "unknown policy 'lfu'"),
-    ("lru", -1, "capacity"),
-    ("lru", 2.5, "capacity"),
-])
+@pytest.mark.parametrize(
+    "policy, capacity, message",
+    [
+        ("lfu", 1, "unknown policy 'lfu'"),
+        ("lru", -1, "capacity"),
+        ("lru", 2.5, "capacity"),
+    ],
+)
 def test_bad_settings_are_config_errors(policy: str, capacity: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_cache(policy, capacity)

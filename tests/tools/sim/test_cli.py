@@ -10,28 +10,56 @@ import pytest
 from kvtier.cli import main
 from tests.helpers.sim import MOONCAKE
 
-REQUIRED = {"hit_rate", "ideal_hit_rate", "hit_rate_by_tier", "ttft_p50_ms", "ttft_p99_ms",
-            "load_max_over_mean", "requests", "wall_s"}
+REQUIRED = {
+    "hit_rate",
+    "ideal_hit_rate",
+    "hit_rate_by_tier",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "load_max_over_mean",
+    "requests",
+    "wall_s",
+}
 
 
-@pytest.mark.parametrize("command, phrase", [
-    ("sim", "discrete-event model of N replicas"),
-    ("plan", "how much L1 (or L2, or L0) do I need"),
-])
-def test_help_describes_the_command(command: str, phrase: str,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "command, phrase",
+    [
+        ("sim", "discrete-event model of N replicas"),
+        ("plan", "how much L1 (or L2, or L0) do I need"),
+    ],
+)
+def test_help_describes_the_command(
+    command: str, phrase: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
     assert exit_info.value.code == 0
     assert phrase in " ".join(capsys.readouterr().out.split())
 
 
-def test_sim_writes_the_documented_json(tmp_path: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run.json"
-    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "500", "--replicas", "4",
-                 "--strategy", "kvaware", "--policy-opt", "queue_weight=0.5",
-                 "--l2-blocks", "inf", "--json", str(out), "--quiet"])
+    code = main(
+        [
+            "sim",
+            "--trace",
+            str(MOONCAKE),
+            "--limit",
+            "500",
+            "--replicas",
+            "4",
+            "--strategy",
+            "kvaware",
+            "--policy-opt",
+            "queue_weight=0.5",
+            "--l2-blocks",
+            "inf",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     assert REQUIRED <= doc.keys()
@@ -44,9 +72,28 @@ def test_sim_writes_the_documented_json(tmp_path: Path,
 
 def test_sim_sweep_writes_points_and_a_png_beside_the_json(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
-    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "300", "--replicas", "1",
-                 "--l0-blocks", "0", "--l2-blocks", "0", "--costs", "cpu-smollm2",
-                 "--sweep", "l1=0,50,inf", "--json", str(out), "--quiet"])
+    code = main(
+        [
+            "sim",
+            "--trace",
+            str(MOONCAKE),
+            "--limit",
+            "300",
+            "--replicas",
+            "1",
+            "--l0-blocks",
+            "0",
+            "--l2-blocks",
+            "0",
+            "--costs",
+            "cpu-smollm2",
+            "--sweep",
+            "l1=0,50,inf",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     assert code == 0
     doc = json.loads(out.read_text())
     assert [p["x"] for p in doc["points"]] == [0, 50, "inf"]
@@ -55,9 +102,24 @@ def test_sim_sweep_writes_points_and_a_png_beside_the_json(tmp_path: Path) -> No
 
 
 def test_plan_prints_the_answer_and_exits_1_when_out_of_reach(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["plan", "--trace", str(MOONCAKE), "--limit", "300", "--replicas", "1",
-              "--l0-blocks", "0", "--l2-blocks", "0", "--tier", "l1", "--quiet"]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [
+        "plan",
+        "--trace",
+        str(MOONCAKE),
+        "--limit",
+        "300",
+        "--replicas",
+        "1",
+        "--l0-blocks",
+        "0",
+        "--l2-blocks",
+        "0",
+        "--tier",
+        "l1",
+        "--quiet",
+    ]
     out = tmp_path / "plan.json"
     assert main(common + ["--target-hit-rate", "0.05", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -67,8 +129,7 @@ def test_plan_prints_the_answer_and_exits_1_when_out_of_reach(
 
 
 def test_bad_values_exit_2_with_the_field_named(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "10", "--cost", "warp=9",
-                 "--quiet"])
+    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "10", "--cost", "warp=9", "--quiet"])
     assert code == 2
     assert "unknown field 'warp'" in capsys.readouterr().err
 
@@ -78,6 +139,17 @@ def test_public_surface_of_the_sim_package_is_pinned() -> None:
 
     assert kvtier.tools.sim.__all__ == sorted(kvtier.tools.sim.__all__)
     assert set(kvtier.tools.sim.__all__) == {
-        "CostModel", "FleetConfig", "PlanAnswer", "SimResult", "SweepAxis", "Trace",
-        "TraceRequest", "load_costs", "load_trace", "parse_sweep", "plan_capacity", "run_sweep",
-        "simulate"}
+        "CostModel",
+        "FleetConfig",
+        "PlanAnswer",
+        "SimResult",
+        "SweepAxis",
+        "Trace",
+        "TraceRequest",
+        "load_costs",
+        "load_trace",
+        "parse_sweep",
+        "plan_capacity",
+        "run_sweep",
+        "simulate",
+    }

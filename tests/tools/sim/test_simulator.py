@@ -27,11 +27,13 @@ def mooncake() -> Trace:
 
 # ----- TTFT = queueing + loads + prefill, on hand-sized traces -----
 
+
 def test_a_queued_request_waits_then_prefills_only_its_uncached_tail(tmp_path: Path) -> None:
     # A computes blocks 1,2 (1 s); B arrives at 0.1 s, waits until 1.0 s, finds 1,2 in L0 and
     # prefills its third block (0.5 s): first token at 1.5 s.
-    trace = load_trace(write_trace(tmp_path / "t.jsonl", [
-        (0, 1024, 4, [1, 2]), (100, 1536, 4, [1, 2, 3])]))
+    trace = load_trace(
+        write_trace(tmp_path / "t.jsonl", [(0, 1024, 4, [1, 2]), (100, 1536, 4, [1, 2, 3])])
+    )
     result = simulate(trace, FleetConfig(l0_blocks=INF, strategy="roundrobin"), make_costs())
     assert result.ttft_p50_ms == pytest.approx((1000 + 1400) / 2)
     assert result.ttft_mean_ms == pytest.approx(1200)
@@ -43,8 +45,9 @@ def test_a_queued_request_waits_then_prefills_only_its_uncached_tail(tmp_path: P
 def test_an_l1_hit_costs_its_read_time(tmp_path: Path) -> None:
     # L0 keeps one block: after A it holds block 2, L1 holds 1 and 2. B reads block 1 from L1
     # (0.25 s), block 2 from L0 (free), prefills block 3 (0.5 s).
-    trace = load_trace(write_trace(tmp_path / "t.jsonl", [
-        (0, 1024, 4, [1, 2]), (2000, 1536, 4, [1, 2, 3])]))
+    trace = load_trace(
+        write_trace(tmp_path / "t.jsonl", [(0, 1024, 4, [1, 2]), (2000, 1536, 4, [1, 2, 3])])
+    )
     config = FleetConfig(l0_blocks=1, l1_blocks=INF, strategy="roundrobin")
     result = simulate(trace, config, make_costs())
     assert result.ttft_mean_ms == pytest.approx((1000 + 750) / 2)  # A 1.0 s, B 0.75 s
@@ -53,8 +56,12 @@ def test_an_l1_hit_costs_its_read_time(tmp_path: Path) -> None:
 
 def _l2_trace(tmp_path: Path) -> Trace:
     # A on r0 computes 1,2 and writes them to L2; at 2 s B (r1) and C (r2) both read them.
-    return load_trace(write_trace(tmp_path / "t.jsonl", [
-        (0, 1024, 4, [1, 2]), (2000, 1536, 4, [1, 2, 3]), (2000, 1536, 4, [1, 2, 4])]))
+    return load_trace(
+        write_trace(
+            tmp_path / "t.jsonl",
+            [(0, 1024, 4, [1, 2]), (2000, 1536, 4, [1, 2, 3]), (2000, 1536, 4, [1, 2, 4])],
+        )
+    )
 
 
 def test_l2_reads_of_other_replicas_queue_for_the_shared_pool(tmp_path: Path) -> None:
@@ -77,6 +84,7 @@ def test_a_tier_slower_than_recomputing_is_recomputed(tmp_path: Path) -> None:
 
 # ----- cache semantics against independent computations -----
 
+
 def test_one_replica_with_an_infinite_cache_hits_the_ideal_rate(mooncake: Trace) -> None:
     config = FleetConfig(replicas=1, l0_blocks=INF, strategy="roundrobin")
     result = simulate(mooncake, config, load_costs())
@@ -86,7 +94,8 @@ def test_one_replica_with_an_infinite_cache_hits_the_ideal_rate(mooncake: Trace)
 
 @pytest.mark.parametrize("tier", ["l0", "l1", "l2"])
 def test_a_single_lru_tier_matches_a_reference_lru_and_grows_with_capacity(
-        mooncake: Trace, tier: str) -> None:
+    mooncake: Trace, tier: str
+) -> None:
     subset = Trace(mooncake.requests[:2000])
     base = FleetConfig(replicas=1, l0_blocks=0, l1_blocks=0, l2_blocks=0, strategy="roundrobin")
     rates = []
@@ -102,9 +111,11 @@ def test_a_single_lru_tier_matches_a_reference_lru_and_grows_with_capacity(
 
 # ----- routing through kvtier.router.policies -----
 
+
 def test_pure_longest_prefix_routing_sends_the_trace_to_one_replica(mooncake: Trace) -> None:
-    config = FleetConfig(replicas=16, l0_blocks=292, l1_blocks=2340, l2_blocks=0,
-                         strategy="prefixonly")
+    config = FleetConfig(
+        replicas=16, l0_blocks=292, l1_blocks=2340, l2_blocks=0, strategy="prefixonly"
+    )
     result = simulate(mooncake, config, load_costs())
     busiest = max(r.requests for r in result.replicas)
     assert busiest >= 0.99 * len(mooncake)
@@ -112,8 +123,9 @@ def test_pure_longest_prefix_routing_sends_the_trace_to_one_replica(mooncake: Tr
 
 
 def test_kvaware_with_shared_l2_balances_load_near_the_ideal_hit_rate(mooncake: Trace) -> None:
-    config = FleetConfig(replicas=16, l0_blocks=292, l1_blocks=2340, l2_blocks=INF,
-                         strategy="kvaware")
+    config = FleetConfig(
+        replicas=16, l0_blocks=292, l1_blocks=2340, l2_blocks=INF, strategy="kvaware"
+    )
     result = simulate(mooncake, config, load_costs())
     assert result.load_max_over_mean <= 1.3
     assert result.hit_rate >= 0.9 * result.ideal_hit_rate
@@ -151,11 +163,14 @@ def test_a_run_is_deterministic_for_a_seed(mooncake: Trace) -> None:
     assert first == second
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"replicas": 0}, "replicas: must be positive"),
-    ({"l1_blocks": -1}, "l1_blocks: must be a whole number"),
-    ({"l2_eviction": "mru"}, "l2_eviction: unknown policy 'mru'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"replicas": 0}, "replicas: must be positive"),
+        ({"l1_blocks": -1}, "l1_blocks: must be a whole number"),
+        ({"l2_eviction": "mru"}, "l2_eviction: unknown policy 'mru'"),
+    ],
+)
 def test_invalid_fleet_settings_name_the_field(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         FleetConfig(**changes)  # type: ignore[arg-type]
@@ -166,5 +181,8 @@ def test_unknown_strategy_and_options_are_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown 'fastest'"):
         simulate(trace, FleetConfig(strategy="fastest"), make_costs())
     with pytest.raises(ConfigError, match="queue_weight do not apply to strategy roundrobin"):
-        simulate(trace, FleetConfig(strategy="roundrobin",
-                                    strategy_options={"queue_weight": 2.0}), make_costs())
+        simulate(
+            trace,
+            FleetConfig(strategy="roundrobin", strategy_options={"queue_weight": 2.0}),
+            make_costs(),
+        )

@@ -37,7 +37,8 @@ def test_parse_sweep_reads_capacities_counts_and_names() -> None:
 
 
 def test_capacity_sweep_gives_a_monotone_hit_rate_curve_and_a_png(
-        subset: Trace, tmp_path: Path) -> None:
+    subset: Trace, tmp_path: Path
+) -> None:
     doc = run_sweep(subset, SINGLE_L1, load_costs(), [parse_sweep("l1=0,100,1000,inf")])
     assert doc["x"] == "l1" and doc["series"] is None
     points = doc["points"]
@@ -51,10 +52,18 @@ def test_capacity_sweep_gives_a_monotone_hit_rate_curve_and_a_png(
 
 def test_two_axes_give_one_series_per_value(subset: Trace, tmp_path: Path) -> None:
     base = FleetConfig(l0_blocks=30, l2_blocks=math.inf)
-    doc = run_sweep(subset, base, load_costs(),
-                    [parse_sweep("replicas=1,4"), parse_sweep("strategy=kvaware,roundrobin")])
+    doc = run_sweep(
+        subset,
+        base,
+        load_costs(),
+        [parse_sweep("replicas=1,4"), parse_sweep("strategy=kvaware,roundrobin")],
+    )
     assert [(p["series"], p["x"]) for p in doc["points"]] == [
-        ("kvaware", 1), ("kvaware", 4), ("roundrobin", 1), ("roundrobin", 4)]
+        ("kvaware", 1),
+        ("kvaware", 4),
+        ("roundrobin", 1),
+        ("roundrobin", 4),
+    ]
     plot_sweep(doc, tmp_path / "replicas.png")
     assert (tmp_path / "replicas.png").stat().st_size > 0
 

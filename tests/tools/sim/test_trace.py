@@ -28,24 +28,33 @@ def test_block_hash_is_sixteen_bytes_little_endian() -> None:
 
 
 def test_limit_and_time_scale(tmp_path: Path) -> None:
-    path = write_trace(tmp_path / "t.jsonl", [(0, 10, 1, [1]), (1000, 10, 1, [2]),
-                                              (2000, 10, 1, [3])])
+    path = write_trace(
+        tmp_path / "t.jsonl", [(0, 10, 1, [1]), (1000, 10, 1, [2]), (2000, 10, 1, [3])]
+    )
     trace = load_trace(path, limit=2, time_scale=2.0)
     assert [(r.arrival_s, r.blocks) for r in trace] == [(0.0, (1,)), (2.0, (2,))]
 
 
-@pytest.mark.parametrize("line, message", [
-    ('{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}',
-     "1 hash ids for 1000 tokens"),
-    ('{"timestamp": 0, "input_length": 10}', "not a Mooncake trace line"),
-    ("not json", "not a Mooncake trace line"),
-    ('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-4]}',
-     "hash id outside"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            '{"timestamp": 0, "input_length": 1000, "output_length": 1, "hash_ids": [1]}',
+            "1 hash ids for 1000 tokens",
+        ),
+        ('{"timestamp": 0, "input_length": 10}', "not a Mooncake trace line"),
+        ("not json", "not a Mooncake trace line"),
+        (
+            '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-4]}',
+            "hash id outside",
+        ),
+    ],
+)
 def test_malformed_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [9]}\n'
-                    + line + "\n")
+    path.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [9]}\n' + line + "\n"
+    )
     with pytest.raises(ConfigError, match=f"bad.jsonl:2: .*{message}"):
         load_trace(path)
 

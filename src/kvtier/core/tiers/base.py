@@ -105,12 +105,14 @@ class TierCounters:
             for name, delta in deltas.items():
                 self._values[name] = self._values.get(name, 0) + delta
 
-    def snapshot(self, *, used_bytes: int = 0, capacity_bytes: int | None = None,
-                 objects: int | None = None) -> TierStats:
+    def snapshot(
+        self, *, used_bytes: int = 0, capacity_bytes: int | None = None, objects: int | None = None
+    ) -> TierStats:
         with self._lock:
             values = dict(self._values)
-        return TierStats(**values, used_bytes=used_bytes, capacity_bytes=capacity_bytes,
-                         objects=objects)
+        return TierStats(
+            **values, used_bytes=used_bytes, capacity_bytes=capacity_bytes, objects=objects
+        )
 
 
 class BlockTier(Protocol):

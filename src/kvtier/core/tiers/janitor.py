@@ -81,22 +81,29 @@ class JanitorSettings(Settings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.low_watermark > self.high_watermark:
-            raise ValueError(f"low_watermark: must not exceed high_watermark "
-                             f"({self.high_watermark}), got {self.low_watermark}")
+            raise ValueError(
+                f"low_watermark: must not exceed high_watermark "
+                f"({self.high_watermark}), got {self.low_watermark}"
+            )
         if self.lease_ttl_s < 2 * self.interval_s:
-            raise ValueError(f"lease_ttl_s: must be at least twice interval_s "
-                             f"({self.interval_s}), got {self.lease_ttl_s}")
+            raise ValueError(
+                f"lease_ttl_s: must be at least twice interval_s "
+                f"({self.interval_s}), got {self.lease_ttl_s}"
+            )
         return self
 
     @classmethod
-    def for_profile(cls, profile: L2Profile, capacity_bytes: int, **overrides: Any) -> Self:
+    def for_profile(cls, profile: L2Profile, capacity_bytes: int | str, **overrides: Any) -> Self:
         """Settings whose staleness, lease and grace suit the file system of `profile`; the
         lease outlives a few passes (`interval_s` in `overrides`) and the staleness."""
-        lease_ttl_s = max(30.0, 10 * profile.attr_cache_s,
-                          3 * float(overrides.get("interval_s", cls.model_fields["interval_s"]
-                                                  .default)))
+        lease_ttl_s = max(
+            30.0,
+            10 * profile.attr_cache_s,
+            3 * float(overrides.get("interval_s", cls.model_fields["interval_s"].default)),
+        )
         settings: dict[str, Any] = {
-            "capacity_bytes": capacity_bytes, "stale_s": profile.attr_cache_s,
+            "capacity_bytes": capacity_bytes,
+            "stale_s": profile.attr_cache_s,
             "lease_ttl_s": lease_ttl_s,
             "grace_s": 0.0 if profile.unlink_safe_across_nodes else 60.0,
         }
@@ -247,8 +254,9 @@ class AccessRecorder:
     Thread-safe: the tier's readers share one recorder.
     """
 
-    def __init__(self, touch_interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, touch_interval_s: float = 60.0, clock: Callable[[], float] = time.time
+    ) -> None:
         self._interval = touch_interval_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -276,14 +284,25 @@ class AccessRecorder:
 class Janitor:
     """Capacity enforcement for one shared L2 root; owns one background thread."""
 
-    def __init__(self, root: str, config: JanitorSettings, *, holder: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        root: str,
+        config: JanitorSettings,
+        *,
+        holder: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.root = root
         self.config = config
         self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self._clock = clock
-        self.lease = FileLease(control_dir(root, "lease"), self.holder, config.lease_ttl_s,
-                               stale_s=config.stale_s, clock=clock)
+        self.lease = FileLease(
+            control_dir(root, "lease"),
+            self.holder,
+            config.lease_ttl_s,
+            stale_s=config.stale_s,
+            clock=clock,
+        )
         self._last_scan: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -302,26 +321,47 @@ class Janitor:
             return None
         started = self._clock()
         usage = scan(self.root, self.config.temp_max_age_s, started)
-        idle = self.config.trim_when_idle and self._last_scan is not None and \
-            usage.temp_bytes == 0 and usage.newest_mtime < self._last_scan
+        idle = (
+            self.config.trim_when_idle
+            and self._last_scan is not None
+            and usage.temp_bytes == 0
+            and usage.newest_mtime < self._last_scan
+        )
         victims = plan_eviction(usage, self.config, trim=idle or force_low)
-        trigger = None if not victims else "high" if usage.used_bytes > self.config.high_bytes \
-            else "forced" if force_low else "idle"
+        trigger = (
+            None
+            if not victims
+            else "high"
+            if usage.used_bytes > self.config.high_bytes
+            else "forced"
+            if force_low
+            else "idle"
+        )
         evicted = self._evict(victims)
         orphans = sum(self._unlink(e.path) for e in usage.orphans)
         purged = self._purge(usage.graveyard, started)
         self._last_scan = started
         evicted_bytes = sum(e.size for e in evicted)
         report = PassReport(
-            holder=self.holder, epoch=self.lease.epoch or 0, started_at=started,
-            finished_at=self._clock(), capacity_bytes=self.config.capacity_bytes,
-            high_bytes=self.config.high_bytes, low_bytes=self.config.low_bytes,
-            used_bytes_before=usage.used_bytes, used_bytes_after=usage.used_bytes - evicted_bytes,
+            holder=self.holder,
+            epoch=self.lease.epoch or 0,
+            started_at=started,
+            finished_at=self._clock(),
+            capacity_bytes=self.config.capacity_bytes,
+            high_bytes=self.config.high_bytes,
+            low_bytes=self.config.low_bytes,
+            used_bytes_before=usage.used_bytes,
+            used_bytes_after=usage.used_bytes - evicted_bytes,
             blocks_after=len(usage.blocks) - len(evicted),
-            graveyard_bytes=sum(e.size for e in usage.graveyard) - purged + (
-                evicted_bytes if self.config.grace_s > 0 else 0),
-            trigger=trigger, evicted_blocks=len(evicted), evicted_bytes=evicted_bytes,
-            purged_bytes=purged, orphans_removed=orphans)
+            graveyard_bytes=sum(e.size for e in usage.graveyard)
+            - purged
+            + (evicted_bytes if self.config.grace_s > 0 else 0),
+            trigger=trigger,
+            evicted_blocks=len(evicted),
+            evicted_bytes=evicted_bytes,
+            purged_bytes=purged,
+            orphans_removed=orphans,
+        )
         self.passes += 1
         self.last_report = report
         self._write_status(report)
@@ -340,8 +380,12 @@ class Janitor:
             try:
                 if self.config.grace_s > 0:
                     stamp = time.time_ns()
-                    os.rename(entry.path, os.path.join(
-                        grave, f"{stamp}.{uuid.uuid4().hex[:8]}.{os.path.basename(entry.path)}"))
+                    os.rename(
+                        entry.path,
+                        os.path.join(
+                            grave, f"{stamp}.{uuid.uuid4().hex[:8]}.{os.path.basename(entry.path)}"
+                        ),
+                    )
                 else:
                     os.unlink(entry.path)
             except OSError:
@@ -350,8 +394,11 @@ class Janitor:
         return done
 
     def _purge(self, graveyard: tuple[Entry, ...], now: float) -> int:
-        return sum(e.size for e in graveyard
-                   if now - e.mtime >= self.config.grace_s and self._unlink(e.path))
+        return sum(
+            e.size
+            for e in graveyard
+            if now - e.mtime >= self.config.grace_s and self._unlink(e.path)
+        )
 
     @staticmethod
     def _unlink(path: str) -> bool:
@@ -371,8 +418,11 @@ class Janitor:
         """
         body = json.dumps(asdict(report), indent=2).encode()
         try:
-            fd = os.open(control_dir(self.root, "status.json"),
-                         os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = os.open(
+                control_dir(self.root, "status.json"),
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                0o644,
+            )
             try:
                 os.write(fd, body)
             finally:
@@ -384,8 +434,9 @@ class Janitor:
 
     def start(self) -> Janitor:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="kvtier-l2-janitor",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="kvtier-l2-janitor", daemon=True
+            )
             self._thread.start()
         return self
 

@@ -49,8 +49,15 @@ class FileLease:
     """One contender for the lease in `directory` (see the module docstring). Not thread-safe:
     one janitor thread owns it."""
 
-    def __init__(self, directory: str, holder: str, ttl_s: float, *, stale_s: float = 1.0,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        directory: str,
+        holder: str,
+        ttl_s: float,
+        *,
+        stale_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.directory = directory
         self.holder = holder
         self.ttl_s = ttl_s
@@ -66,8 +73,8 @@ class FileLease:
     def _epochs(self) -> list[int]:
         found = []
         for name in os.listdir(self.directory):
-            if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
-                found.append(int(name[len(_PREFIX):]))
+            if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit():
+                found.append(int(name[len(_PREFIX) :]))
         return sorted(found)
 
     def current(self) -> LeaseInfo | None:
@@ -112,8 +119,14 @@ class FileLease:
             return False
 
     def _take(self, epoch: int) -> bool:
-        body = json.dumps({"holder": self.holder, "ttl_s": self.ttl_s, "pid": os.getpid(),
-                           "host": socket.gethostname()}).encode()
+        body = json.dumps(
+            {
+                "holder": self.holder,
+                "ttl_s": self.ttl_s,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            }
+        ).encode()
         tmp = os.path.join(self.directory, f".{uuid.uuid4().hex}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:

@@ -193,5 +193,6 @@ class MemoryTier:
     def stats(self) -> TierStats:
         with self._lock:
             used, objects = self._used, len(self._entries)
-        return self._counters.snapshot(used_bytes=used, capacity_bytes=self._capacity,
-                                       objects=objects)
+        return self._counters.snapshot(
+            used_bytes=used, capacity_bytes=self._capacity, objects=objects
+        )

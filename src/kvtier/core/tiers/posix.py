@@ -76,8 +76,7 @@ READ_CHUNK_BYTES = 256 * 1024
 MAX_PAYLOAD_BYTES = 1 << 30
 """Files larger than this are not blocks (a 256-token block of a 70B model is ~80 MiB)."""
 # link() errors meaning "this filesystem cannot hard-link", not "the write failed".
-_NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK,
-            errno.EXDEV}
+_NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
@@ -96,11 +95,11 @@ def _read_into(fd: int, view: memoryview, hasher: xxhash.xxh3_64 | None = None) 
     memory a second time). Returns the bytes read; short only at EOF."""
     done = 0
     while done < view.nbytes:
-        n = os.readv(fd, [view[done:done + READ_CHUNK_BYTES]])
+        n = os.readv(fd, [view[done : done + READ_CHUNK_BYTES]])
         if n == 0:
             break
         if hasher is not None:
-            hasher.update(view[done:done + n])
+            hasher.update(view[done : done + n])
         done += n
     return done
 
@@ -140,15 +139,24 @@ def publish(path: str, views: list[memoryview]) -> bool:
 class PosixTier:
     """Shared-directory L2 tier for one namespace (see the module docstring)."""
 
-    def __init__(self, root: str, namespace: Namespace, manifest: Mapping[str, object], *,
-                 exists_ttl_s: float = 1.0, access: AccessRecorder | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        root: str,
+        namespace: Namespace,
+        manifest: Mapping[str, object],
+        *,
+        exists_ttl_s: float = 1.0,
+        access: AccessRecorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """`access` records read hits in the shared access record the capacity janitor evicts
         by (`kvtier.core.tiers.janitor`); None records nothing."""
         if not os.path.isdir(root):
-            raise TierError(f"L2 directory {root!r} does not exist (or is not a directory); "
-                            "it is not created automatically, so a missing mount is not "
-                            "silently replaced by a local directory")
+            raise TierError(
+                f"L2 directory {root!r} does not exist (or is not a directory); "
+                "it is not created automatically, so a missing mount is not "
+                "silently replaced by a local directory"
+            )
         self._namespace = namespace
         self._dir = os.path.join(root, namespace)
         self._ttl = exists_ttl_s
@@ -256,8 +264,9 @@ class PosixTier:
             got = _read_into(fd, head)
             header = decode_header(head[:got], namespace=self._namespace, block_hash=block_hash)
             if size != HEADER_BYTES + header.payload_bytes:
-                raise CodecError(f"file: {size} bytes, header says "
-                                 f"{HEADER_BYTES} + {header.payload_bytes}")
+                raise CodecError(
+                    f"file: {size} bytes, header says {HEADER_BYTES} + {header.payload_bytes}"
+                )
             # The payload gets its own buffer, so L1 holds exactly the payload after promotion;
             # uninitialised, since the read overwrites every byte (bytearray would zero it).
             payload = np.empty(header.payload_bytes, dtype=np.uint8).data
@@ -313,8 +322,13 @@ class PosixTier:
         kind = f"{op}:{exc.errno}"
         if kind not in self._logged:
             self._logged.add(kind)
-            log.warning("kvtier L2 %s failed under %s (%s); treating it as a miss, further "
-                        "errors of this kind are only counted", op, self._dir, exc)
+            log.warning(
+                "kvtier L2 %s failed under %s (%s); treating it as a miss, further "
+                "errors of this kind are only counted",
+                op,
+                self._dir,
+                exc,
+            )
 
     def stats(self) -> TierStats:
         return self._counters.snapshot()

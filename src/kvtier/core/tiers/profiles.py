@@ -54,53 +54,105 @@ class L2Profile:
     """Mount/format options that matter for a KV L2."""
 
 
-PROFILES: dict[L2ProfileName, L2Profile] = {p.name: p for p in (
-    L2Profile(
-        name="local", attr_cache_s=0.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
-        o_direct_aligned=True, unlink_safe_across_nodes=True, cluster_wide_flock=True,
-        recommended_object_bytes=1 * MIB,
-        eviction="none: the kvtier janitor enforces capacity",
-        mount_hints=("a local disk is node-private: share it only between replicas of one node",)),
-    L2Profile(
-        name="juicefs", attr_cache_s=1.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
-        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
-        recommended_object_bytes=4 * MIB,
-        eviction="none for the namespace (quotas only give EDQUOT): run the kvtier janitor",
-        mount_hints=("juicefs format --trash-days 0 (else deletes free nothing for a day)",
-                     "metadata in Redis/Valkey or TiKV for many nodes; SQLite for one",
-                     "--attr-cache 1 --entry-cache 1 --dir-entry-cache 1 (the defaults)",
-                     "--cache-dir on local NVMe; objects >= the 4 MiB JuiceFS block")),
-    L2Profile(
-        name="curvine", attr_cache_s=1.0, negative_cache_s=0.0, hard_links=True, o_direct=True,
-        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
-        recommended_object_bytes=4 * MIB,
-        eviction=("TTL (ttl_action=delete, short ttl_ms, ttl_checker_interval ~5m) plus "
-                  "enable_quota_eviction; quota eviction only deletes TTL-expired files, so "
-                  "keep the kvtier janitor as the capacity bound"),
-        mount_hints=("entry_timeout_ms/attr_timeout_ms <= 1000, negative_timeout_ms = 0",
-                     "enable_meta_cache = false; direct_io = false",
-                     "worker_policy = local, short_circuit = true")),
-    L2Profile(
-        name="nfs", attr_cache_s=3.0, negative_cache_s=30.0, hard_links=True, o_direct=True,
-        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
-        recommended_object_bytes=4 * MIB,
-        eviction="none: run the kvtier janitor",
-        mount_hints=(("lookupcache=positive (else a block published elsewhere can look "
-                      "absent for acdirmin, 30 s)"), "actimeo=1 for fresher attributes",
-                     "rsize=wsize=1048576")),
-    L2Profile(
-        name="efs", attr_cache_s=3.0, negative_cache_s=30.0, hard_links=True, o_direct=True,
-        o_direct_aligned=False, unlink_safe_across_nodes=False, cluster_wide_flock=True,
-        recommended_object_bytes=8 * MIB,
-        eviction="none: run the kvtier janitor (EFS bills stored bytes)",
-        mount_hints=("amazon-efs-utils (NFSv4.1, TLS); lookupcache=positive",
-                     "per-operation latency is milliseconds: large objects, parallel reads")),
-)}
+PROFILES: dict[L2ProfileName, L2Profile] = {
+    p.name: p
+    for p in (
+        L2Profile(
+            name="local",
+            attr_cache_s=0.0,
+            negative_cache_s=0.0,
+            hard_links=True,
+            o_direct=True,
+            o_direct_aligned=True,
+            unlink_safe_across_nodes=True,
+            cluster_wide_flock=True,
+            recommended_object_bytes=1 * MIB,
+            eviction="none: the kvtier janitor enforces capacity",
+            mount_hints=(
+                "a local disk is node-private: share it only between replicas of one node",
+            ),
+        ),
+        L2Profile(
+            name="juicefs",
+            attr_cache_s=1.0,
+            negative_cache_s=0.0,
+            hard_links=True,
+            o_direct=True,
+            o_direct_aligned=False,
+            unlink_safe_across_nodes=False,
+            cluster_wide_flock=True,
+            recommended_object_bytes=4 * MIB,
+            eviction="none for the namespace (quotas only give EDQUOT): run the kvtier janitor",
+            mount_hints=(
+                "juicefs format --trash-days 0 (else deletes free nothing for a day)",
+                "metadata in Redis/Valkey or TiKV for many nodes; SQLite for one",
+                "--attr-cache 1 --entry-cache 1 --dir-entry-cache 1 (the defaults)",
+                "--cache-dir on local NVMe; objects >= the 4 MiB JuiceFS block",
+            ),
+        ),
+        L2Profile(
+            name="curvine",
+            attr_cache_s=1.0,
+            negative_cache_s=0.0,
+            hard_links=True,
+            o_direct=True,
+            o_direct_aligned=False,
+            unlink_safe_across_nodes=False,
+            cluster_wide_flock=True,
+            recommended_object_bytes=4 * MIB,
+            eviction=(
+                "TTL (ttl_action=delete, short ttl_ms, ttl_checker_interval ~5m) plus "
+                "enable_quota_eviction; quota eviction only deletes TTL-expired files, so "
+                "keep the kvtier janitor as the capacity bound"
+            ),
+            mount_hints=(
+                "entry_timeout_ms/attr_timeout_ms <= 1000, negative_timeout_ms = 0",
+                "enable_meta_cache = false; direct_io = false",
+                "worker_policy = local, short_circuit = true",
+            ),
+        ),
+        L2Profile(
+            name="nfs",
+            attr_cache_s=3.0,
+            negative_cache_s=30.0,
+            hard_links=True,
+            o_direct=True,
+            o_direct_aligned=False,
+            unlink_safe_across_nodes=False,
+            cluster_wide_flock=True,
+            recommended_object_bytes=4 * MIB,
+            eviction="none: run the kvtier janitor",
+            mount_hints=(
+                (
+                    "lookupcache=positive (else a block published elsewhere can look "
+                    "absent for acdirmin, 30 s)"
+                ),
+                "actimeo=1 for fresher attributes",
+                "rsize=wsize=1048576",
+            ),
+        ),
+        L2Profile(
+            name="efs",
+            attr_cache_s=3.0,
+            negative_cache_s=30.0,
+            hard_links=True,
+            o_direct=True,
+            o_direct_aligned=False,
+            unlink_safe_across_nodes=False,
+            cluster_wide_flock=True,
+            recommended_object_bytes=8 * MIB,
+            eviction="none: run the kvtier janitor (EFS bills stored bytes)",
+            mount_hints=(
+                "amazon-efs-utils (NFSv4.1, TLS); lookupcache=positive",
+                "per-operation latency is milliseconds: large objects, parallel reads",
+            ),
+        ),
+    )
+}
 
 
 def get_profile(name: str) -> L2Profile:
     """The profile named `name` (one of `L2ProfileName`)."""
     if name not in PROFILES:
         raise ConfigError(f"l2_profile: one of {sorted(PROFILES)}, got {name!r}")
-    return PROFILES[name]  # type: ignore[index]
-
+    return PROFILES[name]

@@ -49,13 +49,17 @@ def janitor_settings(config: StoreSettings) -> JanitorSettings | None:
     if config.l2_path is None or config.l2_capacity_bytes is None:
         return None
     return JanitorSettings.for_profile(
-        get_profile(config.l2_profile), config.l2_capacity_bytes,
-        high_watermark=config.l2_high_watermark, low_watermark=config.l2_low_watermark,
-        interval_s=config.l2_janitor_interval_s)
+        get_profile(config.l2_profile),
+        config.l2_capacity_bytes,
+        high_watermark=config.l2_high_watermark,
+        low_watermark=config.l2_low_watermark,
+        interval_s=config.l2_janitor_interval_s,
+    )
 
 
-def open_shared_l2(config: StoreSettings, identity: ModelIdentity, *,
-                   clock: Callable[[], float] = time.monotonic) -> SharedL2 | None:
+def open_shared_l2(
+    config: StoreSettings, identity: ModelIdentity, *, clock: Callable[[], float] = time.monotonic
+) -> SharedL2 | None:
     """The L2 of `config`, or None when it names none.
 
     Raises `TierError` when the L2 directory is unusable (missing, not writable); a Valkey
@@ -66,19 +70,30 @@ def open_shared_l2(config: StoreSettings, identity: ModelIdentity, *,
     namespace, manifest = identity.namespace(), identity.manifest()
     if config.l2_url is not None:
         from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings  # ~0.1 s of imports
-        return SharedL2(ValkeyTier(ValkeyTierSettings(url=config.l2_url), namespace, manifest,
-                                   clock=clock))
+
+        return SharedL2(
+            ValkeyTier(ValkeyTierSettings(url=config.l2_url), namespace, manifest, clock=clock)
+        )
     if config.l2_path is None:
         return None
     access = AccessRecorder(config.l2_touch_interval_s)
-    tier = PosixTier(config.l2_path, namespace, manifest, exists_ttl_s=config.l2_exists_ttl_s,
-                     access=access, clock=clock)
+    tier = PosixTier(
+        config.l2_path,
+        namespace,
+        manifest,
+        exists_ttl_s=config.l2_exists_ttl_s,
+        access=access,
+        clock=clock,
+    )
     settings = janitor_settings(config)
     janitor = None
     if settings is not None:
         try:
             janitor = Janitor(config.l2_path, settings).start()
         except OSError as exc:
-            log.warning("kvtier: L2 janitor not started, this replica does not enforce "
-                        "l2_capacity_bytes: %s", exc)
+            log.warning(
+                "kvtier: L2 janitor not started, this replica does not enforce "
+                "l2_capacity_bytes: %s",
+                exc,
+            )
     return SharedL2(tier, janitor, access)

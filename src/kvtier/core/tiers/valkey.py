@@ -74,8 +74,10 @@ class ValkeyTierSettings(Settings):
         if not self.url.startswith(L2_URL_SCHEMES):
             raise ValueError(f"url: expected redis://host:port[/db], got {self.url!r}")
         if self.backoff_max_s < self.backoff_initial_s:
-            raise ValueError(f"backoff_max_s: must be >= backoff_initial_s "
-                             f"({self.backoff_initial_s}), got {self.backoff_max_s}")
+            raise ValueError(
+                f"backoff_max_s: must be >= backoff_initial_s "
+                f"({self.backoff_initial_s}), got {self.backoff_max_s}"
+            )
         return self
 
 
@@ -108,16 +110,24 @@ class _Backoff:
 class ValkeyTier:
     """Valkey/Redis L2 tier for one namespace (see the module docstring)."""
 
-    def __init__(self, config: ValkeyTierSettings, namespace: Namespace,
-                 manifest: dict[str, object] | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: ValkeyTierSettings,
+        namespace: Namespace,
+        manifest: dict[str, object] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._config = config
         self._namespace = namespace
         self._prefix = f"{namespace}:"
         self._client = valkey.Valkey.from_url(
-            config.url, socket_timeout=config.socket_timeout_s,
+            config.url,
+            socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False)
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+        )
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
         if manifest is not None:
@@ -142,8 +152,13 @@ class ValkeyTier:
         except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError) as exc:
             self._counters.add(errors=1)
             delay = self._backoff.failed()
-            log.warning("kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
-                        op, self._config.url, exc, delay)
+            log.warning(
+                "kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
+                op,
+                self._config.url,
+                exc,
+                delay,
+            )
             return None
         except valkey.exceptions.ValkeyError as exc:  # e.g. OOM under maxmemory noeviction
             self._counters.add(errors=1)
@@ -185,8 +200,9 @@ class ValkeyTier:
             return None
         view = memoryview(value)  # bytes: already read-only, never copied again
         try:
-            header = decode_header(view[:HEADER_BYTES], namespace=self._namespace,
-                                   block_hash=block_hash)
+            header = decode_header(
+                view[:HEADER_BYTES], namespace=self._namespace, block_hash=block_hash
+            )
             payload = view[HEADER_BYTES:]
             verify_payload(header, payload)
         except CodecError as exc:

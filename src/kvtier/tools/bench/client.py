@@ -54,8 +54,9 @@ async def _lines(resp: Response) -> AsyncIterator[bytes]:
         yield pending
 
 
-async def stream_request(pool: HttpPool, url: str, body: dict[str, Any],
-                         timeout_s: float = 300.0) -> Outcome:
+async def stream_request(
+    pool: HttpPool, url: str, body: dict[str, Any], timeout_s: float = 300.0
+) -> Outcome:
     """POST `body` (chat or completions, decided by `"messages" in body`) and stream it."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     payload = dict(body, stream=True, stream_options={"include_usage": True})
@@ -90,21 +91,28 @@ async def stream_request(pool: HttpPool, url: str, body: dict[str, Any],
             resp.close()
     end = time.perf_counter()
     details = usage.get("prompt_tokens_details") or {}
-    return Outcome(ttft_ms=1000 * ((first or end) - start), total_ms=1000 * (end - start),
-                   prompt_tokens=int(usage.get("prompt_tokens", 0)),
-                   cached_tokens=int(details.get("cached_tokens") or 0), text="".join(pieces))
+    return Outcome(
+        ttft_ms=1000 * ((first or end) - start),
+        total_ms=1000 * (end - start),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        text="".join(pieces),
+    )
 
 
-def call(url: str, path: str, body: object | None = None,
-         timeout_s: float = 60.0) -> tuple[int, bytes]:
+def call(
+    url: str, path: str, body: object | None = None, timeout_s: float = 60.0
+) -> tuple[int, bytes]:
     """One request from synchronous code: POST `body` as JSON, or GET when it is None;
     (status, body)."""
+
     async def once() -> tuple[int, bytes]:
         pool = new_pool(timeout_s)
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await (pool.get(url, path) if body is None
-                              else post_json(pool, url, path, body))
+                resp = await (
+                    pool.get(url, path) if body is None else post_json(pool, url, path, body)
+                )
                 try:
                     return resp.status, await resp.read()
                 finally:

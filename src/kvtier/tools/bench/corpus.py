@@ -13,12 +13,45 @@ import random
 from collections.abc import Sequence
 from functools import lru_cache
 
-_MODULES = ("argparse", "asyncio", "collections", "contextlib", "csv", "dataclasses",
-            "datetime", "decimal", "email", "enum", "fractions", "functools", "heapq", "http",
-            "inspect", "itertools", "json", "logging", "multiprocessing", "os", "pathlib",
-            "pickle", "random", "re", "shutil", "socket", "sqlite3", "statistics", "string",
-            "subprocess", "tarfile", "textwrap", "threading", "unittest", "urllib",
-            "uuid", "zipfile")
+_MODULES = (
+    "argparse",
+    "asyncio",
+    "collections",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "heapq",
+    "http",
+    "inspect",
+    "itertools",
+    "json",
+    "logging",
+    "multiprocessing",
+    "os",
+    "pathlib",
+    "pickle",
+    "random",
+    "re",
+    "shutil",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "textwrap",
+    "threading",
+    "unittest",
+    "urllib",
+    "uuid",
+    "zipfile",
+)
 
 
 @lru_cache(maxsize=1)

@@ -32,18 +32,24 @@ CONFIGS: dict[str, tuple[CacheSpec, RoutingSpec]] = {
     "kvtier-l1l2-kvaware": (CacheSpec(), RoutingSpec(strategy="kvaware")),
 }
 DEFAULT_CONFIGS = "roundrobin-l0,kvtier-l1,kvtier-l1l2-kvaware"
-DEFAULT_TRACE = Path(__file__).resolve().parents[5] / "shared/data/traces/" \
-    "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[5] / "shared/data/traces/mooncake_conversation_trace.jsonl"
+)
 
 
 def config_spec(base: FleetSpec, name: str, work_dir: Path) -> FleetSpec:
     if name not in CONFIGS:
-        raise ConfigError(f"--configs: unknown configuration {name!r} (known: "
-                          f"{', '.join(CONFIGS)})")
+        raise ConfigError(
+            f"--configs: unknown configuration {name!r} (known: {', '.join(CONFIGS)})"
+        )
     cache, routing = CONFIGS[name]
-    return base.model_copy(update={
-        "cache": cache.model_copy(update={"l1_gib": base.cache.l1_gib}), "routing": routing,
-        "local": base.local.model_copy(update={"work_dir": str(work_dir / name)})})
+    return base.model_copy(
+        update={
+            "cache": cache.model_copy(update={"l1_gib": base.cache.l1_gib}),
+            "routing": routing,
+            "local": base.local.model_copy(update={"work_dir": str(work_dir / name)}),
+        }
+    )
 
 
 def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
@@ -52,9 +58,16 @@ def _sessions(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 
     corpus = Corpus(tokenizer)
     if args.scenario_name == "S2":
-        return chat_sessions(corpus, ChatShape(
-            users=args.users, rounds=args.rounds, document_tokens=args.document_tokens,
-            user_tokens=args.user_tokens, think_s=args.think))
+        return chat_sessions(
+            corpus,
+            ChatShape(
+                users=args.users,
+                rounds=args.rounds,
+                document_tokens=args.document_tokens,
+                user_tokens=args.user_tokens,
+                think_s=args.think,
+            ),
+        )
     if args.scenario_name == "S5":
         return rag_sessions(corpus, RagShape(questions=args.questions))
     return trace_sessions(corpus, Path(args.trace), TraceShape(requests=args.requests))
@@ -68,9 +81,15 @@ def run_scenario(args: argparse.Namespace) -> list[Run]:
     from kvtier.tools.cluster.local_fleet import LocalFleet
 
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
-    base = FleetSpec(model=args.model, replicas=args.replicas, local=LocalSpec(
-        engine_kv_cache_blocks=args.engine_blocks, router_port=free_port(),
-        replica_base_port=args.base_port or free_port_range(args.replicas)))
+    base = FleetSpec(
+        model=args.model,
+        replicas=args.replicas,
+        local=LocalSpec(
+            engine_kv_cache_blocks=args.engine_blocks,
+            router_port=free_port(),
+            replica_base_port=args.base_port or free_port_range(args.replicas),
+        ),
+    )
     # Logs stay under the report directory; each fleet's L2 data is removed after its run.
     work = Path(args.report_dir).resolve() / "fleets"
     runs = []
@@ -80,8 +99,9 @@ def run_scenario(args: argparse.Namespace) -> list[Run]:
             with LocalFleet(spec) as cluster:
                 tokenizer = AutoTokenizer.from_pretrained(cluster.model)
                 sessions = _sessions(args, tokenizer)
-                runner = Runner(cluster.url, cluster.model_name, tokenizer,
-                                deadline_s=args.deadline)
+                runner = Runner(
+                    cluster.url, cluster.model_name, tokenizer, deadline_s=args.deadline
+                )
                 records = asyncio.run(runner.run(sessions, label=f"{args.scenario_name} {name}"))
         finally:
             shutil.rmtree(spec.work_dir / "l2", ignore_errors=True)
@@ -96,8 +116,11 @@ def _cmd(args: argparse.Namespace) -> int:
     images = plot(runs, out, args.scenario_name)
     table = markdown_table(rows, baseline=rows[0]["config"] if rows else None)
     report = out / f"{args.scenario_name.lower()}_report.md"
-    report.write_text(f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n" +
-                      "\n".join(f"![{p.stem}]({p.name})" for p in images) + "\n")
+    report.write_text(
+        f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
+        + "\n".join(f"![{p.stem}]({p.name})" for p in images)
+        + "\n"
+    )
     if args.json:
         write_json(rows, Path(args.json))
     print(table)
@@ -106,54 +129,90 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help=f"comma-separated configurations to compare, in order (default: "
-                        f"{DEFAULT_CONFIGS}; known: {', '.join(CONFIGS)})")
+    p.add_argument(
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help=f"comma-separated configurations to compare, in order (default: "
+        f"{DEFAULT_CONFIGS}; known: {', '.join(CONFIGS)})",
+    )
     p.add_argument("--replicas", type=int, default=2, help="replicas per fleet (default 2)")
     p.add_argument("--model", help="local HF model directory (default: the embedded model)")
-    p.add_argument("--engine-blocks", type=int, default=32,
-                   help="engine (L0) cache size in 128-token blocks per replica, small as on a "
-                        "small GPU (default 32 = 4,096 tokens)")
+    p.add_argument(
+        "--engine-blocks",
+        type=int,
+        default=32,
+        help="engine (L0) cache size in 128-token blocks per replica, small as on a "
+        "small GPU (default 32 = 4,096 tokens)",
+    )
     p.add_argument("--base-port", type=int, help="first replica port (default: any free ones)")
-    p.add_argument("--deadline", type=float, default=900.0,
-                   help="seconds after which a configuration stops sending (default 900)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=900.0,
+        help="seconds after which a configuration stops sending (default 900)",
+    )
     p.add_argument("--json", metavar="FILE", help="write one JSON row per configuration")
-    p.add_argument("--report-dir", default="out/report",
-                   help="Markdown report and PNG plots go here (default out/report)")
+    p.add_argument(
+        "--report-dir",
+        default="out/report",
+        help="Markdown report and PNG plots go here (default out/report)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     chat = subparsers.add_parser(
-        "chat", aliases=["s2"], help="S2 multi-round chat across fleet configurations",
+        "chat",
+        aliases=["s2"],
+        help="S2 multi-round chat across fleet configurations",
         description="S2: users share a system prompt, each opens with a document of their "
-                    "own, then chats for several rounds (growing history, short answers, "
-                    "Poisson arrivals). " + __doc__.split("\n\n")[1])
+        "own, then chats for several rounds (growing history, short answers, "
+        "Poisson arrivals). " + __doc__.split("\n\n")[1],
+    )
     _common(chat)
     shape = ChatShape()
-    chat.add_argument("--users", type=int, default=shape.users,
-                      help="concurrent chat users (default %(default)s)")
-    chat.add_argument("--rounds", type=int, default=shape.rounds,
-                      help="rounds per user (default %(default)s)")
-    chat.add_argument("--document-tokens", type=int, default=shape.document_tokens,
-                      help="tokens of each user's own document, sent in round 1 (default "
-                           "%(default)s; 0: none)")
-    chat.add_argument("--user-tokens", type=int, default=shape.user_tokens,
-                      help="tokens of each round's user message (default %(default)s)")
-    chat.add_argument("--think", type=float, default=shape.think_s,
-                      help="seconds a user waits after an answer (default %(default)s)")
+    chat.add_argument(
+        "--users", type=int, default=shape.users, help="concurrent chat users (default %(default)s)"
+    )
+    chat.add_argument(
+        "--rounds", type=int, default=shape.rounds, help="rounds per user (default %(default)s)"
+    )
+    chat.add_argument(
+        "--document-tokens",
+        type=int,
+        default=shape.document_tokens,
+        help="tokens of each user's own document, sent in round 1 (default %(default)s; 0: none)",
+    )
+    chat.add_argument(
+        "--user-tokens",
+        type=int,
+        default=shape.user_tokens,
+        help="tokens of each round's user message (default %(default)s)",
+    )
+    chat.add_argument(
+        "--think",
+        type=float,
+        default=shape.think_s,
+        help="seconds a user waits after an answer (default %(default)s)",
+    )
     chat.set_defaults(func=_cmd, scenario_name="S2", help_title="multi-round chat")
     trace = subparsers.add_parser(
-        "trace", aliases=["s4"], help="S4 Mooncake trace replay across fleet configurations",
+        "trace",
+        aliases=["s4"],
+        help="S4 Mooncake trace replay across fleet configurations",
         description="S4: replays the first requests of a Mooncake-format trace with its prefix "
-                    "structure (each 512-token trace block becomes 128 real tokens, at most 8 "
-                    "per prompt, half speed).")
+        "structure (each 512-token trace block becomes 128 real tokens, at most 8 "
+        "per prompt, half speed).",
+    )
     _common(trace)
     trace.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
     trace.add_argument("--requests", type=int, default=120)
     trace.set_defaults(func=_cmd, scenario_name="S4", help_title="trace replay")
     rag = subparsers.add_parser(
-        "rag", aliases=["s5"], help="S5 RAG: long documents, many questions",
-        description="S5: a few 1,500-token documents, each asked many short questions.")
+        "rag",
+        aliases=["s5"],
+        help="S5 RAG: long documents, many questions",
+        description="S5: a few 1,500-token documents, each asked many short questions.",
+    )
     _common(rag)
     rag.add_argument("--questions", type=int, default=24)
     rag.set_defaults(func=_cmd, scenario_name="S5", help_title="RAG")

@@ -71,11 +71,17 @@ class L2Target:
         """The kvtier L2 tier on this target (the reader side reads through the other mount)."""
         if self.url is not None:
             from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
-            return ValkeyTier(ValkeyTierSettings(url=self.url, socket_timeout_s=30.0),
-                              identity.namespace(), identity.manifest())
+
+            return ValkeyTier(
+                ValkeyTierSettings(url=self.url, socket_timeout_s=30.0),
+                identity.namespace(),
+                identity.manifest(),
+            )
         from kvtier.core.tiers.posix import PosixTier
-        return PosixTier(self._root(reader), identity.namespace(), identity.manifest(),
-                         exists_ttl_s=0)
+
+        return PosixTier(
+            self._root(reader), identity.namespace(), identity.manifest(), exists_ttl_s=0
+        )
 
     def _root(self, reader: bool) -> str:
         root = self.read_root if reader else self.write_root
@@ -135,8 +141,9 @@ def _opened(target: L2Target) -> Iterator[L2Target]:
 
 
 @contextlib.contextmanager
-def l2_target(spec: str, *, workdir: str | None = None,
-              valkey_maxmemory_bytes: int = 2 * 1024**3) -> Iterator[L2Target]:
+def l2_target(
+    spec: str, *, workdir: str | None = None, valkey_maxmemory_bytes: int = 2 * 1024**3
+) -> Iterator[L2Target]:
     """Start (and afterwards stop and remove) the L2 named by `spec` (see the module docstring).
 
     `workdir` holds a JuiceFS volume's objects, caches and mount points (default: /tmp).
@@ -149,20 +156,32 @@ def l2_target(spec: str, *, workdir: str | None = None,
                 yield target
             return
         from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec, start_valkey
-        with start_valkey(ValkeyServerSpec(
+
+        with start_valkey(
+            ValkeyServerSpec(
                 maxmemory_bytes=valkey_maxmemory_bytes if kind == "valkey" else 256 * 1024**2,
-                data_dir=os.path.join(scratch, "valkey"))) as server:
+                data_dir=os.path.join(scratch, "valkey"),
+            )
+        ) as server:
             if kind == "valkey":
                 with _opened(L2Target("valkey", url=server.url)) as target:
                     yield target
                 return
             from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
-            volume_spec = JuiceFSVolumeSpec(root=os.path.join(scratch, "juicefs"),
-                                      meta_url=server.url + "/1")
+
+            volume_spec = JuiceFSVolumeSpec(
+                root=os.path.join(scratch, "juicefs"), meta_url=server.url + "/1"
+            )
             with JuiceFSVolume(volume_spec) as volume:
                 a, b = volume.mount(), volume.mount()
-                with _opened(L2Target("juicefs", write_root=a.path, read_root=b.path,
-                                      settle_s=volume_spec.attr_cache_s + 0.2)) as target:
+                with _opened(
+                    L2Target(
+                        "juicefs",
+                        write_root=a.path,
+                        read_root=b.path,
+                        settle_s=volume_spec.attr_cache_s + 0.2,
+                    )
+                ) as target:
                     yield target
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -48,16 +48,21 @@ def summarize(run: Run) -> dict[str, Any]:
     reusable = sum(r.reusable_tokens for r in ok)
     served = sum(min(r.cached_tokens, r.reusable_tokens) for r in ok)
     span = max((r.start_s + r.total_ms / 1000 for r in ok), default=0.0) - min(
-        (r.start_s for r in ok), default=0.0)
+        (r.start_s for r in ok), default=0.0
+    )
     row: dict[str, Any] = {
-        "scenario": run.scenario, "config": run.config,
+        "scenario": run.scenario,
+        "config": run.config,
         "ttft_p50_ms": round(statistics.median(ttft), 1) if ttft else None,
         "ttft_p90_ms": round(percentile(ttft, 90), 1) if ttft else None,
         "ttft_p99_ms": round(percentile(ttft, 99), 1) if ttft else None,
         "cached_token_share": round(cached / prompt, 4) if prompt else 0.0,
         "reusable_token_share_served": round(served / reusable, 4) if reusable else 0.0,
-        "requests": len(ok), "errors": len(run.records) - len(ok),
-        "prompt_tokens": prompt, "cached_tokens": cached, "reusable_tokens": reusable,
+        "requests": len(ok),
+        "errors": len(run.records) - len(ok),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "reusable_tokens": reusable,
         "throughput_rps": round(len(ok) / span, 3) if span > 0 else None,
         "prompt_tokens_per_s": round(prompt / span, 1) if span > 0 else None,
     }
@@ -73,10 +78,17 @@ def ttft_by_round(run: Run) -> dict[int, float]:
     return {k: statistics.median(v) for k, v in sorted(rounds.items())}
 
 
-_COLUMNS = (("config", "config"), ("requests", "req"), ("ttft_p50_ms", "TTFT p50 ms"),
-            ("ttft_p90_ms", "p90"), ("ttft_p99_ms", "p99"), ("throughput_rps", "req/s"),
-            ("cached_token_share", "cached share"),
-            ("reusable_token_share_served", "reusable served"), ("errors", "errors"))
+_COLUMNS = (
+    ("config", "config"),
+    ("requests", "req"),
+    ("ttft_p50_ms", "TTFT p50 ms"),
+    ("ttft_p90_ms", "p90"),
+    ("ttft_p99_ms", "p99"),
+    ("throughput_rps", "req/s"),
+    ("cached_token_share", "cached share"),
+    ("reusable_token_share_served", "reusable served"),
+    ("errors", "errors"),
+)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:
@@ -122,14 +134,27 @@ def plot(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:
         ax.legend()
 
     rows = [summarize(r) for r in mine]
-    figure("ttft", "time to first token per configuration", "TTFT (ms)", lambda ax: ax.boxplot(
-        [[x.ttft_ms for x in r.records if x.error is None] or [0] for r in mine],
-        tick_labels=[r.config for r in mine], showfliers=False))
+    figure(
+        "ttft",
+        "time to first token per configuration",
+        "TTFT (ms)",
+        lambda ax: ax.boxplot(
+            [[x.ttft_ms for x in r.records if x.error is None] or [0] for r in mine],
+            tick_labels=[r.config for r in mine],
+            showfliers=False,
+        ),
+    )
     if any(len(ttft_by_round(r)) > 1 for r in mine):
         figure("ttft_by_round", "TTFT by round", "median TTFT (ms)", by_round)
-    figure("hit_share", "cache hit share", "prompt tokens served from cache", lambda ax: (
-        ax.bar([r["config"] for r in rows], [r["cached_token_share"] for r in rows]),
-        ax.set_ylim(0, 1)))
+    figure(
+        "hit_share",
+        "cache hit share",
+        "prompt tokens served from cache",
+        lambda ax: (
+            ax.bar([r["config"] for r in rows], [r["cached_token_share"] for r in rows]),
+            ax.set_ylim(0, 1),
+        ),
+    )
     return paths
 
 

@@ -41,18 +41,29 @@ class ChatShape:
 def chat_sessions(corpus: Corpus, shape: ChatShape, seed: int = 0) -> list[Session]:
     rng = random.Random(seed)
     system = "You are a helpful assistant. Use this reference:\n" + corpus.document(
-        shape.system_tokens, seed=10_000 + seed)
+        shape.system_tokens, seed=10_000 + seed
+    )
     sessions, start = [], 0.0
     for user in range(shape.users):
-        opening = (f"My document:\n{corpus.document(shape.document_tokens, seed=40_000 + user)}"
-                   "\n\n" if shape.document_tokens else "")
+        opening = (
+            f"My document:\n{corpus.document(shape.document_tokens, seed=40_000 + user)}\n\n"
+            if shape.document_tokens
+            else ""
+        )
         turns = tuple(
-            Turn(content=(opening if r == 0 else "")
-                 + corpus.document(shape.user_tokens, seed=seed * 1_000_003 + user * 101 + r)
-                 + "\nSummarize the above in one sentence.", max_tokens=shape.answer_tokens)
-            for r in range(shape.rounds))
-        sessions.append(Session(start_s=start, turns=turns, system=system, think_s=shape.think_s,
-                                name=f"user{user}"))
+            Turn(
+                content=(opening if r == 0 else "")
+                + corpus.document(shape.user_tokens, seed=seed * 1_000_003 + user * 101 + r)
+                + "\nSummarize the above in one sentence.",
+                max_tokens=shape.answer_tokens,
+            )
+            for r in range(shape.rounds)
+        )
+        sessions.append(
+            Session(
+                start_s=start, turns=turns, system=system, think_s=shape.think_s, name=f"user{user}"
+            )
+        )
         start += rng.expovariate(shape.arrival_rate_per_s)
     return sessions
 
@@ -73,10 +84,18 @@ def rag_sessions(corpus: Corpus, shape: RagShape, seed: int = 0) -> list[Session
     for q in range(shape.questions):
         doc = rng.randrange(shape.documents)
         question = corpus.document(30, seed=30_000 + q)
-        sessions.append(Session(
-            start_s=start, name=f"q{q}-doc{doc}",
-            turns=(Turn(content=f"Document:\n{docs[doc]}\n\nQuestion: {question}\nAnswer briefly.",
-                        max_tokens=shape.answer_tokens),)))
+        sessions.append(
+            Session(
+                start_s=start,
+                name=f"q{q}-doc{doc}",
+                turns=(
+                    Turn(
+                        content=f"Document:\n{docs[doc]}\n\nQuestion: {question}\nAnswer briefly.",
+                        max_tokens=shape.answer_tokens,
+                    ),
+                ),
+            )
+        )
         start += rng.expovariate(shape.arrival_rate_per_s)
     return sessions
 
@@ -98,7 +117,7 @@ class TraceShape:
 def trace_sessions(corpus: Corpus, path: Path, shape: TraceShape) -> list[Session]:
     """The first `shape.requests` requests of a Mooncake-format JSONL trace."""
     try:
-        lines = path.read_text().splitlines()[:shape.requests]
+        lines = path.read_text().splitlines()[: shape.requests]
         rows = [json.loads(line) for line in lines if line.strip()]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{path}: not a readable Mooncake JSONL trace ({exc})") from exc
@@ -107,17 +126,21 @@ def trace_sessions(corpus: Corpus, path: Path, shape: TraceShape) -> list[Sessio
 
     def block(hash_id: int) -> list[int]:
         offset = random.Random(hash_id).randrange(span)
-        return stream[offset:offset + shape.tokens_per_block]
+        return stream[offset : offset + shape.tokens_per_block]
 
     sessions = []
     t0 = rows[0]["timestamp"] if rows else 0
     for i, row in enumerate(rows):
         ids: list[int] = []
-        for hash_id in row["hash_ids"][:shape.max_blocks]:
+        for hash_id in row["hash_ids"][: shape.max_blocks]:
             ids += block(int(hash_id))
         scaled_len = max(1, row["input_length"] * shape.tokens_per_block // 512)
-        ids = ids[:min(scaled_len, shape.max_blocks * shape.tokens_per_block)]
-        sessions.append(Session(start_s=(row["timestamp"] - t0) / 1000 * shape.time_scale,
-                                name=f"r{i}", turns=(Turn(prompt_ids=tuple(ids),
-                                                          max_tokens=shape.answer_tokens),)))
+        ids = ids[: min(scaled_len, shape.max_blocks * shape.tokens_per_block)]
+        sessions.append(
+            Session(
+                start_s=(row["timestamp"] - t0) / 1000 * shape.time_scale,
+                name=f"r{i}",
+                turns=(Turn(prompt_ids=tuple(ids), max_tokens=shape.answer_tokens),),
+            )
+        )
     return sessions

@@ -21,10 +21,10 @@ moments of a shared, noisy machine:
     raw_read_gbps  the plain read: open() + read() of the plain files into a fresh buffer
                    (Python's `f.read()`; Valkey: GET).
 
-`--l2` picks the target (`kvtier.tools.bench.l2`, which starts and removes it): `posix:PATH` (default:
-the temp directory) benchmarks a fresh subdirectory of PATH; `juicefs` a fresh JuiceFS volume
-mounted twice, written through one mount and read through the other (another "node"); `valkey`
-a fresh loopback Valkey server.
+`--l2` picks the target (`kvtier.tools.bench.l2`, which starts and removes it): `posix:PATH`
+(default: the temp directory) benchmarks a fresh subdirectory of PATH; `juicefs` a fresh
+JuiceFS volume mounted twice, written through one mount and read through the other (another
+"node"); `valkey` a fresh loopback Valkey server.
 
 Each figure is computed twice: from wall-clock time (the headline figures) and from the
 benchmark thread's CPU time (`cpu` in the JSON), which stays meaningful when other processes
@@ -95,9 +95,12 @@ def geometry_of(model_dir: str | None) -> Geometry:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
         heads = cfg["num_attention_heads"]
-        return Geometry(Path(model_dir).name, layers=cfg["num_hidden_layers"],
-                        kv_heads=cfg.get("num_key_value_heads", heads),
-                        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        return Geometry(
+            Path(model_dir).name,
+            layers=cfg["num_hidden_layers"],
+            kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        )
     except (OSError, KeyError, ValueError) as exc:
         raise ConfigError(f"model: cannot read the KV geometry of {model_dir!r}: {exc}") from exc
 
@@ -120,8 +123,10 @@ class StoreBenchConfig:
         if self.block_tokens <= 0:
             raise ConfigError(f"block_tokens: must be positive, got {self.block_tokens}")
         if self.blocks < 2 * CHAIN_BLOCKS or self.blocks % CHAIN_BLOCKS:
-            raise ConfigError(f"blocks: must be a multiple of {CHAIN_BLOCKS} and at least "
-                              f"{2 * CHAIN_BLOCKS}, got {self.blocks}")
+            raise ConfigError(
+                f"blocks: must be a multiple of {CHAIN_BLOCKS} and at least "
+                f"{2 * CHAIN_BLOCKS}, got {self.blocks}"
+            )
         if self.repeats <= 0:
             raise ConfigError(f"repeats: must be positive, got {self.repeats}")
         if parse_l2_spec(self.l2_spec)[0] == "valkey" and self.cold:
@@ -134,8 +139,10 @@ class StoreBenchConfig:
 
 # ---- timed steps -------------------------------------------------------------------------------
 
-def _paired(items: int, first: Callable[[int], object],
-            second: Callable[[int], object]) -> tuple[tuple[float, float], tuple[float, float]]:
+
+def _paired(
+    items: int, first: Callable[[int], object], second: Callable[[int], object]
+) -> tuple[tuple[float, float], tuple[float, float]]:
     """Run `first(i)` and `second(i)` for every item, alternating which goes first, so both see
     the same moments of a noisy, shared machine. Returns (wall, thread CPU) seconds of each."""
     wall, cpu = [0.0, 0.0], [0.0, 0.0]
@@ -159,13 +166,17 @@ def _figures(seconds: dict[str, list[float]], moved: dict[str, int]) -> dict[str
         "l2_write_ratio": med["l2_write_gbps"] / med["raw_write_gbps"],
         "l2_read_ratio": med["l2_read_gbps"] / med["raw_read_gbps"],
     }
-    return {**med, **{k: round(v, 3) for k, v in ratios.items()},
-            "meets_target": all(v >= TARGET_RATIO for v in ratios.values()),
-            "per_repeat_gbps": gbps}
+    return {
+        **med,
+        **{k: round(v, 3) for k, v in ratios.items()},
+        "meets_target": all(v >= TARGET_RATIO for v in ratios.values()),
+        "per_repeat_gbps": gbps,
+    }
 
 
-def _raw_write(target: L2Target, names: Sequence[str], sources: Sequence[memoryview],
-               i: int) -> None:
+def _raw_write(
+    target: L2Target, names: Sequence[str], sources: Sequence[memoryview], i: int
+) -> None:
     target.raw_write(names[i], sources[i])
 
 
@@ -173,19 +184,30 @@ def _raw_read(target: L2Target, names: Sequence[str], i: int) -> None:
     target.raw_read(names[i])
 
 
-def _save(store: TieredStore, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
-          sources: Sequence[memoryview], i: int) -> None:
+def _save(
+    store: TieredStore,
+    hashes: Sequence[BlockHash],
+    metas: Sequence[BlockMeta],
+    sources: Sequence[memoryview],
+    i: int,
+) -> None:
     store.save(hashes[i], metas[i], sources[i])
 
 
-def _load_one(store: TieredStore, hashes: Sequence[BlockHash], dests: Sequence[memoryview],
-              i: int) -> None:
-    (block,) = store.load(hashes[i:i + 1])
+def _load_one(
+    store: TieredStore, hashes: Sequence[BlockHash], dests: Sequence[memoryview], i: int
+) -> None:
+    (block,) = store.load(hashes[i : i + 1])
     dests[i][:] = block.payload
 
 
-def _put(tier: BlockTier, hashes: Sequence[BlockHash], metas: Sequence[BlockMeta],
-         sources: Sequence[memoryview], i: int) -> None:
+def _put(
+    tier: BlockTier,
+    hashes: Sequence[BlockHash],
+    metas: Sequence[BlockMeta],
+    sources: Sequence[memoryview],
+    i: int,
+) -> None:
     tier.put(hashes[i], metas[i], sources[i])
 
 
@@ -198,12 +220,14 @@ def _drop_page_cache() -> None:
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError as exc:
-        raise ConfigError(f"cold: cannot drop the page cache ({exc}); run as root or omit "
-                          "--cold") from exc
+        raise ConfigError(
+            f"cold: cannot drop the page cache ({exc}); run as root or omit --cold"
+        ) from exc
 
 
-def _chains(tag: str, n_chains: int, tokens: int, geometry: Geometry
-            ) -> tuple[list[BlockHash], list[BlockMeta]]:
+def _chains(
+    tag: str, n_chains: int, tokens: int, geometry: Geometry
+) -> tuple[list[BlockHash], list[BlockMeta]]:
     """Hashes and metas of `n_chains` distinct request chains of CHAIN_BLOCKS blocks each."""
     hashes: list[BlockHash] = []
     metas: list[BlockMeta] = []
@@ -213,8 +237,10 @@ def _chains(tag: str, n_chains: int, tokens: int, geometry: Geometry
         chain = block_hashes([7] * (tokens * CHAIN_BLOCKS), tokens, extra)
         parents = [root_hash(extra), *chain[:-1]]
         hashes += chain
-        metas += [BlockMeta(num_tokens=tokens, dtype=geometry.dtype, shape=shape, parent=p)
-                  for p in parents]
+        metas += [
+            BlockMeta(num_tokens=tokens, dtype=geometry.dtype, shape=shape, parent=p)
+            for p in parents
+        ]
     return hashes, metas
 
 
@@ -224,9 +250,15 @@ Seconds = dict[str, list[tuple[float, float]]]
 """Per measurement, (wall, thread CPU) seconds of each repeat."""
 
 
-def _measure_l1(config: StoreBenchConfig, geometry: Geometry, identity: ModelIdentity,
-                sources: Sequence[memoryview], dests: Sequence[memoryview], seconds: Seconds,
-                step: Callable[[], object]) -> float:
+def _measure_l1(
+    config: StoreBenchConfig,
+    geometry: Geometry,
+    identity: ModelIdentity,
+    sources: Sequence[memoryview],
+    dests: Sequence[memoryview],
+    seconds: Seconds,
+    step: Callable[[], object],
+) -> float:
     """L1 put/get next to memcpy (every repeat); returns the seconds of the first fill."""
     tokens, n, half = config.block_tokens, config.blocks, config.blocks // 2
     n_chains = n // CHAIN_BLOCKS
@@ -235,8 +267,9 @@ def _measure_l1(config: StoreBenchConfig, geometry: Geometry, identity: ModelIde
         dests[i % half][:] = sources[i]
 
     # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
-    with TieredStore(StoreSettings(l1_bytes=half * geometry.block_bytes(tokens)),
-                     identity) as store:
+    with TieredStore(
+        StoreSettings(l1_bytes=half * geometry.block_bytes(tokens)), identity
+    ) as store:
         hashes, metas = _chains("fill", n_chains, tokens, geometry)
         start = time.perf_counter()
         for i in range(n):
@@ -248,16 +281,26 @@ def _measure_l1(config: StoreBenchConfig, geometry: Geometry, identity: ModelIde
             t_copy, t_put = _paired(n, memcpy, partial(_save, store, hashes, metas, sources))
             held = hashes[-half:]  # the newest chains, which L1 holds now
             t_copy2, t_get = _paired(half, memcpy, partial(_load_one, store, held, dests))
-            for name, t in (("memcpy", t_copy), ("l1_put", t_put),
-                            ("memcpy_get_pair", t_copy2), ("l1_get", t_get)):
+            for name, t in (
+                ("memcpy", t_copy),
+                ("l1_put", t_put),
+                ("memcpy_get_pair", t_copy2),
+                ("l1_get", t_get),
+            ):
                 seconds[name].append(t)
             step()
     return fill_s
 
 
-def _measure_l2(config: StoreBenchConfig, geometry: Geometry, identity: ModelIdentity,
-                target: L2Target, sources: Sequence[memoryview], seconds: Seconds,
-                step: Callable[[], object]) -> None:
+def _measure_l2(
+    config: StoreBenchConfig,
+    geometry: Geometry,
+    identity: ModelIdentity,
+    target: L2Target,
+    sources: Sequence[memoryview],
+    seconds: Seconds,
+    step: Callable[[], object],
+) -> None:
     """The L2 tier next to the raw operations, on the same target and bytes (every repeat)."""
     tokens, n = config.block_tokens, config.blocks
     writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
@@ -268,19 +311,27 @@ def _measure_l2(config: StoreBenchConfig, geometry: Geometry, identity: ModelIde
     try:
         for r in range(config.repeats):
             os.sync()
-            t_raw_w, t_l2_w = _paired(n, partial(_raw_write, target, names, sources),
-                                      partial(_put, writer, hashes, metas, sources))
+            t_raw_w, t_l2_w = _paired(
+                n,
+                partial(_raw_write, target, names, sources),
+                partial(_put, writer, hashes, metas, sources),
+            )
             target.settle()
             if config.cold:
                 _drop_page_cache()
             else:
                 os.sync()
-            t_raw_r, t_l2_r = _paired(n, partial(_raw_read, target, names),
-                                      partial(_get, reader, hashes))
+            t_raw_r, t_l2_r = _paired(
+                n, partial(_raw_read, target, names), partial(_get, reader, hashes)
+            )
             if reader.stats().hits != (r + 1) * n:
                 raise RuntimeError("L2 read back fewer blocks than were written")
-            for name, t in (("raw_write", t_raw_w), ("l2_write", t_l2_w),
-                            ("raw_read", t_raw_r), ("l2_read", t_l2_r)):
+            for name, t in (
+                ("raw_write", t_raw_w),
+                ("l2_write", t_l2_w),
+                ("raw_read", t_raw_r),
+                ("l2_read", t_l2_r),
+            ):
                 seconds[name].append(t)
             for h, name in zip(hashes, names, strict=True):
                 writer.remove(h)
@@ -291,8 +342,9 @@ def _measure_l2(config: StoreBenchConfig, geometry: Geometry, identity: ModelIde
         reader.close()
 
 
-def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
-        progress: bool = True) -> dict[str, Any]:
+def run(
+    config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *, progress: bool = True
+) -> dict[str, Any]:
     """Measure every figure of the module docstring; returns the JSON document."""
     from tqdm import tqdm
 
@@ -304,11 +356,26 @@ def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
     dests = [np.ones(size, dtype=np.uint8).data for _ in range(half)]  # pre-faulted
     identity = ModelIdentity(model=geometry.name, kv_dtype=geometry.dtype, block_tokens=tokens)
     load_before = os.getloadavg()
-    seconds: Seconds = {k: [] for k in (
-        "memcpy", "l1_put", "memcpy_get_pair", "l1_get", "raw_write", "l2_write", "raw_read",
-        "l2_read")}
-    with tqdm(total=2 * config.repeats + 1, desc="bench store", unit="pass",
-              disable=not progress, file=sys.stderr) as bar:
+    seconds: Seconds = {
+        k: []
+        for k in (
+            "memcpy",
+            "l1_put",
+            "memcpy_get_pair",
+            "l1_get",
+            "raw_write",
+            "l2_write",
+            "raw_read",
+            "l2_read",
+        )
+    }
+    with tqdm(
+        total=2 * config.repeats + 1,
+        desc="bench store",
+        unit="pass",
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
         fill_s = _measure_l1(config, geometry, identity, sources, dests, seconds, bar.update)
         # A Valkey target holds the tier's and the raw copy of every block at once: room for
         # both with headroom, so the server never evicts mid-pass.
@@ -316,8 +383,9 @@ def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
         with l2_target(config.l2_spec, valkey_maxmemory_bytes=maxmemory) as target:
             _measure_l2(config, geometry, identity, target, sources, seconds, bar.update)
 
-    moved = {name: (half if name in ("memcpy_get_pair", "l1_get") else n) * size
-             for name in seconds}
+    moved = {
+        name: (half if name in ("memcpy_get_pair", "l1_get") else n) * size for name in seconds
+    }
     return {
         **_figures({k: [t[0] for t in v] for k, v in seconds.items()}, moved),
         "l1_put_fill_gbps": round(n * size / fill_s / 1e9, 3),
@@ -337,6 +405,7 @@ def run(config: StoreBenchConfig, geometry: Geometry = EMBEDDED, *,
 
 # ---- CLI ---------------------------------------------------------------------------------------
 
+
 def _l2_spec(value: str) -> str:
     try:
         kind, where = parse_l2_spec(value)
@@ -348,49 +417,83 @@ def _l2_spec(value: str) -> str:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    config = StoreBenchConfig(block_tokens=args.block_tokens, blocks=args.blocks,
-                              repeats=args.repeats, l2=args.l2, cold=args.cold)
+    config = StoreBenchConfig(
+        block_tokens=args.block_tokens,
+        blocks=args.blocks,
+        repeats=args.repeats,
+        l2=args.l2,
+        cold=args.cold,
+    )
     result = run(config, geometry_of(args.model), progress=not args.quiet)
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")
     cpu = result["cpu"]
     print(f"{'':>20}  {'wall':>8}  {'cpu':>8}")
-    rows = [k for k, v in result.items()
-            if k.endswith(("_gbps", "_ratio")) and isinstance(v, float) and k != "target_ratio"]
+    rows = [
+        k
+        for k, v in result.items()
+        if k.endswith(("_gbps", "_ratio")) and isinstance(v, float) and k != "target_ratio"
+    ]
     for key in rows:
         cpu_value = f"{cpu[key]:8.3f}" if key in cpu else f"{'-':>8}"
         print(f"{key:>20}  {result[key]:8.3f}  {cpu_value}")
-    print(f"{'meets_target':>20}  {result['meets_target']!s:>8}  {cpu['meets_target']!s:>8}"
-          f"  (every ratio >= {TARGET_RATIO})")
-    print(f"{'load_average':>20}  {result['load_average']} on {result['cpus']} CPUs "
-          "(before: 1/5/15 min, after: 1/5/15 min)")
+    print(
+        f"{'meets_target':>20}  {result['meets_target']!s:>8}  {cpu['meets_target']!s:>8}"
+        f"  (every ratio >= {TARGET_RATIO})"
+    )
+    print(
+        f"{'load_average':>20}  {result['load_average']} on {result['cpus']} CPUs "
+        "(before: 1/5/15 min, after: 1/5/15 min)"
+    )
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     defaults = StoreBenchConfig()
     p = subparsers.add_parser(
-        "store", help="L1/L2 block throughput next to memcpy and plain file I/O (or SET/GET)",
+        "store",
+        help="L1/L2 block throughput next to memcpy and plain file I/O (or SET/GET)",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", metavar="FILE", help="write all figures as JSON to FILE")
-    p.add_argument("--l2", metavar="posix:PATH|juicefs|valkey", type=_l2_spec, default=None,
-                   help="L2 target: a fresh subdirectory of PATH (default: under the temp "
-                        "directory), a fresh JuiceFS volume mounted twice (write through one "
-                        "mount, read through the other), or a fresh loopback Valkey server")
-    p.add_argument("--block-tokens", type=int, default=defaults.block_tokens,
-                   help=f"tokens per block (default {defaults.block_tokens})")
-    p.add_argument("--blocks", type=int, default=defaults.blocks,
-                   help=f"distinct blocks per pass, a multiple of {CHAIN_BLOCKS} "
-                        f"(default {defaults.blocks})")
-    p.add_argument("--repeats", type=int, default=defaults.repeats,
-                   help=f"timed passes per figure; medians are reported "
-                        f"(default {defaults.repeats})")
-    p.add_argument("--cold", action="store_true",
-                   help="drop the page cache before every read pass (root only)")
-    p.add_argument("--model", metavar="DIR", default=None,
-                   help="take the KV geometry from this HF model directory "
-                        "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--l2",
+        metavar="posix:PATH|juicefs|valkey",
+        type=_l2_spec,
+        default=None,
+        help="L2 target: a fresh subdirectory of PATH (default: under the temp "
+        "directory), a fresh JuiceFS volume mounted twice (write through one "
+        "mount, read through the other), or a fresh loopback Valkey server",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=defaults.block_tokens,
+        help=f"tokens per block (default {defaults.block_tokens})",
+    )
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=defaults.blocks,
+        help=f"distinct blocks per pass, a multiple of {CHAIN_BLOCKS} (default {defaults.blocks})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=defaults.repeats,
+        help=f"timed passes per figure; medians are reported (default {defaults.repeats})",
+    )
+    p.add_argument(
+        "--cold", action="store_true", help="drop the page cache before every read pass (root only)"
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="take the KV geometry from this HF model directory "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd)

@@ -52,8 +52,11 @@ class Row:
     error: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"system": self.system, "tokens": self.tokens,
-                               "scenario": self.scenario}
+        row: dict[str, Any] = {
+            "system": self.system,
+            "tokens": self.tokens,
+            "scenario": self.scenario,
+        }
         if self.error is not None:
             row["error"] = self.error
         else:
@@ -78,9 +81,12 @@ def ttft_ms(url: str, model: str, tokens: Sequence[int], timeout_s: float = 600.
     async def once() -> float:
         pool = new_pool(timeout_s)
         try:
-            outcome = await stream_request(pool, url, {
-                "model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0.0},
-                timeout_s)
+            outcome = await stream_request(
+                pool,
+                url,
+                {"model": model, "prompt": list(tokens), "max_tokens": 1, "temperature": 0.0},
+                timeout_s,
+            )
         finally:
             pool.close()
         return outcome.ttft_ms
@@ -102,8 +108,9 @@ def reset_l0(url: str, attempts: int = 50) -> None:
     raise KvtierError(f"{url}: prefix cache still busy after {attempts} resets")
 
 
-def wait_for_l2(l2_dir: Path, tokens: Sequence[int], block_tokens: int,
-                timeout_s: float = 120.0) -> None:
+def wait_for_l2(
+    l2_dir: Path, tokens: Sequence[int], block_tokens: int, timeout_s: float = 120.0
+) -> None:
     """Block until every full kvtier block of `tokens` is published in L2 (write-through is
     asynchronous: the cross-replica scenario must not race it)."""
     from kvtier.core.keys import block_hashes
@@ -121,8 +128,11 @@ def wait_for_l2(l2_dir: Path, tokens: Sequence[int], block_tokens: int,
 def failure_reason(log_path: Path) -> str:
     """The root-cause exception line of a server that did not start (its first one)."""
     lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
-    errors = [re.sub(r"^.*?\] ", "", ln).strip() for ln in lines
-              if re.search(r"\b\w*(Error|Exception): ", ln) and "WARNING" not in ln]
+    errors = [
+        re.sub(r"^.*?\] ", "", ln).strip()
+        for ln in lines
+        if re.search(r"\b\w*(Error|Exception): ", ln) and "WARNING" not in ln
+    ]
     return (errors or lines[-1:] or ["no output"])[0][:500]
 
 
@@ -145,31 +155,38 @@ class Bench:
         self.servers: list[Any] = []
         self.rows: dict[tuple[str, int, str], Row] = {}
 
-    def start(self, label: str, transfer: dict[str, Any] | None,
-              extra: Sequence[str] = ()) -> Any:
+    def start(self, label: str, transfer: dict[str, Any] | None, extra: Sequence[str] = ()) -> Any:
         from kvtier.tools.vllm_server import ServerSpec, start_server
 
-        spec = ServerSpec(model=self.model, port=free_port(), kv_transfer_config=transfer,
-                          kv_cache_gib=self.args.kv_cache_gib,
-                          max_model_len=max(self.args.lengths) + 64,
-                          threads=self.args.threads, cpu_ids=self.args.cpu_ids,
-                          extra_args=list(extra), env={"VLLM_SERVER_DEV_MODE": "1"},
-                          log_path=self.work / f"{label}.log")
+        spec = ServerSpec(
+            model=self.model,
+            port=free_port(),
+            kv_transfer_config=transfer,
+            kv_cache_gib=self.args.kv_cache_gib,
+            max_model_len=max(self.args.lengths) + 64,
+            threads=self.args.threads,
+            cpu_ids=self.args.cpu_ids,
+            extra_args=list(extra),
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            log_path=self.work / f"{label}.log",
+        )
         server = start_server(spec, timeout_s=900)
         self.servers.append(server)
         ttft_ms(server.url, self.name, prompt_ids(self.corpus, 300, seed=hash(label) % 10**6))
         return server
 
-    def try_start(self, label: str, transfer: dict[str, Any] | None,
-                  extra: Sequence[str] = ()) -> tuple[Any, str | None]:
+    def try_start(
+        self, label: str, transfer: dict[str, Any] | None, extra: Sequence[str] = ()
+    ) -> tuple[Any, str | None]:
         try:
             return self.start(label, transfer, extra), None
         except KvtierError:
             return None, failure_reason(self.work / f"{label}.log")
 
     def prompts(self, length: int) -> list[list[int]]:
-        return [prompt_ids(self.corpus, length, seed=length * 1000 + i)
-                for i in range(self.args.runs)]
+        return [
+            prompt_ids(self.corpus, length, seed=length * 1000 + i) for i in range(self.args.runs)
+        ]
 
     def measure(self, system: str, scenarios: dict[str, Callable[[list[int]], float]]) -> None:
         """Run the scenarios in order on every run's prompt of every length."""
@@ -177,8 +194,7 @@ class Bench:
             for tokens in self.prompts(length):
                 for scenario, fn in scenarios.items():
                     key = (system, length, scenario)
-                    self.rows.setdefault(key, Row(system, length, scenario)).runs.append(
-                        fn(tokens))
+                    self.rows.setdefault(key, Row(system, length, scenario)).runs.append(fn(tokens))
             for scenario in scenarios:
                 print(json.dumps(self.rows[system, length, scenario].as_dict()), flush=True)
 
@@ -194,17 +210,22 @@ class Bench:
         self.servers = []
 
 
-def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,
-            l2_b: Path | None = None) -> None:
+def _kvtier(
+    bench: Bench, system: str = "kvtier", l2_a: Path | None = None, l2_b: Path | None = None
+) -> None:
     """Replica A measures cold/L0/L1 with L2 at `l2_a`; replica B, started after A stopped,
     measures L2 hits reading `l2_b` (the same directory, or another mount of one volume)."""
     l2_a = l2_a or bench.l2_dir
     l2_b = l2_b or l2_a
 
     def transfer_for(l2: Path) -> dict[str, Any]:
-        return kv_transfer_config(ConnectorSettings(
-            l1_bytes=int(bench.args.l1_gib * GIB), l2_path=str(l2),
-            block_tokens=bench.args.block_tokens))
+        return kv_transfer_config(
+            ConnectorSettings(
+                l1_bytes=int(bench.args.l1_gib * GIB),
+                l2_path=str(l2),
+                block_tokens=bench.args.block_tokens,
+            )
+        )
 
     name = bench.name
     a = bench.start(f"{system}-a", transfer_for(l2_a))
@@ -213,8 +234,14 @@ def _kvtier(bench: Bench, system: str = "kvtier", l2_a: Path | None = None,
         reset_l0(a.url)
         return ttft_ms(a.url, name, tokens)
 
-    bench.measure(system, {"cold": lambda t: ttft_ms(a.url, name, t),
-                           "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
+    bench.measure(
+        system,
+        {
+            "cold": lambda t: ttft_ms(a.url, name, t),
+            "l0": lambda t: ttft_ms(a.url, name, t),
+            "l1": l1,
+        },
+    )
     for length in bench.args.lengths:
         for tokens in bench.prompts(length):
             wait_for_l2(l2_b, tokens, bench.args.block_tokens)
@@ -237,12 +264,22 @@ def _kvtier_juicefs(bench: Bench) -> None:
 
 def _vllm_prefix(bench: Bench) -> None:
     server = bench.start("vllm-prefix", None)
-    bench.measure("vllm-prefix", {"cold": lambda t: ttft_ms(server.url, bench.name, t),
-                                  "l0": lambda t: ttft_ms(server.url, bench.name, t)})
+    bench.measure(
+        "vllm-prefix",
+        {
+            "cold": lambda t: ttft_ms(server.url, bench.name, t),
+            "l0": lambda t: ttft_ms(server.url, bench.name, t),
+        },
+    )
 
 
-def _peer(bench: Bench, system: str, transfer: dict[str, Any] | None,
-          extra: Sequence[str], two_servers: bool) -> None:
+def _peer(
+    bench: Bench,
+    system: str,
+    transfer: dict[str, Any] | None,
+    extra: Sequence[str],
+    two_servers: bool,
+) -> None:
     """A peer with an L1 (and, with `two_servers`, a shared tier): measured, or its error."""
     scenarios = ["cold", "l0", "l1"] + (["l2_cross"] if two_servers else [])
     a, reason = bench.try_start(f"{system}-a", transfer, extra)
@@ -255,8 +292,14 @@ def _peer(bench: Bench, system: str, transfer: dict[str, Any] | None,
         reset_l0(a.url)
         return ttft_ms(a.url, name, tokens)
 
-    bench.measure(system, {"cold": lambda t: ttft_ms(a.url, name, t),
-                           "l0": lambda t: ttft_ms(a.url, name, t), "l1": l1})
+    bench.measure(
+        system,
+        {
+            "cold": lambda t: ttft_ms(a.url, name, t),
+            "l0": lambda t: ttft_ms(a.url, name, t),
+            "l1": l1,
+        },
+    )
     bench.close()
     if two_servers:
         b, reason = bench.try_start(f"{system}-b", transfer, extra)
@@ -272,15 +315,23 @@ def _peers(bench: Bench) -> None:
     _peer(bench, "vllm-offload", None, ["--kv-offloading-size", size], two_servers=False)
     fs_root = bench.work / "vllm-fs"
     fs_root.mkdir()
-    tiering = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-               "kv_connector_extra_config": {
-                   "spec_name": "TieringOffloadingSpec",
-                   "cpu_bytes_to_use": int(bench.args.l1_gib * GIB),
-                   "secondary_tiers": [{"type": "fs", "root_dir": str(fs_root)}]}}
+    tiering = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": int(bench.args.l1_gib * GIB),
+            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_root)}],
+        },
+    }
     _peer(bench, "vllm-offload-fs", tiering, [], two_servers=True)
-    _peer(bench, "lmcache", None,
-          ["--kv-offloading-size", size, "--kv-offloading-backend", "lmcache"],
-          two_servers=False)
+    _peer(
+        bench,
+        "lmcache",
+        None,
+        ["--kv-offloading-size", size, "--kv-offloading-backend", "lmcache"],
+        two_servers=False,
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -307,30 +358,47 @@ def _run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
-        "tiers", help="S1: TTFT cold / L0 / L1 / cross-replica L2, kvtier vs peers",
+        "tiers",
+        help="S1: TTFT cold / L0 / L1 / cross-replica L2, kvtier vs peers",
         description="Measure time to first token of prompts served cold, from vLLM's prefix "
-                    "cache (L0), from kvtier's L1 after L0 was emptied, and from L2 on a "
-                    "second replica, beside plain vLLM and vLLM's native offloading and "
-                    "LMCache (recorded with their error where they cannot run).")
-    p.add_argument("--lengths", default="512,1024,2500,4000",
-                   help="prompt lengths in tokens, comma-separated (default: %(default)s)")
-    p.add_argument("--runs", type=int, default=3,
-                   help="distinct prompts per length; rows report the median")
+        "cache (L0), from kvtier's L1 after L0 was emptied, and from L2 on a "
+        "second replica, beside plain vLLM and vLLM's native offloading and "
+        "LMCache (recorded with their error where they cannot run).",
+    )
+    p.add_argument(
+        "--lengths",
+        default="512,1024,2500,4000",
+        help="prompt lengths in tokens, comma-separated (default: %(default)s)",
+    )
+    p.add_argument(
+        "--runs", type=int, default=3, help="distinct prompts per length; rows report the median"
+    )
     p.add_argument("--json", required=True, help="write the rows here")
     p.add_argument("--model", help="local HF model directory (default: the embedded model)")
     p.add_argument("--l2-path", help="shared L2 directory (default: a fresh temp directory)")
-    p.add_argument("--l1-gib", type=float, default=2.0,
-                   help="L1 budget of kvtier and of the offloading peers (default: 2)")
-    p.add_argument("--block-tokens", type=int, default=ConnectorSettings().block_tokens,
-                   help="kvtier block size in tokens (default: %(default)s)")
+    p.add_argument(
+        "--l1-gib",
+        type=float,
+        default=2.0,
+        help="L1 budget of kvtier and of the offloading peers (default: 2)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=ConnectorSettings().block_tokens,
+        help="kvtier block size in tokens (default: %(default)s)",
+    )
     p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's own KV cache (L0)")
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")
-    p.add_argument("--cpu-ids", default="1",
-                   help="cores every server is pinned to (default: %(default)s)")
-    p.add_argument("--juicefs", action="store_true",
-                   help="also measure kvtier with L2 on a JuiceFS volume (system "
-                        "'kvtier-juicefs'): replica A writes through one FUSE mount, replica B "
-                        "reads through a second mount of the same volume")
-    p.add_argument("--skip-peers", action="store_true",
-                   help="measure only kvtier and plain vLLM")
+    p.add_argument(
+        "--cpu-ids", default="1", help="cores every server is pinned to (default: %(default)s)"
+    )
+    p.add_argument(
+        "--juicefs",
+        action="store_true",
+        help="also measure kvtier with L2 on a JuiceFS volume (system "
+        "'kvtier-juicefs'): replica A writes through one FUSE mount, replica B "
+        "reads through a second mount of the same volume",
+    )
+    p.add_argument("--skip-peers", action="store_true", help="measure only kvtier and plain vLLM")
     p.set_defaults(func=_run)

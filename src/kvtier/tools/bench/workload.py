@@ -64,7 +64,7 @@ class _Seen:
 
     def reusable(self, ids: Sequence[int]) -> int:
         """Tokens of `ids`' longest prefix already sent (the last token is always computed)."""
-        chain = block_hashes(ids[:max(len(ids) - 1, 0)], self.block_tokens)
+        chain = block_hashes(ids[: max(len(ids) - 1, 0)], self.block_tokens)
         hit = 0
         for h in chain:
             if h not in self.hashes:
@@ -77,8 +77,16 @@ class _Seen:
 class Runner:
     """Replays sessions against `url`, bounded by `deadline_s` of wall time."""
 
-    def __init__(self, url: str, model: str, tokenizer: Any, *, engine_block_tokens: int = 128,
-                 deadline_s: float = 1800.0, progress: bool = True) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        tokenizer: Any,
+        *,
+        engine_block_tokens: int = 128,
+        deadline_s: float = 1800.0,
+        progress: bool = True,
+    ) -> None:
         self.url = url
         self.model = model
         self.tokenizer = tokenizer
@@ -87,12 +95,19 @@ class Runner:
         self._seen = _Seen(engine_block_tokens)
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
-    async def _run_session(self, http: HttpPool, session: Session, t0: float,
-                           out: list[Record], bar: Callable[[], object]) -> None:
+    async def _run_session(
+        self,
+        http: HttpPool,
+        session: Session,
+        t0: float,
+        out: list[Record],
+        bar: Callable[[], object],
+    ) -> None:
         await asyncio.sleep(max(0.0, t0 + session.start_s - time.perf_counter()))
         messages: list[dict[str, str]] = []
         if session.system is not None:
@@ -100,8 +115,11 @@ class Runner:
         for index, turn in enumerate(session.turns):
             if time.perf_counter() - t0 > self.deadline_s:
                 return
-            body: dict[str, Any] = {"model": self.model, "max_tokens": turn.max_tokens,
-                                    "temperature": 0.0}
+            body: dict[str, Any] = {
+                "model": self.model,
+                "max_tokens": turn.max_tokens,
+                "temperature": 0.0,
+            }
             if turn.content is not None:
                 messages.append({"role": "user", "content": turn.content})
                 body["messages"] = list(messages)
@@ -115,12 +133,33 @@ class Runner:
                 result = await stream_request(http, self.url, body)
             except (TimeoutError, OSError, KvtierError, ValueError) as exc:
                 # recorded, the run goes on
-                out.append(Record(session.name, index, started, 0.0, 0.0, len(ids), 0, reusable,
-                                  error=str(exc)[:300]))
+                out.append(
+                    Record(
+                        session.name,
+                        index,
+                        started,
+                        0.0,
+                        0.0,
+                        len(ids),
+                        0,
+                        reusable,
+                        error=str(exc)[:300],
+                    )
+                )
                 bar()
                 return
-            out.append(Record(session.name, index, started, result.ttft_ms, result.total_ms,
-                              result.prompt_tokens or len(ids), result.cached_tokens, reusable))
+            out.append(
+                Record(
+                    session.name,
+                    index,
+                    started,
+                    result.ttft_ms,
+                    result.total_ms,
+                    result.prompt_tokens or len(ids),
+                    result.cached_tokens,
+                    reusable,
+                )
+            )
             bar()
             if turn.content is not None:
                 messages.append({"role": "assistant", "content": result.text})
@@ -129,13 +168,15 @@ class Runner:
     async def run(self, sessions: Sequence[Session], label: str = "") -> list[Record]:
         out: list[Record] = []
         total = sum(len(s.turns) for s in sessions)
-        with tqdm(total=total, desc=label or "requests", unit="req",
-                  disable=not self.progress) as bar:
+        with tqdm(
+            total=total, desc=label or "requests", unit="req", disable=not self.progress
+        ) as bar:
             http = new_pool()
             try:
                 t0 = time.perf_counter()
-                await asyncio.gather(*(self._run_session(http, s, t0, out, bar.update)
-                                       for s in sessions))
+                await asyncio.gather(
+                    *(self._run_session(http, s, t0, out, bar.update) for s in sessions)
+                )
             finally:
                 http.close()
         return sorted(out, key=lambda r: r.start_s)

@@ -66,15 +66,23 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up = subparsers.add_parser(
-        "up", help="run a local fleet: N replicas, shared L2, the router",
+        "up",
+        help="run a local fleet: N replicas, shared L2, the router",
         description="Start N vLLM replicas with the kvtier connector (each with its own L1, all "
-                    "sharing one L2), the router in front, and print the endpoint. Runs in the "
-                    "foreground; Ctrl-C or `kvtier down` stops everything it started.")
-    up.add_argument("--config", metavar="FILE",
-                    help="deployment YAML (HyperPod-style keys; see docs/cluster.md)")
+        "sharing one L2), the router in front, and print the endpoint. Runs in the "
+        "foreground; Ctrl-C or `kvtier down` stops everything it started.",
+    )
+    up.add_argument(
+        "--config",
+        metavar="FILE",
+        help="deployment YAML (HyperPod-style keys; see docs/cluster.md)",
+    )
     up.add_argument("--replicas", type=int, help="override the number of replicas")
     up.set_defaults(func=_cmd_up)
-    down = subparsers.add_parser("down", help="stop the fleet started by `kvtier up`",
-                                 description="Ask the running `kvtier up` to stop and wait.")
+    down = subparsers.add_parser(
+        "down",
+        help="stop the fleet started by `kvtier up`",
+        description="Ask the running `kvtier up` to stop and wait.",
+    )
     down.add_argument("--config", metavar="FILE", help="the same YAML given to `kvtier up`")
     down.set_defaults(func=_cmd_down)

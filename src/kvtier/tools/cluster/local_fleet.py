@@ -82,9 +82,12 @@ class LocalFleet:
             if url is None:
                 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
 
-                server = ValkeyServer(ValkeyServerSpec(
-                    data_dir=str(self.work_dir / "valkey"),
-                    maxmemory_bytes=int(cache.l2.size_gib * 1024**3)))
+                server = ValkeyServer(
+                    ValkeyServerSpec(
+                        data_dir=str(self.work_dir / "valkey"),
+                        maxmemory_bytes=int(cache.l2.size_gib * 1024**3),
+                    )
+                )
                 (self.work_dir / "valkey").mkdir(exist_ok=True)
                 url = self._stack.enter_context(server).url
             self.l2_locations = [url] * self.spec.replicas
@@ -92,7 +95,8 @@ class LocalFleet:
             from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
 
             volume = self._stack.enter_context(
-                JuiceFSVolume(JuiceFSVolumeSpec(root=str(self.work_dir / "juicefs"))))
+                JuiceFSVolume(JuiceFSVolumeSpec(root=str(self.work_dir / "juicefs")))
+            )
             self.l2_locations = [volume.mount().path for _ in range(self.spec.replicas)]
 
     @property
@@ -105,7 +109,8 @@ class LocalFleet:
         settings = self.spec.connector_settings(
             replica_id=f"http://127.0.0.1:{self.spec.local.replica_base_port + index}",
             events_endpoint=events_endpoint,
-            l2_location=self.l2_locations[index] if self.l2_locations else None)
+            l2_location=self.l2_locations[index] if self.l2_locations else None,
+        )
         return None if settings is None else kv_transfer_config(settings)
 
     def _start_replicas(self) -> None:
@@ -114,17 +119,27 @@ class LocalFleet:
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             first = (i * threads) % cpus
-            server = ServerProcess(ServerSpec(
-                model=self.model, port=self.spec.local.replica_base_port + i,
-                kv_transfer_config=self.connector_config(i, endpoint),
-                kv_cache_gib=self.spec.local.engine_kv_cache_gib, threads=threads,
-                cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
-                max_model_len=self._max_model_len(), extra_args=self._engine_args(),
-                log_path=self.work_dir / "logs" / f"replica-{i}.log"))
+            server = ServerProcess(
+                ServerSpec(
+                    model=self.model,
+                    port=self.spec.local.replica_base_port + i,
+                    kv_transfer_config=self.connector_config(i, endpoint),
+                    kv_cache_gib=self.spec.local.engine_kv_cache_gib,
+                    threads=threads,
+                    cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
+                    max_model_len=self._max_model_len(),
+                    extra_args=self._engine_args(),
+                    log_path=self.work_dir / "logs" / f"replica-{i}.log",
+                )
+            )
             self.replicas.append(server)
             self.event_endpoints.append(endpoint)
-        with tqdm(total=len(self.replicas), desc="starting replicas", unit="replica",
-                  disable=not self.progress) as bar:
+        with tqdm(
+            total=len(self.replicas),
+            desc="starting replicas",
+            unit="replica",
+            disable=not self.progress,
+        ) as bar:
             for server in self.replicas:
                 server.wait_healthy(timeout_s=600)
                 bar.update()
@@ -141,20 +156,33 @@ class LocalFleet:
 
     def _start_router(self) -> None:
         values: dict[str, Any] = {
-            **self.spec.local.router, "port": self.spec.local.router_port,
-            "strategy": self.spec.strategy, "model_dir": self.model,
+            **self.spec.local.router,
+            "port": self.spec.local.router_port,
+            "strategy": self.spec.strategy,
+            "model_dir": self.model,
             "replicas": self.replica_urls,
-            "events": self.event_endpoints if self.spec.cache.connector_enabled else ()}
-        cmd = [sys.executable, "-m", "kvtier.cli", "router",
-               *to_flags(RouterSettings, values, ROUTER_FLAGS)]
+            "events": self.event_endpoints if self.spec.cache.connector_enabled else (),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.cli",
+            "router",
+            *to_flags(RouterSettings, values, ROUTER_FLAGS),
+        ]
         with open(self.work_dir / "logs" / "router.log", "ab") as log:
-            self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True)
+            self.router = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
     def _write_state(self) -> None:
-        state = {"pid": os.getpid(), "router": self.url, "replicas": self.replica_urls,
-                 "l2": self.l2_location}
+        state = {
+            "pid": os.getpid(),
+            "router": self.url,
+            "replicas": self.replica_urls,
+            "l2": self.l2_location,
+        }
         (self.work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     # ----------------------------------------------------------------------------- shutdown
@@ -176,6 +204,10 @@ class LocalFleet:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

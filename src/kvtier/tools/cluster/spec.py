@@ -47,22 +47,40 @@ from kvtier.core.settings import Settings
 from kvtier.router.settings import RouterSettings, Strategy
 from kvtier.vllm.settings import ConnectorSettings
 
-__all__ = ["CacheSpec", "FleetSpec", "L2Spec", "LocalSpec", "RoutingSpec", "load_spec",
-           "parse_spec"]
+__all__ = [
+    "CacheSpec",
+    "FleetSpec",
+    "L2Spec",
+    "LocalSpec",
+    "RoutingSpec",
+    "load_spec",
+    "parse_spec",
+]
 
 GIB = 1024**3
 Port = Annotated[int, Field(ge=1024, le=65535)]
-L2Backend = Annotated[Literal["posix", "tieredstorage", "juicefs", "valkey", "redis"],
-                      BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v)]
+L2Backend = Annotated[
+    Literal["posix", "tieredstorage", "juicefs", "valkey", "redis"],
+    BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v),
+]
 
 CONNECTOR_KEYS_SET_BY_THE_FLEET = {
-    "l1_bytes": "kvCacheSpec.l1CacheSizeGiB", "l2_path": "kvCacheSpec.l2CacheSpec",
-    "l2_url": "kvCacheSpec.l2CacheSpec", "l2_capacity_bytes": "kvCacheSpec.l2CacheSpec",
-    "l2_profile": "kvCacheSpec.l2CacheSpec.l2CacheBackend", "replica_id": "the fleet",
-    "events_endpoint": "the fleet"}
+    "l1_bytes": "kvCacheSpec.l1CacheSizeGiB",
+    "l2_path": "kvCacheSpec.l2CacheSpec",
+    "l2_url": "kvCacheSpec.l2CacheSpec",
+    "l2_capacity_bytes": "kvCacheSpec.l2CacheSpec",
+    "l2_profile": "kvCacheSpec.l2CacheSpec.l2CacheBackend",
+    "replica_id": "the fleet",
+    "events_endpoint": "the fleet",
+}
 ROUTER_KEYS_SET_BY_THE_FLEET = {
-    "replicas": "replicas", "strategy": "intelligentRoutingSpec", "host": "the fleet",
-    "port": "kvtier.routerPort", "events": "the fleet", "model_dir": "model"}
+    "replicas": "replicas",
+    "strategy": "intelligentRoutingSpec",
+    "host": "the fleet",
+    "port": "kvtier.routerPort",
+    "events": "the fleet",
+    "model_dir": "model",
+}
 
 
 class Section(Settings):
@@ -96,15 +114,15 @@ class L2Spec(Section):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.url is not None and not self.url.startswith(("redis://", "valkey://")):
-            raise ValueError(f"l2CacheLocalUrl: {self.url!r} is not a redis:// or valkey:// "
-                             "URL")
+            raise ValueError(f"l2CacheLocalUrl: {self.url!r} is not a redis:// or valkey:// URL")
         return self
 
     @property
     def kind(self) -> Literal["posix", "juicefs", "valkey"]:
         """The backend, with its aliases resolved (tieredstorage is posix, redis is valkey)."""
         return {"tieredstorage": "posix", "redis": "valkey"}.get(  # type: ignore[return-value]
-            self.backend, self.backend)
+            self.backend, self.backend
+        )
 
 
 class CacheSpec(Section):
@@ -132,7 +150,8 @@ class LocalSpec(Section):
     engine_kv_cache_gib: Annotated[int, Field(gt=0)] = Field(1, alias="engineKvCacheGiB")
     """Each engine's own KV cache (L0) in GiB ..."""
     engine_kv_cache_blocks: Annotated[int, Field(gt=0)] | None = Field(
-        None, alias="engineKvCacheBlocks")
+        None, alias="engineKvCacheBlocks"
+    )
     """... or exactly this many engine blocks (small-HBM setups)."""
     threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
@@ -144,14 +163,17 @@ class LocalSpec(Section):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        for section, reserved in (("connector", CONNECTOR_KEYS_SET_BY_THE_FLEET),
-                                  ("router", ROUTER_KEYS_SET_BY_THE_FLEET)):
+        for section, reserved in (
+            ("connector", CONNECTOR_KEYS_SET_BY_THE_FLEET),
+            ("router", ROUTER_KEYS_SET_BY_THE_FLEET),
+        ):
             for key in getattr(self, section):
                 if key in reserved:
                     raise ValueError(f"{section}.{key}: set by {reserved[key]}")
         ConnectorSettings.from_mapping(self.connector, where="kvtier.connector")
-        RouterSettings.from_mapping({**self.router, "replicas": ["http://127.0.0.1:1"]},
-                                    where="kvtier.router")
+        RouterSettings.from_mapping(
+            {**self.router, "replicas": ["http://127.0.0.1:1"]}, where="kvtier.router"
+        )
         return self
 
 
@@ -183,8 +205,9 @@ class FleetSpec(Section):
     def work_dir(self) -> Path:
         return Path(self.local.work_dir)
 
-    def connector_settings(self, *, replica_id: str, events_endpoint: str,
-                           l2_location: str | None) -> ConnectorSettings | None:
+    def connector_settings(
+        self, *, replica_id: str, events_endpoint: str, l2_location: str | None
+    ) -> ConnectorSettings | None:
         """One replica's connector settings (None: no connector): the cache spec's, then
         `kvtier.connector`'s; `l2_location` is its L2 path or URL."""
         cache = self.cache
@@ -192,12 +215,17 @@ class FleetSpec(Section):
             return None
         values: dict[str, Any] = {
             "l1_bytes": int(cache.l1_gib * GIB) if cache.l1_enabled else 0,
-            "replica_id": replica_id, "events_endpoint": events_endpoint}
+            "replica_id": replica_id,
+            "events_endpoint": events_endpoint,
+        }
         if l2_location is not None and cache.l2.kind == "valkey":
             values["l2_url"] = l2_location
         elif l2_location is not None:
-            values.update(l2_path=l2_location, l2_capacity_bytes=int(cache.l2.size_gib * GIB),
-                          l2_profile="juicefs" if cache.l2.kind == "juicefs" else "local")
+            values.update(
+                l2_path=l2_location,
+                l2_capacity_bytes=int(cache.l2.size_gib * GIB),
+                l2_profile="juicefs" if cache.l2.kind == "juicefs" else "local",
+            )
         return ConnectorSettings.from_mapping({**self.local.connector, **values})
 
 

@@ -8,8 +8,6 @@ import time
 from dataclasses import asdict
 from typing import cast
 
-from kvtier.core.settings import parse_bytes
-
 
 def _is_url(target: str) -> bool:
     return "://" in target
@@ -26,24 +24,36 @@ def _print(doc: dict[str, object], as_json: bool) -> None:
 def _status(args: argparse.Namespace) -> int:
     if _is_url(args.target):
         import valkey
+
         client = valkey.Valkey.from_url(args.target)
         memory = cast("dict[str, object]", client.info("memory"))
         stats = cast("dict[str, object]", client.info("stats"))
-        _print({"used_memory": memory["used_memory"], "maxmemory": memory["maxmemory"],
-                "policy": memory["maxmemory_policy"], "keys": client.dbsize(),
-                "evicted_keys": stats["evicted_keys"]}, args.json)
+        _print(
+            {
+                "used_memory": memory["used_memory"],
+                "maxmemory": memory["maxmemory"],
+                "policy": memory["maxmemory_policy"],
+                "keys": client.dbsize(),
+                "evicted_keys": stats["evicted_keys"],
+            },
+            args.json,
+        )
         return 0
     from kvtier.core.tiers.janitor import control_dir, read_status, scan
     from kvtier.core.tiers.lease import FileLease
+
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
     lease = FileLease(control_dir(args.target, "lease"), "status", ttl_s=1).current()
     doc: dict[str, object] = {
-        "blocks": len(usage.blocks), "block_bytes": usage.block_bytes,
+        "blocks": len(usage.blocks),
+        "block_bytes": usage.block_bytes,
         "in_flight_bytes": usage.temp_bytes,
         "graveyard_bytes": sum(e.size for e in usage.graveyard),
-        "janitor": "none" if lease is None else
-        f"{lease.holder} (epoch {lease.epoch}, {'expired' if lease.expired else 'live'})",
-        "last_pass": read_status(args.target)}
+        "janitor": "none"
+        if lease is None
+        else f"{lease.holder} (epoch {lease.epoch}, {'expired' if lease.expired else 'live'})",
+        "last_pass": read_status(args.target),
+    }
     _print(doc, args.json)
     return 0
 
@@ -51,9 +61,14 @@ def _status(args: argparse.Namespace) -> int:
 def _gc(args: argparse.Namespace) -> int:
     from kvtier.core.tiers.janitor import Janitor, JanitorSettings
     from kvtier.core.tiers.profiles import get_profile
+
     config = JanitorSettings.for_profile(
-        get_profile(args.profile), parse_bytes(args.capacity), high_watermark=args.high, low_watermark=args.low,
-        interval_s=1.0)
+        get_profile(args.profile),
+        args.capacity,
+        high_watermark=args.high,
+        low_watermark=args.low,
+        interval_s=1.0,
+    )
     janitor = Janitor(args.target, config, holder=f"kvtier-l2-gc:{time.time():.0f}")
     try:
         report = janitor.run_once(force_low=args.to_low)
@@ -61,8 +76,10 @@ def _gc(args: argparse.Namespace) -> int:
         janitor.close()
     if report is None:
         holder = janitor.lease.current()
-        print(f"another janitor holds the lease: {holder.holder if holder else '?'}; "
-              "it enforces the capacity already")
+        print(
+            f"another janitor holds the lease: {holder.holder if holder else '?'}; "
+            "it enforces the capacity already"
+        )
         return 1
     _print(asdict(report), args.json)
     return 0
@@ -70,46 +87,63 @@ def _gc(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from kvtier.tools.l2ops.verify import verify_directory, verify_valkey
+
     check = verify_valkey if _is_url(args.target) else verify_directory
     report = check(args.target, remove=args.remove)
     for name, why in report.bad:
         print(f"BAD {name}: {why}")
-    _print({"checked": report.checked, "bad": len(report.bad), "removed": report.removed},
-           args.json)
+    _print(
+        {"checked": report.checked, "bad": len(report.bad), "removed": report.removed}, args.json
+    )
     return 1 if report.bad and not args.remove else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     l2 = subparsers.add_parser(
-        "l2", help="inspect and maintain the shared L2 (status, gc, verify)",
+        "l2",
+        help="inspect and maintain the shared L2 (status, gc, verify)",
         description="Look after a shared L2: a directory on a shared mount, or a Valkey URL "
-                    "(redis://host:port[/db]).")
+        "(redis://host:port[/db]).",
+    )
     sub = l2.add_subparsers(dest="l2_command", metavar="ACTION", required=True)
 
-    status = sub.add_parser("status", help="usage, janitor lease holder, last janitor pass",
-                            description="Show what the L2 holds and who enforces its capacity.")
+    status = sub.add_parser(
+        "status",
+        help="usage, janitor lease holder, last janitor pass",
+        description="Show what the L2 holds and who enforces its capacity.",
+    )
     status.add_argument("target", help="L2 directory or Valkey URL")
     status.add_argument("--json", action="store_true", help="print JSON")
     status.set_defaults(func=_status)
 
-    gc = sub.add_parser("gc", help="run one janitor pass now",
-                        description="Take the janitor lease (unless a live janitor holds it), "
-                                    "evict least-recently-used blocks per the watermarks, purge "
-                                    "the graveyard and orphaned temp files, release the lease.")
+    gc = sub.add_parser(
+        "gc",
+        help="run one janitor pass now",
+        description="Take the janitor lease (unless a live janitor holds it), "
+        "evict least-recently-used blocks per the watermarks, purge "
+        "the graveyard and orphaned temp files, release the lease.",
+    )
     gc.add_argument("target", help="L2 directory")
     gc.add_argument("--capacity", required=True, help="capacity of the directory, e.g. 500G")
     gc.add_argument("--high", type=float, default=0.9, help="high watermark (fraction)")
     gc.add_argument("--low", type=float, default=0.75, help="low watermark (fraction)")
-    gc.add_argument("--profile", default="local",
-                    help="file system profile: local, juicefs, curvine, nfs, efs")
-    gc.add_argument("--to-low", action="store_true",
-                    help="evict down to the low watermark even below the high one")
+    gc.add_argument(
+        "--profile", default="local", help="file system profile: local, juicefs, curvine, nfs, efs"
+    )
+    gc.add_argument(
+        "--to-low",
+        action="store_true",
+        help="evict down to the low watermark even below the high one",
+    )
     gc.add_argument("--json", action="store_true", help="print JSON")
     gc.set_defaults(func=_gc)
 
-    verify = sub.add_parser("verify", help="check every object's header and checksum",
-                            description="Read every stored block and validate it; exit 1 if any "
-                                        "is bad (unless --remove removed them).")
+    verify = sub.add_parser(
+        "verify",
+        help="check every object's header and checksum",
+        description="Read every stored block and validate it; exit 1 if any "
+        "is bad (unless --remove removed them).",
+    )
     verify.add_argument("target", help="L2 directory or Valkey URL")
     verify.add_argument("--remove", action="store_true", help="delete bad objects")
     verify.add_argument("--json", action="store_true", help="print JSON")

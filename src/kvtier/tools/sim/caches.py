@@ -47,8 +47,9 @@ class _OrderedCache:
 
     def __init__(self, capacity: float) -> None:
         if not (capacity >= 0 and (math.isinf(capacity) or capacity == int(capacity))):
-            raise ConfigError(f"capacity: must be a whole number of blocks >= 0 or inf, "
-                              f"got {capacity}")
+            raise ConfigError(
+                f"capacity: must be a whole number of blocks >= 0 or inf, got {capacity}"
+            )
         self.capacity = capacity
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
@@ -96,6 +97,7 @@ def make_cache(policy: str, capacity: float) -> BlockCache:
     try:
         cls = EVICTION[policy]
     except KeyError:
-        raise ConfigError(f"eviction: unknown policy {policy!r}; "
-                          f"choose from {', '.join(sorted(EVICTION))}") from None
+        raise ConfigError(
+            f"eviction: unknown policy {policy!r}; choose from {', '.join(sorted(EVICTION))}"
+        ) from None
     return cls(capacity)

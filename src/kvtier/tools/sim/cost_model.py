@@ -119,8 +119,10 @@ def load_costs(profile: str | None = None, overrides: dict[str, float] | None = 
     profiles: dict[str, dict[str, Any]] = doc["profiles"]
     name = str(doc.get("default")) if path is not None or profile is None else profile
     if name not in profiles:
-        raise ConfigError(f"costs: unknown profile {name!r}; choose from "
-                          f"{', '.join(sorted(profiles))} or give a .json file")
+        raise ConfigError(
+            f"costs: unknown profile {name!r}; choose from "
+            f"{', '.join(sorted(profiles))} or give a .json file"
+        )
     known = {f.name for f in fields(CostModel)}
     values: dict[str, Any] = {}
     for key in known:
@@ -130,8 +132,9 @@ def load_costs(profile: str | None = None, overrides: dict[str, float] | None = 
         values[key] = entry["value"]
     for key, value in (overrides or {}).items():
         if key not in known:
-            raise ConfigError(f"cost: unknown field {key!r}; "
-                              f"choose from {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"cost: unknown field {key!r}; choose from {', '.join(sorted(known))}"
+            )
         values[key] = value
     try:
         values = {k: float(v) for k, v in values.items()}

@@ -41,16 +41,27 @@ class PlanAnswer:
 
     def summary(self) -> str:
         if self.blocks is None or self.bytes is None:
-            return (f"{self.tier}: target {self.target_hit_rate:.1%} is out of reach; an "
-                    f"unbounded {self.tier} gives {self.hit_rate:.1%}")
-        return (f"{self.tier}: {self.blocks} blocks ({self.bytes / 2**30:.1f} GiB) reach "
-                f"{self.hit_rate:.1%} >= target {self.target_hit_rate:.1%} "
-                f"({len(self.probes)} simulations)")
+            return (
+                f"{self.tier}: target {self.target_hit_rate:.1%} is out of reach; an "
+                f"unbounded {self.tier} gives {self.hit_rate:.1%}"
+            )
+        return (
+            f"{self.tier}: {self.blocks} blocks ({self.bytes / 2**30:.1f} GiB) reach "
+            f"{self.hit_rate:.1%} >= target {self.target_hit_rate:.1%} "
+            f"({len(self.probes)} simulations)"
+        )
 
 
-def plan_capacity(trace: Trace, base: FleetConfig, costs: CostModel, tier: Tier,
-                  target: float, *, tolerance: float = 0.02,
-                  on_probe: Callable[[object, float], None] | None = None) -> PlanAnswer:
+def plan_capacity(
+    trace: Trace,
+    base: FleetConfig,
+    costs: CostModel,
+    tier: Tier,
+    target: float,
+    *,
+    tolerance: float = 0.02,
+    on_probe: Callable[[object, float], None] | None = None,
+) -> PlanAnswer:
     if not 0.0 < target <= 1.0:
         raise ConfigError(f"target_hit_rate: must be within (0, 1], got {target}")
     if not 0.0 <= tolerance < 1.0:

@@ -13,9 +13,14 @@ from typing import Any
 
 __all__ = ["plot_sweep"]
 
-_X_LABELS = {"l0": "L0 blocks per replica", "l1": "L1 blocks per replica",
-             "l2": "shared L2 blocks", "replicas": "replicas", "strategy": "strategy",
-             "seed": "seed"}
+_X_LABELS = {
+    "l0": "L0 blocks per replica",
+    "l1": "L1 blocks per replica",
+    "l2": "shared L2 blocks",
+    "replicas": "replicas",
+    "strategy": "strategy",
+    "seed": "seed",
+}
 
 
 def plot_sweep(doc: Mapping[str, Any], path: Path, title: str = "") -> None:
@@ -33,16 +38,34 @@ def plot_sweep(doc: Mapping[str, Any], path: Path, title: str = "") -> None:
         mine = [p for p in points if p["series"] == s]
         pos = [xs.index(p["x"]) for p in mine]
         label = f"{doc['series']}={s}" if s is not None else None
-        line, = ax_hit.plot(pos, [p["hit_rate"] for p in mine], marker="o", linestyle=joined,
-                            label=label)
+        (line,) = ax_hit.plot(
+            pos, [p["hit_rate"] for p in mine], marker="o", linestyle=joined, label=label
+        )
         color = line.get_color()
-        ax_ttft.plot(pos, [p["ttft_p50_ms"] for p in mine], marker="o", linestyle=joined,
-                     color=color, label=f"{label or ''} p50".strip())
-        ax_ttft.plot(pos, [p["ttft_p99_ms"] for p in mine], marker="x",
-                     linestyle="--" if joined == "-" else "none", color=color,
-                     label=f"{label or ''} p99".strip())
-        ax_load.plot(pos, [p["load_max_over_mean"] for p in mine], marker="o",
-                     linestyle=joined, color=color, label=label)
+        ax_ttft.plot(
+            pos,
+            [p["ttft_p50_ms"] for p in mine],
+            marker="o",
+            linestyle=joined,
+            color=color,
+            label=f"{label or ''} p50".strip(),
+        )
+        ax_ttft.plot(
+            pos,
+            [p["ttft_p99_ms"] for p in mine],
+            marker="x",
+            linestyle="--" if joined == "-" else "none",
+            color=color,
+            label=f"{label or ''} p99".strip(),
+        )
+        ax_load.plot(
+            pos,
+            [p["load_max_over_mean"] for p in mine],
+            marker="o",
+            linestyle=joined,
+            color=color,
+            label=label,
+        )
     ideal = float(points[0]["ideal_hit_rate"])
     ax_hit.axhline(ideal, color="grey", linestyle="--", label=f"ideal {ideal:.1%}")
     ax_hit.set_ylabel("block hit rate")

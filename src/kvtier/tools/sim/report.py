@@ -61,15 +61,17 @@ class SimResult:
 
     def summary(self) -> str:
         tiers = " ".join(f"{t}={v:.1%}" for t, v in self.hit_rate_by_tier.items())
-        return (f"requests {self.requests}  blocks {self.blocks}\n"
-                f"hit rate {self.hit_rate:.1%} (ideal {self.ideal_hit_rate:.1%}; {tiers})  "
-                f"token hit rate {self.token_hit_rate:.1%}\n"
-                f"TTFT p50 {self.ttft_p50_ms:.0f} ms  p90 {self.ttft_p90_ms:.0f} ms  "
-                f"p99 {self.ttft_p99_ms:.0f} ms  (queue p50 {self.queue_p50_ms:.0f} ms)\n"
-                f"load max/mean {self.load_max_over_mean:.2f} requests, "
-                f"{self.work_max_over_mean:.2f} busy time  reasons {self.reasons}\n"
-                f"simulated {self.sim_span_s:.0f} s in {self.wall_s:.1f} s wall "
-                f"({self.cpu_s:.1f} s CPU)")
+        return (
+            f"requests {self.requests}  blocks {self.blocks}\n"
+            f"hit rate {self.hit_rate:.1%} (ideal {self.ideal_hit_rate:.1%}; {tiers})  "
+            f"token hit rate {self.token_hit_rate:.1%}\n"
+            f"TTFT p50 {self.ttft_p50_ms:.0f} ms  p90 {self.ttft_p90_ms:.0f} ms  "
+            f"p99 {self.ttft_p99_ms:.0f} ms  (queue p50 {self.queue_p50_ms:.0f} ms)\n"
+            f"load max/mean {self.load_max_over_mean:.2f} requests, "
+            f"{self.work_max_over_mean:.2f} busy time  reasons {self.reasons}\n"
+            f"simulated {self.sim_span_s:.0f} s in {self.wall_s:.1f} s wall "
+            f"({self.cpu_s:.1f} s CPU)"
+        )
 
 
 def percentile_ms(values_s: Sequence[float], q: float) -> float:

@@ -65,8 +65,10 @@ def build_strategy(name: str, options: Mapping[str, object], index_max_blocks: i
     weights = {k: v for k, v in options.items() if k in _WEIGHT_FIELDS}
     if weights:
         if "weights" not in params:
-            raise ConfigError(f"policy option: {', '.join(sorted(weights))} do not apply to "
-                              f"strategy {name} (no cost weights)")
+            raise ConfigError(
+                f"policy option: {', '.join(sorted(weights))} do not apply to "
+                f"strategy {name} (no cost weights)"
+            )
         kwargs["weights"] = CostWeights(**weights)  # type: ignore[arg-type]
     index: PrefixIndex | None = None
     if "index" in params:

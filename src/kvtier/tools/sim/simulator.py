@@ -80,25 +80,34 @@ class FleetConfig:
         for tier in ("l0", "l1", "l2"):
             blocks = getattr(self, f"{tier}_blocks")
             if not (blocks >= 0 and (math.isinf(blocks) or blocks == int(blocks))):
-                raise ConfigError(f"{tier}_blocks: must be a whole number >= 0 or inf, "
-                                  f"got {blocks}")
+                raise ConfigError(
+                    f"{tier}_blocks: must be a whole number >= 0 or inf, got {blocks}"
+                )
             policy = getattr(self, f"{tier}_eviction")
             if policy not in EVICTION:
-                raise ConfigError(f"{tier}_eviction: unknown policy {policy!r}; choose from "
-                                  f"{', '.join(sorted(EVICTION))}")
+                raise ConfigError(
+                    f"{tier}_eviction: unknown policy {policy!r}; choose from "
+                    f"{', '.join(sorted(EVICTION))}"
+                )
         if self.index_max_blocks <= 0:
             raise ConfigError(f"index_max_blocks: must be positive, got {self.index_max_blocks}")
 
     def describe(self) -> dict[str, object]:
         """JSON-friendly form (inf as the string "inf")."""
+
         def cap(v: float) -> object:
             return "inf" if math.isinf(v) else int(v)
-        return {"replicas": self.replicas, "l0_blocks": cap(self.l0_blocks),
-                "l1_blocks": cap(self.l1_blocks), "l2_blocks": cap(self.l2_blocks),
-                "eviction": {"l0": self.l0_eviction, "l1": self.l1_eviction,
-                             "l2": self.l2_eviction},
-                "strategy": self.strategy, "strategy_options": dict(self.strategy_options),
-                "seed": self.seed}
+
+        return {
+            "replicas": self.replicas,
+            "l0_blocks": cap(self.l0_blocks),
+            "l1_blocks": cap(self.l1_blocks),
+            "l2_blocks": cap(self.l2_blocks),
+            "eviction": {"l0": self.l0_eviction, "l1": self.l1_eviction, "l2": self.l2_eviction},
+            "strategy": self.strategy,
+            "strategy_options": dict(self.strategy_options),
+            "seed": self.seed,
+        }
 
 
 @dataclass(slots=True)
@@ -133,8 +142,7 @@ class _Fleet:
         self.trace = trace
         self.config = config
         self.costs = costs
-        strategy = build_strategy(config.strategy, config.strategy_options,
-                                  config.index_max_blocks)
+        strategy = build_strategy(config.strategy, config.strategy_options, config.index_max_blocks)
         self.policy = strategy.policy
         self.index: PrefixIndex | None = strategy.index
         self.rng = random.Random(config.seed)
@@ -144,9 +152,14 @@ class _Fleet:
         self.replicas: list[_Replica] = []
         width = len(str(config.replicas - 1))
         for i in range(config.replicas):
-            own = [(tier, make_cache(policy, blocks)) for tier, policy, blocks in (
-                (Tier.L0, config.l0_eviction, config.l0_blocks),
-                (Tier.L1, config.l1_eviction, config.l1_blocks)) if blocks > 0]
+            own = [
+                (tier, make_cache(policy, blocks))
+                for tier, policy, blocks in (
+                    (Tier.L0, config.l0_eviction, config.l0_blocks),
+                    (Tier.L1, config.l1_eviction, config.l1_blocks),
+                )
+                if blocks > 0
+            ]
             self.replicas.append(_Replica(f"r{i:0{width}d}", own + shared))
         self.by_name = {r.name: r for r in self.replicas}
         self.loadable = {tier: costs.worth_loading(tier) for tier in Tier}
@@ -163,8 +176,9 @@ class _Fleet:
     # ----- event loop -----
 
     def run(self, progress: bool) -> None:
-        bar = tqdm(total=len(self.trace), unit="req", disable=not progress, leave=False,
-                   mininterval=0.5)
+        bar = tqdm(
+            total=len(self.trace), unit="req", disable=not progress, leave=False, mininterval=0.5
+        )
         for n, request in enumerate(self.trace, 1):
             self._drain(until=request.arrival_s)
             self._arrive(request)
@@ -190,8 +204,7 @@ class _Fleet:
 
     def _arrive(self, request: TraceRequest) -> None:
         now = request.arrival_s
-        views = [ReplicaView(r.name, r.in_flight, r.queued_prefill_tokens)
-                 for r in self.replicas]
+        views = [ReplicaView(r.name, r.in_flight, r.queued_prefill_tokens) for r in self.replicas]
         route = RouteRequest(request.hashes, self.trace.block_tokens, request.input_tokens)
         decision = self.policy.choose(route, views, self.rng, now)
         self.policy.observe_routed(route, decision, now)
@@ -213,7 +226,7 @@ class _Fleet:
         counts = self.trace.block_token_counts(request)
         loaded = {Tier.L1: 0, Tier.L2: 0}
         cached = 0
-        for block, tokens in zip(request.blocks, counts):
+        for block, tokens in zip(request.blocks, counts, strict=True):
             tier = self._holder(replica, block)
             if tier is None or not self.loadable[tier]:
                 break
@@ -253,14 +266,19 @@ class _Fleet:
             for block in request.blocks:
                 evicted += cache.put(block)
             self._publish(replica, tier, request.hashes, evicted, now)
-        self._schedule(now + self.costs.decode_s(request.output_tokens), _DECODE_DONE,
-                       replica, job)
+        self._schedule(now + self.costs.decode_s(request.output_tokens), _DECODE_DONE, replica, job)
         replica.busy = False
         if replica.queue:
             self._start(replica, now)
 
-    def _publish(self, replica: _Replica, tier: Tier, stored: tuple[BlockHash, ...],
-                 evicted: list[int], now: float) -> None:
+    def _publish(
+        self,
+        replica: _Replica,
+        tier: Tier,
+        stored: tuple[BlockHash, ...],
+        evicted: list[int],
+        now: float,
+    ) -> None:
         """KV events of one tier after a request: all its blocks stored, then the evictions."""
         if self.index is None:
             return
@@ -281,12 +299,14 @@ class _Fleet:
             return n / d if d else 0.0
 
         return SimResult(
-            requests=len(self.trace), blocks=total_blocks,
+            requests=len(self.trace),
+            blocks=total_blocks,
             hit_rate=rate(hits, total_blocks),
             ideal_hit_rate=self.trace.ideal_hit_rate(),
             hit_rate_by_tier={t.value: rate(self.hit_blocks[t], total_blocks) for t in Tier},
             token_hit_rate=rate(self.hit_tokens, total_tokens),
-            ttft_p50_ms=percentile_ms(self.ttft_s, 50), ttft_p90_ms=percentile_ms(self.ttft_s, 90),
+            ttft_p50_ms=percentile_ms(self.ttft_s, 50),
+            ttft_p90_ms=percentile_ms(self.ttft_s, 90),
             ttft_p99_ms=percentile_ms(self.ttft_s, 99),
             ttft_mean_ms=1000.0 * sum(self.ttft_s) / len(self.ttft_s) if self.ttft_s else 0.0,
             queue_p50_ms=percentile_ms(self.queue_s, 50),
@@ -294,14 +314,19 @@ class _Fleet:
             load_max_over_mean=max_over_mean([r.routed for r in self.replicas]),
             work_max_over_mean=max_over_mean([r.busy_s for r in self.replicas]),
             reasons=dict(sorted(self.reasons.items())),
-            replicas=[ReplicaReport(r.name, r.routed, r.busy_s, r.prefill_tokens)
-                      for r in self.replicas],
+            replicas=[
+                ReplicaReport(r.name, r.routed, r.busy_s, r.prefill_tokens) for r in self.replicas
+            ],
             sim_span_s=max(0.0, self.last_first_token_s - first),
-            wall_s=wall_s, cpu_s=cpu_s, config={**self.config.describe(), "costs": asdict(self.costs)})
+            wall_s=wall_s,
+            cpu_s=cpu_s,
+            config={**self.config.describe(), "costs": asdict(self.costs)},
+        )
 
 
-def simulate(trace: Trace, config: FleetConfig, costs: CostModel, *,
-             progress: bool = False) -> SimResult:
+def simulate(
+    trace: Trace, config: FleetConfig, costs: CostModel, *, progress: bool = False
+) -> SimResult:
     """Replay `trace` through the fleet once; deterministic for a given config and seed."""
     wall, cpu = time.perf_counter(), time.process_time()
     fleet = _Fleet(trace, config, costs)

@@ -28,8 +28,9 @@ def parse_capacity(text: str) -> float:
     try:
         value = int(text)
     except ValueError:
-        raise ConfigError(f"capacity: expected a whole number of blocks or inf, "
-                          f"got {text!r}") from None
+        raise ConfigError(
+            f"capacity: expected a whole number of blocks or inf, got {text!r}"
+        ) from None
     if value < 0:
         raise ConfigError(f"capacity: must be >= 0, got {value}")
     return float(value)
@@ -68,8 +69,9 @@ def parse_sweep(text: str) -> SweepAxis:
     """`NAME=V1,V2,...`, e.g. `l1=0,1000,inf` or `replicas=1,2,4`."""
     name, sep, raw = text.partition("=")
     if name not in SWEEPABLE or not sep:
-        raise ConfigError(f"sweep: expected NAME=V1,V2,... with NAME one of "
-                          f"{', '.join(SWEEPABLE)}; got {text!r}")
+        raise ConfigError(
+            f"sweep: expected NAME=V1,V2,... with NAME one of {', '.join(SWEEPABLE)}; got {text!r}"
+        )
     parse = SWEEPABLE[name][1]
     values = tuple(parse(v) for v in raw.split(",") if v.strip())
     if not values:
@@ -83,9 +85,15 @@ def _label(value: object) -> object:
     return value
 
 
-def run_sweep(trace: Trace, base: FleetConfig, costs: CostModel, axes: Sequence[SweepAxis],
-              *, progress: bool = False,
-              on_point: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_sweep(
+    trace: Trace,
+    base: FleetConfig,
+    costs: CostModel,
+    axes: Sequence[SweepAxis],
+    *,
+    progress: bool = False,
+    on_point: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Simulate every combination; returns {"x", "series", "points": [...]} for JSON and plots."""
     if not 1 <= len(axes) <= 2:
         raise ConfigError(f"sweep: give one or two --sweep axes, got {len(axes)}")
@@ -101,5 +109,4 @@ def run_sweep(trace: Trace, base: FleetConfig, costs: CostModel, axes: Sequence[
             points.append(point)
             if on_point is not None:
                 on_point(point)
-    return {"x": x_axis.name, "series": series_axis.name if series_axis else None,
-            "points": points}
+    return {"x": x_axis.name, "series": series_axis.name if series_axis else None, "points": points}

@@ -92,8 +92,13 @@ class Trace:
         return hits / total if total else 0.0
 
 
-def load_trace(path: str | Path, *, limit: int | None = None, time_scale: float = 1.0,
-               block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
+def load_trace(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> Trace:
     """Read a Mooncake JSONL trace.
 
     `limit` keeps the first N requests; `time_scale` multiplies arrival times (2.0 halves the
@@ -129,10 +134,16 @@ def _parse(line: str, where: str, time_scale: float, block_tokens: int) -> Trace
     if input_tokens < 0 or output_tokens < 0 or arrival_ms < 0:
         raise ConfigError(f"trace: {where}: negative timestamp or length")
     if len(blocks) != math.ceil(input_tokens / block_tokens):
-        raise ConfigError(f"trace: {where}: {len(blocks)} hash ids for {input_tokens} tokens "
-                          f"of {block_tokens}-token blocks")
+        raise ConfigError(
+            f"trace: {where}: {len(blocks)} hash ids for {input_tokens} tokens "
+            f"of {block_tokens}-token blocks"
+        )
     if any(not 0 <= b < _ID_LIMIT for b in blocks):
         raise ConfigError(f"trace: {where}: hash id outside [0, 2**128)")
-    return TraceRequest(arrival_s=arrival_ms / 1000.0 * time_scale, input_tokens=input_tokens,
-                        output_tokens=output_tokens, blocks=blocks,
-                        hashes=tuple(block_hash(b) for b in blocks))
+    return TraceRequest(
+        arrival_s=arrival_ms / 1000.0 * time_scale,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        blocks=blocks,
+        hashes=tuple(block_hash(b) for b in blocks),
+    )
