@@ -18,9 +18,10 @@ from kvtier.core.keys import BlockHash
 from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import Tier
-from kvtier.core.tiers.janitor import control_dir, read_status, scan
+from kvtier.core.tiers.janitor import read_status
 from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.usage import control_dir, scan
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, poll
 
 BLOCK = 64 * 1024

@@ -17,8 +17,8 @@ from kvtier.core.keys import BlockHash
 from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import Tier
-from kvtier.core.tiers.janitor import control_dir, scan
 from kvtier.core.tiers.lease import FileLease
+from kvtier.core.tiers.usage import control_dir, scan
 from kvtier.tools.l2ops.juicefs import JuiceFSMount
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, start_valkey
 from tests.helpers.l2 import (

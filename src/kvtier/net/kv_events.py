@@ -29,7 +29,6 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, Self
 
 import zmq
@@ -190,12 +189,7 @@ class EventPublisher:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -284,10 +278,5 @@ class EventSubscriber:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

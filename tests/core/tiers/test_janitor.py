@@ -7,19 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.core.tiers.janitor import (
-    AccessRecorder,
-    Entry,
-    Janitor,
-    JanitorSettings,
-    Usage,
-    control_dir,
-    plan_eviction,
-    read_status,
-    scan,
-)
+from kvtier.core.tiers.janitor import AccessRecorder, Janitor, JanitorSettings, read_status
 from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.usage import Entry, Usage, control_dir, plan_eviction, scan
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
 
 KIB = 1024

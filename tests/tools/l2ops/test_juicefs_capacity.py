@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvtier.core.codec import HEADER_BYTES
-from kvtier.core.tiers.janitor import Janitor, JanitorSettings, control_dir, read_status, scan
+from kvtier.core.tiers.janitor import Janitor, JanitorSettings, read_status
 from kvtier.core.tiers.lease import FileLease, LeaseInfo
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.usage import control_dir, scan
 from kvtier.tools.l2ops.juicefs import JuiceFSMount
 from tests.helpers.l2 import (
     IDENTITY,

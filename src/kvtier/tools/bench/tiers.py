@@ -37,6 +37,8 @@ from typing import Any
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port
+from kvtier.router.health import engine_block_tokens
+from kvtier.tools.bench.client import call
 from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
 
 GIB = 1024**3
@@ -96,7 +98,6 @@ def ttft_ms(url: str, model: str, tokens: Sequence[int], timeout_s: float = 600.
 
 def reset_l0(url: str, attempts: int = 50) -> None:
     """Empty vLLM's prefix cache (dev-mode endpoint); retried while blocks are still held."""
-    from kvtier.tools.bench.client import call
 
     for _ in range(attempts):
         status, body = call(url, "/reset_prefix_cache", {})
@@ -198,6 +199,22 @@ class Bench:
             for scenario in scenarios:
                 print(json.dumps(self.rows[system, length, scenario].as_dict()), flush=True)
 
+    def measure_local(self, system: str, url: str) -> None:
+        """Cold, then L0 hit, then (vLLM's prefix cache emptied) L1 hit, on one server."""
+
+        def l1(tokens: list[int]) -> float:
+            reset_l0(url)
+            return ttft_ms(url, self.name, tokens)
+
+        self.measure(
+            system,
+            {
+                "cold": lambda t: ttft_ms(url, self.name, t),
+                "l0": lambda t: ttft_ms(url, self.name, t),
+                "l1": l1,
+            },
+        )
+
     def errors(self, system: str, scenarios: Sequence[str], reason: str) -> None:
         print(f"kvtier bench tiers: {system} cannot run here: {reason}", flush=True)
         for length in self.args.lengths:
@@ -227,27 +244,15 @@ def _kvtier(
             )
         )
 
-    name = bench.name
     a = bench.start(f"{system}-a", transfer_for(l2_a))
-
-    def l1(tokens: list[int]) -> float:
-        reset_l0(a.url)
-        return ttft_ms(a.url, name, tokens)
-
-    bench.measure(
-        system,
-        {
-            "cold": lambda t: ttft_ms(a.url, name, t),
-            "l0": lambda t: ttft_ms(a.url, name, t),
-            "l1": l1,
-        },
-    )
+    bench.measure_local(system, a.url)
+    block_tokens = bench.args.block_tokens or engine_block_tokens(call(a.url, "/metrics")[1])
     for length in bench.args.lengths:
         for tokens in bench.prompts(length):
-            wait_for_l2(l2_b, tokens, bench.args.block_tokens)
+            wait_for_l2(l2_b, tokens, block_tokens or 0)
     bench.close()  # one server at a time: an idle engine still polls and steals the core
     b = bench.start(f"{system}-b", transfer_for(l2_b))
-    bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
+    bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, bench.name, t)})
 
 
 def _kvtier_juicefs(bench: Bench) -> None:
@@ -286,27 +291,14 @@ def _peer(
     if a is None:
         bench.errors(system, scenarios, reason or "did not start")
         return
-    name = bench.name
-
-    def l1(tokens: list[int]) -> float:
-        reset_l0(a.url)
-        return ttft_ms(a.url, name, tokens)
-
-    bench.measure(
-        system,
-        {
-            "cold": lambda t: ttft_ms(a.url, name, t),
-            "l0": lambda t: ttft_ms(a.url, name, t),
-            "l1": l1,
-        },
-    )
+    bench.measure_local(system, a.url)
     bench.close()
     if two_servers:
         b, reason = bench.try_start(f"{system}-b", transfer, extra)
         if b is None:
             bench.errors(system, ["l2_cross"], reason or "did not start")
             return
-        bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, name, t)})
+        bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, bench.name, t)})
         bench.close()
 
 
@@ -385,8 +377,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--block-tokens",
         type=int,
-        default=ConnectorSettings().block_tokens,
-        help="kvtier block size in tokens (default: %(default)s)",
+        help="kvtier block size in tokens (default: the engine's block size)",
     )
     p.add_argument("--kv-cache-gib", type=int, default=1, help="vLLM's own KV cache (L0)")
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Self
 
 from tqdm import tqdm
@@ -204,10 +203,5 @@ class LocalFleet:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -39,8 +39,9 @@ def _status(args: argparse.Namespace) -> int:
             args.json,
         )
         return 0
-    from kvtier.core.tiers.janitor import control_dir, read_status, scan
+    from kvtier.core.tiers.janitor import read_status
     from kvtier.core.tiers.lease import FileLease
+    from kvtier.core.tiers.usage import control_dir, scan
 
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
     lease = FileLease(control_dir(args.target, "lease"), "status", ttl_s=1).current()

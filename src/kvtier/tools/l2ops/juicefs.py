@@ -27,7 +27,6 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Self
 
 from kvtier.core.errors import ConfigError, TierError
@@ -271,10 +270,5 @@ class JuiceFSVolume:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

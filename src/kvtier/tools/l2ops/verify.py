@@ -17,7 +17,7 @@ import valkey
 from kvtier.core.codec import HEADER_BYTES, decode_header, verify_payload
 from kvtier.core.errors import CodecError
 from kvtier.core.keys import BlockHash, Namespace
-from kvtier.core.tiers.janitor import BLOCK_SUFFIX, scan
+from kvtier.core.tiers.usage import BLOCK_SUFFIX, scan
 
 
 @dataclass(slots=True)

@@ -1,0 +1,166 @@
+"""The routing contract and the helpers every strategy shares.
+
+Contract (shared by the router and the fleet simulator, which replays traces through this code):
+
+- `choose(request, replicas, rng, now) -> Decision` picks one healthy replica. It has no side
+  effects: the router may call it again with the failed replica marked unhealthy (failover).
+  Raises `RoutingError` when no replica is healthy.
+- `observe_routed(request, decision, now)` records a decision that was acted upon: speculative
+  index inserts (so a burst of siblings lands together before KV events arrive), the round-robin
+  cursor, sticky sessions, recent-work history.
+- `forget(replica)` drops what the policy knows of a replica (it restarted, cleared or left).
+
+No I/O, no wall-clock reads (`now` is passed in), no global random (`rng` is passed in). Ties are
+broken at random among replicas sorted by name, never "first wins" (a hot spot).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.core.errors import ConfigError, RoutingError
+from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import Tier
+
+__all__ = [
+    "CostWeights",
+    "Decision",
+    "History",
+    "Policy",
+    "ReplicaView",
+    "RouteRequest",
+    "cached_tokens",
+    "healthy_sorted",
+    "pick_min",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """A replica as the router sees it at decision time."""
+
+    name: str
+    in_flight: int
+    """Requests currently running or queued on it (as the router counts them)."""
+    queued_prefill_tokens: int
+    """Uncached prompt tokens routed to it whose first token has not come back yet."""
+    healthy: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    hashes: tuple[BlockHash, ...]
+    """kvtier block hashes of the prompt (`keys.block_hashes` at the engine block size)."""
+    block_tokens: int
+    """Tokens per hashed block."""
+    prompt_tokens: int
+    session: str | None = None
+    """Sticky key (a header or the OpenAI `user` field), used by `session`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    reason: str
+    """Why: "prefix-hit", "load" (spilled off a cached replica), "cold" (no replica cached),
+    "session", "roundrobin"."""
+    cached_tokens: int
+    """Prompt tokens the policy expects to be served from cache there."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    """Weights of the cost formula (module docstring); every term is in prefill tokens."""
+
+    l0_credit: float = 1.0
+    """Fraction of a block's tokens saved when the replica's engine (GPU/L0) holds it."""
+    l1_credit: float = 0.8
+    """... when the replica's host-memory tier holds it (a copy in, no compute)."""
+    l2_credit: float = 0.5
+    """... when the shared pool holds it (a network read)."""
+    queue_weight: float = 0.25
+    """Cost per uncached prompt token already queued on the replica. Below 1 on purpose: a
+    queue only delays a request, a miss also recomputes its prefix (fleet compute) and caches
+    it twice; at 0.25 affinity yields once the cached replica's backlog exceeds about four
+    times the prefill the cache saves."""
+    running_penalty: float = 128.0
+    """Cost per request in flight on the replica (one block of prefill)."""
+    history_weight: float = 2.0
+    """Extra cost per uncached token per unit of the replica's excess share of recent uncached
+    prefill (spreads cold prefixes by the load they bring)."""
+    history_half_life_s: float = 10.0
+    """Half-life of the recent-work history."""
+    tie_tokens: float = 1.0
+    """Costs closer than this are a tie, broken at random."""
+
+    def __post_init__(self) -> None:
+        for name in ("l0_credit", "l1_credit", "l2_credit"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{name}: must be within [0, 1], got {value}")
+        for name in ("queue_weight", "running_penalty", "history_weight", "tie_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
+        if self.history_half_life_s <= 0:
+            raise ConfigError(
+                f"history_half_life_s: must be positive, got {self.history_half_life_s}"
+            )
+
+    def credits(self) -> dict[Tier, float]:
+        return {Tier.L0: self.l0_credit, Tier.L1: self.l1_credit, Tier.L2: self.l2_credit}
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self, request: RouteRequest, replicas: Sequence[ReplicaView], rng: random.Random, now: float
+    ) -> Decision: ...
+
+    def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None: ...
+
+    def forget(self, replica: str) -> None: ...
+
+
+# ----- helpers shared by the strategies -----
+
+
+def healthy_sorted(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
+    """Healthy replicas sorted by name, so a seeded rng gives the same pick in any view order."""
+    healthy = sorted((r for r in replicas if r.healthy), key=lambda r: r.name)
+    if not healthy:
+        raise RoutingError("no healthy replica")
+    return healthy
+
+
+def pick_min(costs: dict[str, float], tolerance: float, rng: random.Random) -> str:
+    """A random replica among those within `tolerance` of the lowest cost."""
+    low = min(costs.values())
+    tied = sorted(name for name, cost in costs.items() if cost <= low + tolerance)
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def cached_tokens(tiers: Sequence[Tier], request: RouteRequest) -> int:
+    return min(len(tiers) * request.block_tokens, request.prompt_tokens)
+
+
+class History:
+    """Uncached prefill recently sent to each replica, halved every `half_life_s`."""
+
+    def __init__(self, half_life_s: float) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._work: dict[str, tuple[float, float]] = {}  # replica -> (value, as of time)
+
+    def value(self, replica: str, now: float) -> float:
+        value, at = self._work.get(replica, (0.0, now))
+        return value * math.exp(-self._rate * max(0.0, now - at))
+
+    def add(self, replica: str, tokens: float, now: float) -> None:
+        self._work[replica] = (self.value(replica, now) + tokens, now)
+
+    def forget(self, replica: str) -> None:
+        self._work.pop(replica, None)
