@@ -11,17 +11,16 @@ from pathlib import Path
 
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.bench.corpus import Corpus
-from kvtier.tools.bench.router import (
+from kvtier.tools.bench.router import measure_overhead
+from kvtier.tools.bench.router_peers import (
     PASSTHROUGH,
     ROUTERS,
     Replica,
     RouterProcess,
-    build_workload,
-    ideal_hit_tokens,
-    measure_overhead,
     router_command,
     start_fake_replica,
 )
+from kvtier.tools.bench.router_workload import build_workload, ideal_hit_tokens
 
 BLOCK = 128
 

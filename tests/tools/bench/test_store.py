@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
-from kvtier.tools.bench.store import EMBEDDED, StoreBenchConfig, geometry_of
+from kvtier.tools.bench.store_passes import EMBEDDED, StoreBenchConfig, geometry_of
 from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
 
 FIGURES = (

@@ -38,198 +38,29 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
-import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.http_client import HttpPool
 from kvtier.net.ports import free_port
-from kvtier.net.readiness import wait_ready
+from kvtier.tools.bench.router_peers import (
+    PASSTHROUGH,
+    ROUTERS,
+    Replica,
+    RouterProcess,
+    start_fake_replica,
+)
+from kvtier.tools.bench.router_workload import Workload, build_workload
 
 __all__ = ["register"]
 
-ROUTERS = (
-    "kvtier-prefixaware",
-    "kvtier-kvaware",
-    "roundrobin",
-    "leastload",
-    "sglang-router",
-    "vllm-router",
-)
-PASSTHROUGH = "passthrough"
-"""Overhead reference: kvtier's HTTP stack forwarding without parsing or routing."""
 WARM_STREAK = 20
 """Consecutive overhead pairs per router per turn in the warm measurement."""
-
-
-# ----- the routers under test -----
-
-
-@dataclass(frozen=True, slots=True)
-class Replica:
-    url: str
-    events: str | None = None
-    """vLLM KV-event endpoint (kvaware only)."""
-
-
-def router_command(name: str, replicas: Sequence[Replica], port: int) -> list[str]:
-    """The command starting router `name` on `port` in front of `replicas`."""
-    urls = [r.url for r in replicas]
-    base = [sys.executable, "-m", "kvtier.cli", "router", "--port", str(port), "--seed", "0"]
-    kvtier_strategy = {
-        "kvtier-prefixaware": "prefixaware",
-        "kvtier-kvaware": "kvaware",
-        "roundrobin": "roundrobin",
-        "leastload": "leastload",
-    }
-    if name == "kvtier-kvaware":
-        return (
-            base
-            + ["--strategy", "kvaware"]
-            + [
-                a
-                for r in replicas
-                for a in ("--replica", r.url + (f"={r.events}" if r.events else ""))
-            ]
-        )
-    if name in kvtier_strategy:
-        return (
-            base
-            + ["--strategy", kvtier_strategy[name]]
-            + [a for u in urls for a in ("--replica", u)]
-        )
-    # Both Rust routers open a Prometheus listener, by default on one fixed port (29000): give
-    # each its own loopback port so several can run at once.
-    rust_args = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        "--policy",
-        "cache_aware",
-        "--worker-urls",
-        *urls,
-    ]
-    if name == "sglang-router":
-        return [sys.executable, "-m", "sglang_router.launch_router", *rust_args]
-    if name == "vllm-router":
-        exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-        return [exe, *rust_args]
-    if name == PASSTHROUGH:
-        return [
-            sys.executable,
-            "-m",
-            "kvtier.tools.bench.router",
-            "--passthrough",
-            str(port),
-            urls[0],
-        ]
-    raise ValueError(f"unknown router {name!r}")
-
-
-class RouterProcess:
-    """A router under test in its own process group; `stop()` ends the whole group."""
-
-    def __init__(self, name: str, replicas: Sequence[Replica], log_dir: Path) -> None:
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log_dir / f"router-{name}-{self.port}.log"
-        cmd = router_command(name, replicas, self.port)
-        if name == "vllm-router" and not Path(cmd[0]).exists():
-            raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
-        with open(self.log, "wb") as log:
-            self._proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=dict(os.environ, HF_HUB_OFFLINE="1"),
-            )
-
-    async def ready(self, timeout_s: float = 120.0) -> None:
-        try:
-            await asyncio.to_thread(
-                wait_ready, self.url + "/health", timeout_s, exited=self._proc.poll, what=self.name
-            )
-        except KvtierError as exc:
-            raise RuntimeError(f"{exc}: {self.log.read_text()[-400:].strip()}") from None
-
-    def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self._proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self._proc.wait(10)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-
-
-def _passthrough_main(port: int, upstream: str) -> None:
-    """Forward every completion to `upstream` untouched, on the router's own HTTP stack and
-    event loop: the floor next to which the routers' overheads can be read."""
-    from kvtier.net.http_client import HttpPool
-    from kvtier.router.asgi import (
-        JSON_HEADERS,
-        Exchange,
-        Receive,
-        Scope,
-        Send,
-        fast_loop_factory,
-        server,
-    )
-
-    pool = HttpPool(5.0, 60.0)
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        exchange = Exchange(scope, receive, send)
-        if exchange.path == "/health":
-            await exchange.respond(200, b"ok", [])
-            return
-        body = await exchange.body(64 * 1024 * 1024)
-        resp = await pool.post(
-            upstream, "/v1/completions", body, [("Content-Type", "application/json")]
-        )
-        try:
-            await exchange.respond(resp.status, await resp.read(), JSON_HEADERS)
-        finally:
-            resp.close()
-
-    with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
-        runner.run(server(app, "127.0.0.1", port).serve())
-
-
-def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    with open(log_dir / f"fake-{port}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.tools.fake_replica", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url + "/health", 60, exited=proc.poll, what="the fake replica")
-    return proc, url
 
 
 # ----- measurements -----
@@ -250,81 +81,6 @@ async def _scrape(pool: HttpPool, url: str) -> dict[str, float]:
             )
         )
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    prompts: tuple[str, ...]
-    """Interleaved request prompts."""
-    ideal_hit_tokens: int
-    """Prefix-cache hit tokens if every request landed where its prefix was cached."""
-
-
-def ideal_hit_tokens(prompts_ids: Sequence[Sequence[int]], block_tokens: int) -> int:
-    """Prefix-cache hit tokens if every request landed where its longest earlier-seen prefix
-    was cached: per request, the full blocks it shares with any earlier request (the engine
-    always recomputes the last token, so a prompt's last token never counts)."""
-    seen: set[tuple[int, ...]] = set()
-    total = 0
-    for ids in prompts_ids:
-        chain = [
-            tuple(ids[: (k + 1) * block_tokens]) for k in range((len(ids) - 1) // block_tokens)
-        ]
-        total += block_tokens * next(
-            (k for k, blocks in enumerate(chain) if blocks not in seen), len(chain)
-        )
-        seen.update(chain)
-    return total
-
-
-def build_workload(
-    tokenizer: Any,
-    corpus: Any,
-    tag: str,
-    prefixes: int,
-    suffixes: int,
-    prefix_tokens: int,
-    suffix_tokens: int = 0,
-    system_tokens: int = 0,
-    *,
-    block_tokens: int,
-) -> Workload:
-    """`suffix_tokens` > 0 puts a context of its own before each question (retrieved passages,
-    an agent's tool output), so the shared prefix is only part of the prompt; `system_tokens`
-    > 0 opens every prompt with one system prompt shared by all documents (a service's
-    instructions and tool schemas)."""
-
-    def text(tokens: int, head: str, seed_tag: str) -> str:
-        body = corpus.encode(corpus.document(tokens, seed=zlib.crc32(seed_tag.encode())))
-        return str(corpus.decode((corpus.encode(head) + body)[:tokens]))
-
-    system = (
-        text(system_tokens, f"System {tag}.\n", f"{tag}-system") + "\n" if system_tokens else ""
-    )
-    docs = [text(prefix_tokens, f"Document {tag}-{p}.\n", f"{tag}-{p}") for p in range(prefixes)]
-    prompts = []
-    rng = random.Random(zlib.crc32(tag.encode()))
-    half = prefixes // 2
-    order = list(range(prefixes))
-    for s in range(suffixes):
-        # Each round visits every prefix once in a fresh order (a fixed order would let round
-        # robin map prefix p to replica p mod 2 and look perfectly affine by accident); halves
-        # are shuffled separately so a prefix recurs no sooner than half a round later, after
-        # its previous request's prefill.
-        order = rng.sample(order[:half], half) + rng.sample(order[half:], prefixes - half)
-        for p in order:
-            context = (
-                corpus.document(suffix_tokens, seed=zlib.crc32(f"{tag}-{p}-{s}".encode())) + "\n"
-                if suffix_tokens
-                else ""
-            )
-            prompts.append(
-                f"{system}{docs[p]}\n{context}Question {s}: what does document {p} "
-                f"say about item {s * 7 + p}?"
-            )
-    return Workload(
-        tuple(prompts), ideal_hit_tokens([tokenizer.encode(p) for p in prompts], block_tokens)
-    )
 
 
 async def run_workload(
@@ -654,8 +410,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="logs and event sockets (default .kvtier/bench-router)",
     )
     p.set_defaults(func=_cmd)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--passthrough":
-        _passthrough_main(int(sys.argv[2]), sys.argv[3])

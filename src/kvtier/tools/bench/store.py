@@ -44,116 +44,28 @@ import json
 import os
 import statistics
 import sys
-import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
-from functools import partial
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvtier.core.codec import HEADER_BYTES, BlockMeta
+from kvtier.core.codec import HEADER_BYTES
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
-from kvtier.core.settings import StoreSettings
-from kvtier.core.store import TieredStore
-from kvtier.core.tiers.base import BlockTier
-from kvtier.tools.bench.l2 import L2Target, l2_target, parse_l2_spec
+from kvtier.core.keys import ModelIdentity
+from kvtier.tools.bench.l2 import l2_target, parse_l2_spec
+from kvtier.tools.bench.store_passes import (
+    CHAIN_BLOCKS,
+    EMBEDDED,
+    Geometry,
+    Seconds,
+    StoreBenchConfig,
+    geometry_of,
+    measure_l1,
+    measure_l2,
+)
 
 TARGET_RATIO = 0.7
-CHAIN_BLOCKS = 8
-"""Blocks per synthetic request chain (2,048 tokens at 256 tokens per block)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """KV shape of a model, as stored per block."""
-
-    name: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str = "bfloat16"
-    itemsize: int = 2
-
-    def shape(self, tokens: int) -> tuple[int, ...]:
-        return (self.layers, 2, tokens, self.kv_heads, self.head_dim)
-
-    def block_bytes(self, tokens: int) -> int:
-        return self.layers * 2 * tokens * self.kv_heads * self.head_dim * self.itemsize
-
-
-EMBEDDED = Geometry("SmolLM2-135M-Instruct", layers=30, kv_heads=3, head_dim=64)
-
-
-def geometry_of(model_dir: str | None) -> Geometry:
-    """Geometry from a HF model directory's config.json; the embedded model's by default."""
-    if model_dir is None:
-        return EMBEDDED
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        return Geometry(
-            Path(model_dir).name,
-            layers=cfg["num_hidden_layers"],
-            kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        )
-    except (OSError, KeyError, ValueError) as exc:
-        raise ConfigError(f"model: cannot read the KV geometry of {model_dir!r}: {exc}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class StoreBenchConfig:
-    block_tokens: int = 256
-    """Tokens per block (256 = kvtier's default block)."""
-    blocks: int = 64
-    """Distinct blocks per pass (64 x 5.6 MiB = 360 MiB)."""
-    repeats: int = 7
-    """Timed passes per figure; medians are reported."""
-    l2: str | None = None
-    """L2 target: `posix:PATH` (a fresh subdirectory of PATH), `juicefs` or `valkey`; None: a
-    directory under the temp directory."""
-    cold: bool = False
-    """Drop the page cache before each read pass (root only; directory targets only)."""
-
-    def __post_init__(self) -> None:
-        if self.block_tokens <= 0:
-            raise ConfigError(f"block_tokens: must be positive, got {self.block_tokens}")
-        if self.blocks < 2 * CHAIN_BLOCKS or self.blocks % CHAIN_BLOCKS:
-            raise ConfigError(
-                f"blocks: must be a multiple of {CHAIN_BLOCKS} and at least "
-                f"{2 * CHAIN_BLOCKS}, got {self.blocks}"
-            )
-        if self.repeats <= 0:
-            raise ConfigError(f"repeats: must be positive, got {self.repeats}")
-        if parse_l2_spec(self.l2_spec)[0] == "valkey" and self.cold:
-            raise ConfigError("cold: applies to directory targets, not valkey")
-
-    @property
-    def l2_spec(self) -> str:
-        return self.l2 or f"posix:{tempfile.gettempdir()}"
-
-
-# ---- timed steps -------------------------------------------------------------------------------
-
-
-def _paired(
-    items: int, first: Callable[[int], object], second: Callable[[int], object]
-) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Run `first(i)` and `second(i)` for every item, alternating which goes first, so both see
-    the same moments of a noisy, shared machine. Returns (wall, thread CPU) seconds of each."""
-    wall, cpu = [0.0, 0.0], [0.0, 0.0]
-    for i in range(items):
-        order = ((0, first), (1, second)) if i % 2 == 0 else ((1, second), (0, first))
-        for slot, fn in order:
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            fn(i)
-            cpu[slot] += time.thread_time() - start_cpu
-            wall[slot] += time.perf_counter() - start
-    return (wall[0], cpu[0]), (wall[1], cpu[1])
 
 
 def _figures(seconds: dict[str, list[float]], moved: dict[str, int]) -> dict[str, Any]:
@@ -172,174 +84,6 @@ def _figures(seconds: dict[str, list[float]], moved: dict[str, int]) -> dict[str
         "meets_target": all(v >= TARGET_RATIO for v in ratios.values()),
         "per_repeat_gbps": gbps,
     }
-
-
-def _raw_write(
-    target: L2Target, names: Sequence[str], sources: Sequence[memoryview], i: int
-) -> None:
-    target.raw_write(names[i], sources[i])
-
-
-def _raw_read(target: L2Target, names: Sequence[str], i: int) -> None:
-    target.raw_read(names[i])
-
-
-def _save(
-    store: TieredStore,
-    hashes: Sequence[BlockHash],
-    metas: Sequence[BlockMeta],
-    sources: Sequence[memoryview],
-    i: int,
-) -> None:
-    store.save(hashes[i], metas[i], sources[i])
-
-
-def _load_one(
-    store: TieredStore, hashes: Sequence[BlockHash], dests: Sequence[memoryview], i: int
-) -> None:
-    (block,) = store.load(hashes[i : i + 1])
-    dests[i][:] = block.payload
-
-
-def _put(
-    tier: BlockTier,
-    hashes: Sequence[BlockHash],
-    metas: Sequence[BlockMeta],
-    sources: Sequence[memoryview],
-    i: int,
-) -> None:
-    tier.put(hashes[i], metas[i], sources[i])
-
-
-def _get(tier: BlockTier, hashes: Sequence[BlockHash], i: int) -> None:
-    tier.get(hashes[i])
-
-
-def _drop_page_cache() -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as exc:
-        raise ConfigError(
-            f"cold: cannot drop the page cache ({exc}); run as root or omit --cold"
-        ) from exc
-
-
-def _chains(
-    tag: str, n_chains: int, tokens: int, geometry: Geometry
-) -> tuple[list[BlockHash], list[BlockMeta]]:
-    """Hashes and metas of `n_chains` distinct request chains of CHAIN_BLOCKS blocks each."""
-    hashes: list[BlockHash] = []
-    metas: list[BlockMeta] = []
-    shape = geometry.shape(tokens)
-    for c in range(n_chains):
-        extra = extra_key(cache_salt=f"{tag}/{c}")
-        chain = block_hashes([7] * (tokens * CHAIN_BLOCKS), tokens, extra)
-        parents = [root_hash(extra), *chain[:-1]]
-        hashes += chain
-        metas += [
-            BlockMeta(num_tokens=tokens, dtype=geometry.dtype, shape=shape, parent=p)
-            for p in parents
-        ]
-    return hashes, metas
-
-
-# ---- the run -----------------------------------------------------------------------------------
-
-Seconds = dict[str, list[tuple[float, float]]]
-"""Per measurement, (wall, thread CPU) seconds of each repeat."""
-
-
-def _measure_l1(
-    config: StoreBenchConfig,
-    geometry: Geometry,
-    identity: ModelIdentity,
-    sources: Sequence[memoryview],
-    dests: Sequence[memoryview],
-    seconds: Seconds,
-    step: Callable[[], object],
-) -> float:
-    """L1 put/get next to memcpy (every repeat); returns the seconds of the first fill."""
-    tokens, n, half = config.block_tokens, config.blocks, config.blocks // 2
-    n_chains = n // CHAIN_BLOCKS
-
-    def memcpy(i: int) -> None:
-        dests[i % half][:] = sources[i]
-
-    # L1 holds half of the blocks: after the first (fill) pass, every save evicts.
-    with TieredStore(
-        StoreSettings(l1_bytes=half * geometry.block_bytes(tokens)), identity
-    ) as store:
-        hashes, metas = _chains("fill", n_chains, tokens, geometry)
-        start = time.perf_counter()
-        for i in range(n):
-            store.save(hashes[i], metas[i], sources[i])
-        fill_s = time.perf_counter() - start
-        step()
-        for r in range(config.repeats):
-            hashes, metas = _chains(f"l1/{r}", n_chains, tokens, geometry)
-            t_copy, t_put = _paired(n, memcpy, partial(_save, store, hashes, metas, sources))
-            held = hashes[-half:]  # the newest chains, which L1 holds now
-            t_copy2, t_get = _paired(half, memcpy, partial(_load_one, store, held, dests))
-            for name, t in (
-                ("memcpy", t_copy),
-                ("l1_put", t_put),
-                ("memcpy_get_pair", t_copy2),
-                ("l1_get", t_get),
-            ):
-                seconds[name].append(t)
-            step()
-    return fill_s
-
-
-def _measure_l2(
-    config: StoreBenchConfig,
-    geometry: Geometry,
-    identity: ModelIdentity,
-    target: L2Target,
-    sources: Sequence[memoryview],
-    seconds: Seconds,
-    step: Callable[[], object],
-) -> None:
-    """The L2 tier next to the raw operations, on the same target and bytes (every repeat)."""
-    tokens, n = config.block_tokens, config.blocks
-    writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
-    names = [f"{i:04d}.bin" for i in range(n)]
-    # The same keys every repeat (removed in between, fan-out directories stay): the steady
-    # state of a long-running L2.
-    hashes, metas = _chains("l2", n // CHAIN_BLOCKS, tokens, geometry)
-    try:
-        for r in range(config.repeats):
-            os.sync()
-            t_raw_w, t_l2_w = _paired(
-                n,
-                partial(_raw_write, target, names, sources),
-                partial(_put, writer, hashes, metas, sources),
-            )
-            target.settle()
-            if config.cold:
-                _drop_page_cache()
-            else:
-                os.sync()
-            t_raw_r, t_l2_r = _paired(
-                n, partial(_raw_read, target, names), partial(_get, reader, hashes)
-            )
-            if reader.stats().hits != (r + 1) * n:
-                raise RuntimeError("L2 read back fewer blocks than were written")
-            for name, t in (
-                ("raw_write", t_raw_w),
-                ("l2_write", t_l2_w),
-                ("raw_read", t_raw_r),
-                ("l2_read", t_l2_r),
-            ):
-                seconds[name].append(t)
-            for h, name in zip(hashes, names, strict=True):
-                writer.remove(h)
-                target.raw_remove(name)
-            step()
-    finally:
-        writer.close()
-        reader.close()
 
 
 def run(
@@ -376,12 +120,12 @@ def run(
         disable=not progress,
         file=sys.stderr,
     ) as bar:
-        fill_s = _measure_l1(config, geometry, identity, sources, dests, seconds, bar.update)
+        fill_s = measure_l1(config, geometry, identity, sources, dests, seconds, bar.update)
         # A Valkey target holds the tier's and the raw copy of every block at once: room for
         # both with headroom, so the server never evicts mid-pass.
         maxmemory = 3 * n * (size + HEADER_BYTES) + 256 * 1024**2
         with l2_target(config.l2_spec, valkey_maxmemory_bytes=maxmemory) as target:
-            _measure_l2(config, geometry, identity, target, sources, seconds, bar.update)
+            measure_l2(config, geometry, identity, target, sources, seconds, bar.update)
 
     moved = {
         name: (half if name in ("memcpy_get_pair", "l1_get") else n) * size for name in seconds
