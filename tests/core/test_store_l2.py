@@ -27,11 +27,7 @@ from tests.helpers.l2 import (
     needs_fuse,
     poll,
     run_worker,
-    two_mounts,
-    valkey_server,
 )
-
-__all__ = ["two_mounts", "valkey_server"]  # fixtures, re-exported for pytest
 
 KIB = 1024
 COUNT = 6

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvtier.net.ports import free_port
-from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.vllm_server import ServerProcess, ServerSpec, start_server
 from kvtier.vllm import settings as config
 
@@ -24,33 +22,13 @@ TINY_CACHE_BLOCKS = 40
 """Engine blocks (128 tokens) of the tiny-L0 engines: 5,120 tokens, so a few prompts evict."""
 
 
-@lru_cache(maxsize=1)
-def model_dir() -> str:
-    return resolve_model(None)
-
-
-@lru_cache(maxsize=1)
-def _corpus() -> Any:
-    from transformers import AutoTokenizer
-
-    from kvtier.tools.bench.corpus import Corpus
-
-    return Corpus(AutoTokenizer.from_pretrained(model_dir()))
-
-
-def prompt_ids(n_tokens: int, seed: int) -> list[int]:
-    """`n_tokens` token ids of real text; distinct seeds give distinct prefixes."""
-    from kvtier.tools.bench.tiers import prompt_ids as draw
-
-    return draw(_corpus(), n_tokens, seed)
-
-
 def kv_transfer_config(**settings: Any) -> dict[str, Any]:
     """`--kv-transfer-config` for the connector with `ConnectorSettings(**settings)`."""
     return config.kv_transfer_config(config.ConnectorSettings(**settings))
 
 
 def start(
+    model_dir: str,
     log_dir: Path,
     name: str,
     *,
@@ -60,7 +38,7 @@ def start(
 ) -> ServerProcess:
     extra = ["--num-gpu-blocks-override", str(TINY_CACHE_BLOCKS)] if tiny_cache else []
     spec = ServerSpec(
-        model=model_dir(),
+        model=model_dir,
         port=free_port(),
         kv_transfer_config=connector,
         max_model_len=MAX_MODEL_LEN,

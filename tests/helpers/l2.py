@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -22,13 +22,8 @@ import pytest
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import BlockHash, ModelIdentity, Namespace, chain_hash, root_hash
 from kvtier.tools.l2ops.juicefs import (
-    JuiceFSMount,
-    JuiceFSVolume,
-    JuiceFSVolumeSpec,
     fuse_available,
-    unmount_dead,
 )
-from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
 
 IDENTITY = ModelIdentity(model="l2-test-model", block_tokens=16)
 NAMESPACE: Namespace = IDENTITY.namespace()
@@ -103,28 +98,3 @@ def finish_worker(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> dict
         out, err = proc.communicate()
     assert proc.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def valkey_server() -> Iterator[ValkeyServer]:
-    server = start_valkey(ValkeyServerSpec(maxmemory_bytes=512 * 1024**2))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def two_mounts(
-    tmp_path_factory: pytest.TempPathFactory, valkey_server: ValkeyServer
-) -> Iterator[tuple[JuiceFSMount, JuiceFSMount]]:
-    """One JuiceFS volume (Valkey metadata, objects in a local dir) mounted twice."""
-    if not fuse_available():
-        pytest.skip("FUSE mounts need root + /dev/fuse")
-    root = Path(tmp_path_factory.mktemp("juicefs"))
-    unmount_dead(str(root.parent.parent))  # mounts orphaned by an earlier, killed run
-    volume = JuiceFSVolume(JuiceFSVolumeSpec(root=str(root), meta_url=valkey_server.url + "/1"))
-    try:
-        yield volume.mount(), volume.mount()
-    finally:
-        volume.close()

@@ -15,6 +15,7 @@ import trustme
 from kvtier.core.errors import ConfigError
 from kvtier.net.http_client import HttpPool
 from kvtier.tools.fake_replica import FakeReplica
+from tests.helpers.aio import run
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -71,10 +72,6 @@ async def raw_server(script: Script) -> AsyncIterator[tuple[str, list[bytes]]]:
     finally:
         server.close()
         await server.wait_closed()
-
-
-def run(coro: Awaitable[None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, timeout=30))
 
 
 async def answer_ok_forever(peer: Peer) -> None:

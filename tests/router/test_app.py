@@ -21,6 +21,7 @@ from kvtier.router.app import Router, serving
 from kvtier.router.policies import CostPolicy
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
+from tests.helpers.aio import run
 from tests.helpers.router import (
     MAX_MODEL_LEN,
     MODEL,
@@ -35,10 +36,6 @@ from tests.helpers.router import (
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, timeout=60))
 
 
 async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:

@@ -32,12 +32,13 @@ from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventSubscriber
 from kvtier.net.ports import free_port
+from kvtier.tools.bench.corpus import Corpus
+from kvtier.tools.bench.tiers import prompt_ids
 from kvtier.tools.vllm_server import ServerProcess
 from tests.helpers.engines import (
     complete,
     kv_transfer_config,
     metric,
-    prompt_ids,
     reset_l0,
     start,
 )
@@ -60,21 +61,18 @@ LENGTHS = {
 }
 
 
-class _Prompts(dict[str, list[int]]):
-    """Token ids of each test's prompt, drawn (tokenizer loaded) on first use, not at import."""
-
-    def __missing__(self, name: str) -> list[int]:
-        seed = 101 + list(LENGTHS).index(name)
-        tokens = self[name] = prompt_ids(LENGTHS[name], seed=seed)
-        return tokens
-
-
-PROMPTS = _Prompts()
+@pytest.fixture(scope="module")
+def prompts(corpus: Corpus) -> dict[str, list[int]]:
+    """Token ids of each test's prompt: real text, a distinct prefix per test."""
+    return {
+        name: prompt_ids(corpus, n, seed=101 + i) for i, (name, n) in enumerate(LENGTHS.items())
+    }
 
 
-def evictors() -> list[list[int]]:
+@pytest.fixture(scope="module")
+def evictors(corpus: Corpus) -> list[list[int]]:
     """Three prompts of 15 engine blocks each: together they overflow the 40-block L0."""
-    return [prompt_ids(1900, seed=200 + i) for i in range(3)]
+    return [prompt_ids(corpus, 1900, seed=200 + i) for i in range(3)]
 
 
 def _usable(tokens: list[int] | int) -> int:
@@ -89,13 +87,15 @@ HITS["corrupt"] = [0, 2 * BLOCK]  # blocks 0 and 1 load, block 2 is corrupt
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], list[int]]:
+def expected(
+    tmp_path_factory: pytest.TempPathFactory, prompts: dict[str, list[int]], model_dir: str
+) -> dict[tuple[str, int], list[int]]:
     """(prompt, cached prefix) -> greedy tokens of a server without the connector."""
     logs = tmp_path_factory.mktemp("logs-reference")
     out: dict[tuple[str, int], list[int]] = {}
-    with start(logs, "reference") as server:
+    with start(model_dir, logs, "reference") as server:
         for name, hits in HITS.items():
-            tokens = PROMPTS[name]
+            tokens = prompts[name]
             for hit in hits:
                 reset_l0(server)
                 if hit:  # L0 then holds exactly `hit` tokens (never the prompt's last one)
@@ -122,9 +122,11 @@ def replica_a(
     l2_dir: Path,
     events_endpoint: str,
     tmp_path_factory: pytest.TempPathFactory,
+    model_dir: str,
 ) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-a")
     with start(
+        model_dir,
         logs,
         "replica-a",
         tiny_cache=True,
@@ -140,10 +142,14 @@ def replica_a(
 
 @pytest.fixture(scope="module")
 def replica_b(
-    replica_a: ServerProcess, l2_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    replica_a: ServerProcess,
+    l2_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    model_dir: str,
 ) -> Iterator[ServerProcess]:
     logs = tmp_path_factory.mktemp("logs-b")
     with start(
+        model_dir,
         logs,
         "replica-b",
         tiny_cache=True,
@@ -170,11 +176,14 @@ def _wait_for_files(paths: list[Path], timeout_s: float = 60.0) -> None:
 
 
 def test_l1_hit_after_l0_eviction_gives_identical_tokens(
-    replica_a: ServerProcess, expected: dict[tuple[str, int], list[int]]
+    replica_a: ServerProcess,
+    expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    evictors: list[list[int]],
 ) -> None:
-    tokens = PROMPTS["l1"]
+    tokens = prompts["l1"]
     assert complete(replica_a, tokens) == expected["l1", 0]
-    for evictor in evictors():  # push the prompt's blocks out of the 40-block L0
+    for evictor in evictors:  # push the prompt's blocks out of the 40-block L0
         complete(replica_a, evictor, max_tokens=1)
     local_before = metric(replica_a, LOCAL_HITS)
     external_before = metric(replica_a, EXTERNAL_HITS)
@@ -194,8 +203,9 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
     replica_b: ServerProcess,
     l2_dir: Path,
     expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
 ) -> None:
-    tokens = PROMPTS["l2"]
+    tokens = prompts["l2"]
     assert complete(replica_a, tokens) == expected["l2", 0]
     _wait_for_files(_block_files(l2_dir, tokens))
     external_before = metric(replica_b, EXTERNAL_HITS)
@@ -215,8 +225,9 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
     replica_b: ServerProcess,
     l2_dir: Path,
     expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
 ) -> None:
-    tokens = PROMPTS["corrupt"]
+    tokens = prompts["corrupt"]
     assert complete(replica_a, tokens) == expected["corrupt", 0]
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files)
@@ -242,8 +253,10 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
     replica_b: ServerProcess,
     l2_dir: Path,
     expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    evictors: list[list[int]],
 ) -> None:
-    tokens = PROMPTS["race"]
+    tokens = prompts["race"]
     results: dict[str, list[int]] = {}
 
     def run(name: str, server: ServerProcess) -> None:
@@ -264,7 +277,7 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
         siblings = sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem))
         assert siblings == [f.name]  # one published file, no temp files left behind
     # and the block a third party reads back is intact: replica A reloads it after eviction
-    for evictor in evictors():
+    for evictor in evictors:
         complete(replica_a, evictor, max_tokens=1)
     assert complete(replica_a, tokens) == expected["race", HITS["race"][1]]
 
@@ -274,8 +287,9 @@ def test_cache_salt_splits_the_cache(
     replica_b: ServerProcess,
     l2_dir: Path,
     expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
 ) -> None:
-    tokens = PROMPTS["salted"]
+    tokens = prompts["salted"]
     assert complete(replica_a, tokens, cache_salt="tenant-a") == expected["salted", 0]
     _wait_for_files(_block_files(l2_dir, tokens, salt="tenant-a"))
     assert not any(p.exists() for p in _block_files(l2_dir, tokens))
@@ -291,16 +305,20 @@ def test_cache_salt_splits_the_cache(
 
 
 def test_unusable_l2_path_runs_l1_only_and_is_counted(
-    tmp_path: Path, expected: dict[tuple[str, int], list[int]]
+    tmp_path: Path,
+    expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    model_dir: str,
 ) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("L2 cannot live under a regular file")
     with start(
+        model_dir,
         tmp_path,
         "no-l2",
         connector=kv_transfer_config(l2_path=str(not_a_dir / "l2"), l1_bytes=1 << 30),
     ) as server:
-        tokens = PROMPTS["no_l2"]
+        tokens = prompts["no_l2"]
         assert complete(server, tokens) == expected["no_l2", 0]
         reset_l0(server)
         assert complete(server, tokens) == expected["no_l2", HITS["no_l2"][1]]
@@ -310,9 +328,11 @@ def test_unusable_l2_path_runs_l1_only_and_is_counted(
 
 
 def test_saved_blocks_are_announced_with_the_routers_engine_block_hashes(
-    replica_a: ServerProcess, events_endpoint: str
+    replica_a: ServerProcess,
+    events_endpoint: str,
+    prompts: dict[str, list[int]],
 ) -> None:
-    tokens = PROMPTS["events"]
+    tokens = prompts["events"]
     engine_hashes = block_hashes(tokens, 128)[: _usable(tokens) // 128]
     with EventSubscriber([events_endpoint]) as sub:
         time.sleep(1.0)  # let the subscription reach the publisher

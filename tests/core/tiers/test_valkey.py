@@ -17,11 +17,9 @@ from tests.helpers.l2 import (
     poll,
     run_worker,
     spawn_worker,
-    valkey_server,
 )
 
 pytestmark = pytest.mark.valkey
-__all__ = ["valkey_server"]  # the fixture, re-exported for pytest
 
 KIB = 1024
 

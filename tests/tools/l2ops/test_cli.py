@@ -15,9 +15,7 @@ from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops import cli
 from kvtier.tools.l2ops.valkey_server import ValkeyServer
-from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, valkey_server
-
-__all__ = ["valkey_server"]  # the fixture, re-exported for pytest
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
 
 
 def run(*argv: str) -> int:

@@ -24,12 +24,9 @@ from tests.helpers.l2 import (
     needs_fuse,
     poll,
     spawn_worker,
-    two_mounts,
-    valkey_server,
 )
 
 pytestmark = [pytest.mark.juicefs, needs_fuse]
-__all__ = ["two_mounts", "valkey_server"]  # fixtures, re-exported for pytest
 
 KIB = 1024
 BLOCK = 256 * KIB

@@ -17,12 +17,9 @@ from tests.helpers.l2 import (
     poll,
     run_worker,
     spawn_worker,
-    two_mounts,
-    valkey_server,
 )
 
 pytestmark = [pytest.mark.juicefs, needs_fuse]
-__all__ = ["two_mounts", "valkey_server"]  # fixtures, re-exported for pytest
 
 KIB = 1024
 VISIBLE_WITHIN_S = 10.0  # bounded wait; JuiceFS attribute caches are ~1 s
