@@ -2,8 +2,8 @@
 health checks, model lists), and the benchmarks' load client.
 
 Why not aiohttp's client: per request it builds a request object, a timer context, a tracing
-and cookie pass and a response wrapper; on a slow 2-core host that alone costs ~0.3 ms of the
-router's added latency. This client writes head and body in one call and parses the answer
+and cookie pass and a response wrapper, work comparable to all the rest of the router's hop
+(docs/router.md). This client writes head and body in one call and parses the answer
 with `httptools` (llhttp, the parser in uvicorn), so a forward costs little more than the
 socket work.
 

@@ -1,8 +1,8 @@
 """One HTTP exchange as the router sees it, over ASGI (served by uvicorn with httptools).
 
-Why ASGI on uvicorn rather than aiohttp's server: a bare proxy (same upstream client) added
-0.44-0.48 ms on aiohttp's server and 0.33-0.36 ms on uvicorn's httptools protocol with a bare
-ASGI callable, measured side by side on a 2-core host (docs/router.md, "HTTP path").
+Why ASGI on uvicorn rather than aiohttp's server: with the same upstream client, a bare proxy
+adds clearly less latency on uvicorn's httptools protocol with a bare ASGI callable
+(docs/router.md, "HTTP path", has the figures).
 
 `Exchange` wraps the scope and the receive/send callables: headers, the body under a size cap,
 whole or streamed responses, and `cancel_on_disconnect`, which turns a client hanging up into
