@@ -327,15 +327,28 @@ def to_flags(
 
 
 def describe_fields(cls: type[Settings]) -> list[tuple[str, str, str]]:
-    """(name, default, description) of every field, for docs tables."""
+    """(key, default, description) of every field, for docs tables."""
     rows = []
     for name, field in cls.model_fields.items():
-        default = field.get_default(call_default_factory=True)
         rows.append(
             (
                 field.alias or name,
-                "unset" if default is None else str(default),
+                _shown_default(name, field),
                 " ".join((field.description or "").split()),
             )
         )
     return rows
+
+
+def _shown_default(name: str, field: FieldInfo) -> str:
+    if field.is_required():
+        return "required"
+    default = field.get_default(call_default_factory=True)
+    if default is None:
+        return "unset"
+    if name.endswith("_bytes") and isinstance(default, int) and default >= 1024:
+        unit = next(u for u in ("T", "G", "M", "K", "") if default % _UNITS[u.lower()] == 0)
+        return f"{default // _UNITS[unit.lower()]}{unit}iB"
+    if isinstance(default, BaseModel):
+        return "see below"
+    return str(default)

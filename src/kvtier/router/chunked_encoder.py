@@ -1,7 +1,8 @@
 """Chunked encoding: text encoded piece by piece, each piece's token ids cached.
 
-Encoding a long prompt whole would take most of the router's time budget, so the router encodes text in chunks cut where a pre-token always ends (a non-space character followed
-by a space or newline) and caches each chunk's ids (LRU): a long shared prefix (a system prompt,
+Encoding a long prompt whole would take most of the router's time budget, so the router
+encodes text in chunks cut where a pre-token always ends (a non-space character followed by a
+space or newline) and caches each chunk's ids (LRU): a long shared prefix (a system prompt,
 a document, a conversation so far) is encoded once and only the new tail costs anything. For
 byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) chunked encoding equals whole encoding;
 `ChunkedEncoder` checks that on sample texts at construction and encodes whole texts when a
