@@ -135,6 +135,7 @@ class CacheSpec(Section):
     l2_enabled: bool = Field(True, alias="enableL2Cache")
     """The replicas share an L2."""
     l2: L2Spec = Field(default_factory=L2Spec, alias="l2CacheSpec")
+    """Where the shared L2 lives."""
 
     @property
     def connector_enabled(self) -> bool:
@@ -145,6 +146,7 @@ class LocalSpec(Section):
     """`kvtier`: what HyperPod has no name for."""
 
     router_port: Port = Field(8000, alias="routerPort")
+    """Port of the router's OpenAI API."""
     replica_base_port: Port = Field(8100, alias="replicaBasePort")
     """Replica i serves on this port + i."""
     engine_kv_cache_gib: Annotated[int, Field(gt=0)] = Field(1, alias="engineKvCacheGiB")
@@ -154,6 +156,7 @@ class LocalSpec(Section):
     )
     """... or exactly this many engine blocks (small-HBM setups)."""
     threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
+    """Engine threads per replica (vLLM on CPU), pinned to their own cores."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
     """Logs, the default L2 directory, the pid file."""
     connector: dict[str, Any] = Field(default_factory=dict)
@@ -183,9 +186,14 @@ class FleetSpec(Section):
     model: str | None = None
     """Local HF model directory; unset: the embedded model."""
     replicas: Annotated[int, Field(gt=0)] = 2
+    """vLLM replicas, each with the kvtier connector (when a cache tier is enabled)."""
     routing: RoutingSpec = Field(default_factory=RoutingSpec, alias="intelligentRoutingSpec")
+    """How the router picks a replica (HyperPod's intelligent routing)."""
     cache: CacheSpec = Field(default_factory=CacheSpec, alias="kvCacheSpec")
+    """The cache tiers (HyperPod's KV cache spec)."""
     local: LocalSpec = Field(default_factory=LocalSpec, alias="kvtier")
+    """What HyperPod has no name for: ports, engine cache, work directory, any connector or
+    router setting."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
