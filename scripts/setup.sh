@@ -16,6 +16,11 @@ log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 # --- system packages (root only; skipped when present) -------------------------------------
 need_apt=()
 command -v fusermount3 >/dev/null || command -v fusermount >/dev/null || need_apt+=(fuse3)
+command -v ip >/dev/null || need_apt+=(iproute2)   # emulated nodes (tests/multinode)
+command -v kubectl >/dev/null || log "warning: no kubectl: the deploy/k8s render tests will skip"
+# Prometheus (+ promtool): `kvtier up --monitor`, the rule tests; Chromium: the dashboard tests
+{ command -v prometheus >/dev/null && command -v promtool >/dev/null; } || need_apt+=(prometheus)
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need_apt+=(chromium)
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing system packages: ${need_apt[*]}"
@@ -25,6 +30,11 @@ if ((${#need_apt[@]})); then
     log "warning: missing ${need_apt[*]} (needs root + apt-get); JuiceFS unmount falls back to umount"
   fi
 fi
+command -v promtool >/dev/null || log "warning: no prometheus/promtool: \`kvtier up --monitor\` cannot" \
+  "run and the rule tests skip; install Debian's package (apt-get install prometheus) or put" \
+  "prometheus and promtool from https://prometheus.io/download on PATH"
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || log "warning: no" \
+  "chromium: the dashboard browser tests skip; apt-get install chromium, or set KVTIER_CHROMIUM"
 
 # --- virtual environment ---------------------------------------------------------------------
 if [ ! -x "$VENV/bin/python" ]; then

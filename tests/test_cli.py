@@ -15,8 +15,11 @@ COMMANDS = {
     ("router",),
     ("sim",),
     ("plan",),
+    ("sim-trace",),
     ("up",),
     ("down",),
+    ("status",),
+    ("deploy", "render"),
     ("l2", "status"),
     ("l2", "gc"),
     ("l2", "verify"),
@@ -26,6 +29,7 @@ COMMANDS = {
     ("bench", "chat"),
     ("bench", "trace"),
     ("bench", "rag"),
+    ("bench", "chaos"),
 }
 """Every command a user can run, as `kvtier --help` and its subcommands list them."""
 

@@ -21,7 +21,9 @@ COMMAND_MODULES = (
     "kvtier.tools.router_cli",
     "kvtier.tools.sim.cli",
     "kvtier.tools.cluster.cli",
+    "kvtier.tools.deploy.cli",
     "kvtier.tools.l2ops.cli",
+    "kvtier.tools.status",
 )
 # `kvtier bench SCENARIO`: one module per scenario.
 BENCH_MODULES = (
@@ -29,6 +31,7 @@ BENCH_MODULES = (
     "kvtier.tools.bench.tiers",
     "kvtier.tools.bench.router",
     "kvtier.tools.bench.fleet_runs",
+    "kvtier.tools.bench.chaos",
 )
 
 

@@ -43,7 +43,7 @@ def test_prefixaware_sends_a_repeated_prefix_back_to_the_replica_that_got_it() -
     first = route(policy, request(1), idle("a", "b"), rng)
     assert first.reason == "cold" and first.cached_tokens == 0
     again = route(policy, request(1), idle("a", "b"), rng, now=1.0)
-    assert again == Decision(first.replica, "prefix-hit", 4 * BLOCK)
+    assert again == Decision(first.replica, "prefix-hit", 4 * BLOCK, work_tokens=5)
 
 
 def test_prefixaware_spreads_cold_prefixes_of_a_sequential_client() -> None:
@@ -63,7 +63,9 @@ def test_load_outweighs_a_short_shared_prefix_instead_of_hot_spotting() -> None:
         ReplicaView(cached_on, in_flight=1, queued_prefill_tokens=100),
         ReplicaView(other, in_flight=0, queued_prefill_tokens=0),
     ]
-    assert policy.choose(request(7, blocks=1), busy, rng, 0.0) == Decision(other, "load", 0)
+    assert policy.choose(request(7, blocks=1), busy, rng, 0.0) == Decision(
+        other, "load", 0, 1 * BLOCK + 5
+    )
 
 
 def test_prefixonly_hot_spots_a_shared_prefix_whatever_the_load() -> None:
@@ -94,7 +96,7 @@ def test_kvaware_prefers_l0_over_l1_over_shared_l2() -> None:
     index.insert(SHARED, req.hashes, Tier.L2, now=0.0)
     policy = make_policy("kvaware", index=index)
     assert policy.choose(req, idle("a", "b", "c"), random.Random(0), 0.0) == Decision(
-        "b", "prefix-hit", 4 * BLOCK
+        "b", "prefix-hit", 4 * BLOCK, work_tokens=5
     )
     index.purge("b")
     assert policy.choose(req, idle("a", "b", "c"), random.Random(0), 0.0).replica == "a"

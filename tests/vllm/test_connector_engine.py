@@ -30,6 +30,7 @@ import pytest
 from kvtier.core.events import EventKind
 from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
+from kvtier.core.tiers.usage import CONTROL_DIR
 from kvtier.net.kv_events import EventSubscriber
 from kvtier.net.ports import free_port
 from kvtier.tools.bench.corpus import Corpus
@@ -49,6 +50,9 @@ BLOCK = 128
 """vLLM's CPU block size, which the connector takes as its own by default."""
 EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
+LOADED = "kvtier_connector_loaded_blocks_total"
+HIT_TOKENS = "kvtier_connector_hit_tokens_total"
+L1, L2 = {"tier": "l1"}, {"tier": "l2"}
 
 LENGTHS = {
     "l1": 1100,
@@ -161,7 +165,7 @@ def replica_b(
 
 def _block_files(l2_dir: Path, tokens: list[int], salt: str | None = None) -> list[Path]:
     """The L2 file of each full kvtier block of `tokens`, in chain order (may not exist)."""
-    namespaces = [p for p in l2_dir.iterdir() if p.is_dir()]
+    namespaces = [p for p in l2_dir.iterdir() if p.is_dir() and p.name != CONTROL_DIR]
     assert len(namespaces) == 1, namespaces
     ns = namespaces[0]
     hashes = block_hashes(tokens, BLOCK, extra_key(cache_salt=salt) if salt else b"")
@@ -187,15 +191,15 @@ def test_l1_hit_after_l0_eviction_gives_identical_tokens(
         complete(replica_a, evictor, max_tokens=1)
     local_before = metric(replica_a, LOCAL_HITS)
     external_before = metric(replica_a, EXTERNAL_HITS)
-    l1_before = metric(replica_a, "kvtier:load_blocks_l1_total")
-    l1_tokens_before = metric(replica_a, "kvtier:hit_tokens_l1_total")
+    l1_before = metric(replica_a, LOADED, L1)
+    l1_tokens_before = metric(replica_a, HIT_TOKENS, L1)
 
     assert complete(replica_a, tokens) == expected["l1", HITS["l1"][1]]
 
     assert metric(replica_a, LOCAL_HITS) == local_before  # L0 really lost it
     assert metric(replica_a, EXTERNAL_HITS) - external_before == _usable(tokens)
-    assert metric(replica_a, "kvtier:load_blocks_l1_total") - l1_before == _usable(tokens) // BLOCK
-    assert metric(replica_a, "kvtier:hit_tokens_l1_total") - l1_tokens_before == _usable(tokens)
+    assert metric(replica_a, LOADED, L1) - l1_before == _usable(tokens) // BLOCK
+    assert metric(replica_a, HIT_TOKENS, L1) - l1_tokens_before == _usable(tokens)
 
 
 def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
@@ -209,15 +213,15 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
     assert complete(replica_a, tokens) == expected["l2", 0]
     _wait_for_files(_block_files(l2_dir, tokens))
     external_before = metric(replica_b, EXTERNAL_HITS)
-    l2_tokens_before = metric(replica_b, "kvtier:hit_tokens_l2_total")
+    l2_tokens_before = metric(replica_b, HIT_TOKENS, L2)
 
     assert complete(replica_b, tokens) == expected["l2", HITS["l2"][1]]
 
     external = metric(replica_b, EXTERNAL_HITS) - external_before
     full_engine_block_tokens = len(tokens) // 128 * 128
     assert external >= 0.9 * full_engine_block_tokens
-    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= _usable(tokens) // BLOCK
-    assert metric(replica_b, "kvtier:hit_tokens_l2_total") - l2_tokens_before == _usable(tokens)
+    assert metric(replica_b, LOADED, L2) >= _usable(tokens) // BLOCK
+    assert metric(replica_b, HIT_TOKENS, L2) - l2_tokens_before == _usable(tokens)
 
 
 def test_corrupt_l2_file_is_removed_counted_and_recomputed(
@@ -235,13 +239,13 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
     data = bytearray(bad.read_bytes())
     data[-100:] = bytes(100)  # zero the payload's tail: the checksum no longer matches
     bad.write_bytes(bytes(data))
-    failed_before = metric(replica_b, "kvtier:load_failed_blocks_total")
+    failed_before = metric(replica_b, "kvtier_connector_load_failed_blocks_total")
     external_before = metric(replica_b, EXTERNAL_HITS)
 
     assert complete(replica_b, tokens) == expected["corrupt", HITS["corrupt"][1]]
 
-    assert metric(replica_b, "kvtier:load_failed_blocks_total") - failed_before >= 1
-    assert metric(replica_b, "kvtier:load_blocks_l2_total") >= 2  # the blocks before it
+    assert metric(replica_b, "kvtier_connector_load_failed_blocks_total") - failed_before >= 1
+    assert metric(replica_b, LOADED, L2) >= 2  # the blocks before it
     assert metric(replica_b, EXTERNAL_HITS) > external_before
     # the bad file was removed, and the recompute saved a good one under the same name
     _wait_for_files([bad])
@@ -322,8 +326,8 @@ def test_unusable_l2_path_runs_l1_only_and_is_counted(
         assert complete(server, tokens) == expected["no_l2", 0]
         reset_l0(server)
         assert complete(server, tokens) == expected["no_l2", HITS["no_l2"][1]]
-        assert metric(server, "kvtier:load_blocks_l1_total") == _usable(tokens) // BLOCK
-        assert metric(server, "kvtier:l2_unavailable_total") == 1
+        assert metric(server, LOADED, L1) == _usable(tokens) // BLOCK
+        assert metric(server, "kvtier_connector_l2_unavailable_total") == 1
     assert not (not_a_dir / "l2").exists()
 
 

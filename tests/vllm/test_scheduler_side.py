@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -231,3 +232,62 @@ def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
     )
     assert side.matched_tokens(FakeRequest("r1", tokens), 0) == (3 * BLOCK, True)  # type: ignore[arg-type]
     side.close()
+
+
+def test_lookups_and_plans_are_timed(rt: process_store.ProcessStore) -> None:
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 4)
+    counters = ConnectorCounters()
+    side = SchedulerSide(
+        [rt],
+        BLOCK,
+        ENGINE,
+        lookup_ttl_s=10.0,
+        counters=counters,
+        events=False,
+        block_ids_of=lambda r: [],
+        load_async=True,
+    )
+    try:
+        request = FakeRequest("r", tokens)
+        before = time.monotonic()
+        assert _answer(side, request, 0) == (1024, True)
+        side.after_alloc(request, FakeBlocks(list(range(8))), 1024)  # type: ignore[arg-type]
+        (load,) = side.build_meta(FakeSchedulerOutput({})).loads  # type: ignore[arg-type]
+        assert load.planned_at is not None and before <= load.planned_at <= time.monotonic()
+        totals = counters.totals()
+        assert totals["lookup_deferred"] >= 1  # lookup_wait_s=0: the first ask is deferred
+        assert totals["phase_lookup_seconds"] > 0
+        assert totals["phase_lookup_wait_seconds"] >= totals["phase_lookup_seconds"]
+    finally:
+        side.close()
+
+
+def test_blocks_planned_from_l2_are_marked_for_promotion_in_the_save_plan(
+    tmp_path: Path,
+) -> None:
+    tokens = list(range(1100))
+    config = ConnectorSettings(l1_bytes=1 << 20, l2_path=str(tmp_path))
+    identity = ModelIdentity(model="unit-l2", kv_layout="test", block_tokens=BLOCK)
+    writer = process_store.acquire(config, identity, publish=False)
+    try:
+        _store_blocks(writer, tokens, 4)
+        assert writer.store.flush(30)
+    finally:
+        process_store.release(writer)
+    reader = process_store.acquire(config, identity, publish=False)  # a fresh, empty L1
+    side = _side(reader, {"r": list(range(10))})
+    try:
+        request = FakeRequest("r", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        assert _answer(side, request, 256) == (768, True)  # L0 holds block 0; 1-3 in L2
+        side.after_alloc(request, FakeBlocks(list(range(10))), 768)  # type: ignore[arg-type]
+        assert side.hit_tokens(request) == {Tier.L2: 768}  # type: ignore[arg-type]
+        request.num_computed_tokens = 1024
+        meta = side.build_meta(FakeSchedulerOutput({"r": 76}))  # type: ignore[arg-type]
+        (save,) = meta.saves
+        assert save.hashes == tuple(block_hashes(tokens, BLOCK)[:4])
+        assert save.promote == frozenset({1, 2, 3})
+    finally:
+        side.close()
+        process_store.release(reader)

@@ -27,7 +27,13 @@ STORE_VALUES: dict[str, Any] = {
     "admission_min_tokens": 512,
     "write_queue_blocks": 8,
     "io_threads": 3,
+    "l2_username": "kvtier",
+    "l2_password_file": "/run/secrets/valkey",
+    "l2_tls_ca_file": "/etc/ssl/valkey-ca.pem",
+    "l2_file_mode": 0o640,
 }
+ENV_TEXT = {"l2_file_mode": "0o640"}
+"""Environment spellings where `str(value)` is not one (permissions are octal)."""
 
 
 def test_the_table_covers_every_store_setting() -> None:
@@ -55,7 +61,7 @@ def test_every_store_setting_is_reachable_through_the_extra_config(name: str) ->
 @pytest.mark.parametrize("name", sorted(StoreSettings.model_fields))
 def test_every_store_setting_is_reachable_through_the_environment(name: str) -> None:
     value = STORE_VALUES[name] if name != "l2_url" else "redis://127.0.0.1:6379/0"
-    environ = {f"KVTIER_{name.upper()}": str(value)}
+    environ = {f"KVTIER_{name.upper()}": ENV_TEXT.get(name, str(value))}
     if name not in ("l2_path", "l2_url"):
         environ["KVTIER_L2_PATH"] = "/mnt/kv"
     connector = ConnectorSettings.from_sources({}, environ)
@@ -121,3 +127,11 @@ def test_transfer_config_loads_the_connector_and_recomputes_failed_loads() -> No
         "kv_connector_extra_config": {"l1_bytes": 1024, "l2_path": "/mnt/kv"},
     }
     assert ConnectorSettings.from_sources(transfer["kv_connector_extra_config"], {}) == config
+
+
+def test_background_cpus_take_a_cpu_list_or_inherit() -> None:
+    assert ConnectorSettings(background_cpus="0,2-3").background_cpus == "0,2-3"
+    assert ConnectorSettings(background_cpus="inherit").background_cpus == "inherit"
+    for bad in ("", "a", "1-", "0,,1"):
+        with pytest.raises(ConfigError, match="background_cpus"):
+            ConnectorSettings(background_cpus=bad)

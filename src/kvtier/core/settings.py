@@ -47,6 +47,8 @@ __all__ = [
     "describe_fields",
     "from_flags",
     "parse_bytes",
+    "parse_mode",
+    "redact_url",
     "to_flags",
 ]
 
@@ -69,6 +71,26 @@ def parse_bytes(value: object) -> object:
 
 ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
 """A number of bytes; accepts "4GiB"-style strings."""
+
+
+def parse_mode(value: object) -> object:
+    """File permissions from an int or an octal string ("0o640", "640")."""
+    if isinstance(value, str):
+        try:
+            return int(value.removeprefix("0o"), 8)
+        except ValueError:
+            raise ValueError(f"cannot read {value!r} as octal permissions (e.g. 0o600)") from None
+    return value
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***` (for logs and errors)."""
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    if not sep or not at or ":" not in userinfo:
+        return url
+    return f"{scheme}://{userinfo.split(':', 1)[0]}:***@{host}"
+
 
 L2ProfileName = Literal["local", "juicefs", "curvine", "nfs", "efs"]
 """File systems an L2 directory may live on (`kvtier.core.tiers.profiles` has their numbers)."""
@@ -186,7 +208,19 @@ class StoreSettings(Settings):
     l2_path: Annotated[str, Field(min_length=1)] | None = None
     """Shared directory for L2 (a FUSE/NFS mount or a local directory); unset: no directory L2."""
     l2_url: str | None = None
-    """Valkey/Redis server for L2 (redis://host:port[/db]); unset: no Valkey L2."""
+    """Valkey/Redis server for L2 (redis://host:port[/db]; rediss:// for TLS); unset: no Valkey
+    L2. Put no password in it (it shows in process listings): use `l2_password_file`."""
+    l2_username: str | None = None
+    """Valkey ACL user to authenticate as (with the password below); unset: the default user."""
+    l2_password_file: str | None = None
+    """File holding the Valkey password (AUTH); the password may also come from
+    $KVTIER_L2_PASSWORD. Never logged."""
+    l2_tls_ca_file: str | None = None
+    """CA bundle (PEM) that signs the Valkey server's certificate (with a rediss:// URL); unset:
+    the system's."""
+    l2_file_mode: Annotated[int, BeforeValidator(parse_mode), Field(ge=0, le=0o777)] = 0o600
+    """Permissions of the files `l2_path` holds: 0o600 (384) by default, e.g. 0o640 to share
+    with a group; directories get search permission where read is granted (0o700)."""
     l2_profile: L2ProfileName = "local"
     """File system under `l2_path`: sets the janitor's tolerance for stale attributes and
     whether evictions wait out a grace period (see docs/l2.md)."""
@@ -220,7 +254,9 @@ class StoreSettings(Settings):
     def _check_l2(self) -> Self:
         if self.l2_url is not None:
             if not self.l2_url.startswith(L2_URL_SCHEMES):
-                raise ValueError(f"l2_url: expected redis://host:port[/db], got {self.l2_url!r}")
+                raise ValueError(
+                    f"l2_url: expected redis://host:port[/db], got {redact_url(self.l2_url)!r}"
+                )
             if self.l2_path is not None:
                 raise ValueError("l2_url: set either l2_path or l2_url, not both")
             if self.l2_capacity_bytes is not None:

@@ -9,10 +9,17 @@ its worker threads):
     load(hashes)    worker, once per hit: the leading blocks, stopping at the first one missing
                     or invalid. L2 hits are promoted into L1 (whose LRU keeps a prefix more
                     recent than its extensions, see `kvtier.core.tiers.memory`).
+    load_into(hashes, consume, staging, pool)
+                    the connector's load: the same blocks handed one by one to `consume`, L2
+                    hits read ahead on `pool` into the caller's reused `staging` buffers and not
+                    promoted (the caller promotes them later, off its critical path, by saving
+                    them again).
     save(h, ...)    worker, once per computed full block: the admission policy decides; an
-                    admitted block is copied once into L1 synchronously and queued for an
-                    asynchronous write-through to L2. The queue is bounded: when it is full the
-                    L2 write is dropped and counted, never waited for.
+                    admitted block is copied once into L1 synchronously (or, handed over with
+                    `adopt=True`, taken without a copy) and queued for an asynchronous
+                    write-through to L2. The queue is bounded: when it is full the L2 write is
+                    dropped and counted, never waited for.
+    has_near(h)     worker, before saving a block: whether the nearest tier holds it already.
     flush / close   owner: wait for queued L2 writes; close drains or abandons them (counted)
                     and stops the I/O threads this store started, and the L2 capacity
                     janitor it runs when `l2_capacity_bytes` is set (`kvtier.core.tiers.shared`).
@@ -29,6 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
@@ -37,8 +45,18 @@ from kvtier.core.codec import BlockMeta, byte_view, check_payload_length
 from kvtier.core.errors import TierError
 from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, ModelIdentity
+from kvtier.core.read_ahead import Staged, read_ahead
 from kvtier.core.settings import StoreSettings
-from kvtier.core.tiers.base import BlockTier, PutResult, StoredBlock, Tier, TierStats
+from kvtier.core.tiers.base import (
+    BlockTier,
+    PutResult,
+    ReadsInto,
+    ReadTimes,
+    StoredBlock,
+    Tier,
+    TierStats,
+)
+from kvtier.core.tiers.janitor import JanitorStats
 from kvtier.core.tiers.memory import MemoryTier
 from kvtier.core.tiers.shared import SharedL2, open_shared_l2
 from kvtier.core.write_behind import WriteBehind
@@ -62,7 +80,8 @@ class LoadedBlock:
     block_hash: BlockHash
     meta: BlockMeta
     payload: memoryview
-    """Read-only view; valid until the caller drops it (eviction does not invalidate it)."""
+    """Read-only view; valid until the caller drops it (eviction does not invalidate it), except
+    a block `load_into` read into the caller's staging buffer: valid until `consume` returns."""
     tier: Tier
     """Where it was found (L1 or L2)."""
 
@@ -86,6 +105,8 @@ class StoreStats:
     """Queued jobs discarded by `close(drain=False)` or a drain timeout."""
     l2_write_errors: int
     """Jobs whose L2 write raised unexpectedly (tier faults are counted in `l2.errors`)."""
+    l2_write_cpu_seconds: float
+    """CPU time the L2 writer threads spent writing (checksum, copy into the file system)."""
     l2_queue_depth: int
     """Jobs queued or being written right now."""
     lookups: int
@@ -94,6 +115,8 @@ class StoreStats:
     lookup_hit_blocks: int
     """Blocks of the contiguous prefixes `lookup` found."""
     event_errors: int
+    janitor: JanitorStats | None = None
+    """The L2 capacity janitor this store runs (None: none here)."""
 
 
 class TieredStore:
@@ -107,11 +130,13 @@ class TieredStore:
         *,
         l2_tier: BlockTier | None = None,
         clock: Callable[[], float] = time.monotonic,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         """The store builds the L2 `config` names (`l2_path` or `l2_url`, with the capacity
         janitor; see `kvtier.core.tiers.shared`) and closes it. `l2_tier` replaces it (another
         backend, or a test double); its creator keeps ownership and closes it.
-        `clock` times the L2 existence TTLs (tests pass a fake one)."""
+        `clock` times the L2 existence TTLs (tests pass a fake one). `thread_init` runs first
+        in each L2 writer thread (the connector moves them off the engine's cores)."""
         self.config = config
         self.identity = identity
         self.namespace = identity.namespace()
@@ -152,6 +177,7 @@ class TieredStore:
                 confirm_ttl_s=config.l2_exists_ttl_s,
                 clock=clock,
                 on_written=lambda result, h: self._record(result, Tier.L2, h),
+                thread_init=thread_init,
             )
         )
 
@@ -183,20 +209,69 @@ class TieredStore:
         Runs of blocks missing from L1 are read from L2 in batches of up to `L2_BATCH`.
         """
         loaded: list[LoadedBlock] = []
-        while len(loaded) < len(hashes):
-            h = hashes[len(loaded)]
+        self.load_into(hashes, loaded.append)
+        return loaded
+
+    def load_into(
+        self,
+        hashes: Sequence[BlockHash],
+        consume: Callable[[LoadedBlock], None],
+        *,
+        staging: Sequence[memoryview] = (),
+        pool: Executor | None = None,
+        times: ReadTimes | None = None,
+    ) -> int:
+        """Hand the leading readable blocks of `hashes` to `consume`, in order; returns how many.
+
+        L1 hits are L1's own views. With `staging` (buffers of one payload each) and an L2 that
+        `ReadsInto`, L2 hits are read into those buffers, ahead of `consume` on `pool`
+        (`kvtier.core.read_ahead`); `consume` must copy each out before it returns. They are
+        not promoted into L1: promotion needs a fresh buffer per block, whose page faults cost
+        more than the read itself, on the caller's critical path (the connector promotes later,
+        from the engine's copy). Else L2 hits are read in batches of up to `L2_BATCH` and
+        promoted (`load`). Stops at the first block missing or invalid; `times` accumulates the
+        phases of staged L2 reads; whatever `consume` raises propagates.
+        """
+        if staging and isinstance(self._l2, ReadsInto):
+            l1 = self._l1
+
+            def hand_out(block: Staged) -> None:
+                tier = Tier.L1 if block.local else Tier.L2
+                consume(LoadedBlock(block.block_hash, block.meta, block.payload, tier))
+
+            return read_ahead(
+                hashes,
+                local=l1.get if l1 is not None else lambda h: None,
+                read=self._l2_read_into,
+                consume=hand_out,
+                buffers=staging,
+                pool=pool,
+                times=times,
+            )
+        done = 0
+        while done < len(hashes):
+            h = hashes[done]
             block = self._l1.get(h) if self._l1 is not None else None
             if block is not None:
-                loaded.append(LoadedBlock(h, block.meta, block.payload, Tier.L1))
+                consume(LoadedBlock(h, block.meta, block.payload, Tier.L1))
+                done += 1
                 continue
-            run = self._l1_miss_run(hashes[len(loaded) : len(loaded) + L2_BATCH])
-            blocks = self._l2_read(run)
-            for rh, rblock in zip(run, blocks, strict=True):
+            run = self._l1_miss_run(hashes[done : done + L2_BATCH])
+            for rh, rblock in zip(run, self._l2_read(run), strict=True):
                 if rblock is None:
-                    return loaded
+                    return done
                 self._promote(rh, rblock)
-                loaded.append(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
-        return loaded
+                consume(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
+                done += 1
+        return done
+
+    def has_near(self, block_hash: BlockHash) -> bool:
+        """Whether the nearest tier holds `block_hash` (L1 when it is on, else L2): saving it
+        again would change nothing. A block only in L2 is worth saving with L1 on: that is how
+        a block loaded from L2 reaches L1."""
+        if self._l1 is not None:
+            return self._l1.contains(block_hash)
+        return bool(self._l2_exists([block_hash])[0])
 
     def save(
         self,
@@ -206,14 +281,16 @@ class TieredStore:
         *,
         reused: bool = False,
         prefix_tokens: int | None = None,
+        adopt: bool = False,
     ) -> bool:
         """Offer one full block; returns whether the admission policy admitted it.
 
         `reused` says the block's prefix was already hit before (for the "reused" policy);
         `prefix_tokens` is the number of tokens up to the end of this block (for
         "min-tokens"; defaults to the block's own tokens). `payload` may be reused by the
-        caller as soon as this returns. Raises `CodecError` only if the payload length
-        contradicts `meta` (a caller bug).
+        caller as soon as this returns, unless `adopt`: then the caller hands it over (never
+        writes it again) and L1 keeps it without a copy. Raises `CodecError` only if the
+        payload length contradicts `meta` (a caller bug).
         """
         view = byte_view(payload)
         check_payload_length(meta, view.nbytes)
@@ -224,17 +301,26 @@ class TieredStore:
             self._count(admission_rejected=1)
             return False
         held: StoredBlock | None = None
+        if adopt:
+            view = view.toreadonly()
         if self._l1 is not None:
             held = self._l1.peek(block_hash)
             if held is None:
-                self._record(self._l1.put(block_hash, meta, view), Tier.L1, block_hash)
+                result = (
+                    self._l1.adopt(block_hash, StoredBlock(meta, view))
+                    if adopt
+                    else self._l1.put(block_hash, meta, view)
+                )
+                self._record(result, Tier.L1, block_hash)
                 held = self._l1.peek(block_hash)
         if self._writes is not None:
             # Write from L1's immutable copy when there is one; else take a private copy,
             # since the caller may overwrite its buffer as soon as save() returns.
-            self._writes.offer(
-                block_hash, meta, held.payload if held is not None else memoryview(bytes(view))
-            )
+            if held is not None:
+                source = held.payload
+            else:
+                source = view if adopt else memoryview(bytes(view))
+            self._writes.offer(block_hash, meta, source)
         return True
 
     def stats(self) -> StoreStats:
@@ -249,9 +335,15 @@ class TieredStore:
             l2_dropped=writes.get("dropped", 0),
             l2_abandoned=writes.get("abandoned", 0),
             l2_write_errors=writes.get("write_errors", 0),
+            l2_write_cpu_seconds=0.0 if self._writes is None else self._writes.cpu_seconds(),
             l2_queue_depth=writes.get("depth", 0),
+            janitor=self._janitor_stats(),
             **counts,
         )
+
+    def _janitor_stats(self) -> JanitorStats | None:
+        janitor = self._shared.janitor if self._shared is not None else None
+        return janitor.stats() if janitor is not None else None
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every queued L2 write has finished; False if `timeout_s` ran out first."""
@@ -319,6 +411,16 @@ class TieredStore:
         except Exception:  # a tier must not raise; if it does, it is a miss
             log.exception("kvtier: L2 existence check failed; treating it as a miss")
             return [False] * len(hashes)
+
+    def _l2_read_into(
+        self, block_hash: BlockHash, staging: memoryview, times: ReadTimes
+    ) -> BlockMeta | None:
+        assert isinstance(self._l2, ReadsInto)
+        try:
+            return self._l2.read_into(block_hash, staging, times)
+        except Exception:
+            log.exception("kvtier: L2 read failed; treating it as a miss")
+            return None
 
     def _l2_read(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
         if self._l2 is None:

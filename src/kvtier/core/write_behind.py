@@ -7,10 +7,13 @@
     flush(timeout_s)          owner: wait until nothing is queued or being written.
     close(drain, timeout_s)   owner: finish (drain) or abandon what is queued, stop the writers.
 
-`threads` writer threads (daemons, owned here) take jobs off the queue and `put` them into the
-tier. Each result goes to `on_written(result, h)` (on the writer's thread; it must not block),
-and a block the tier stored or already held is remembered as confirmed. Tier faults never
-escape: a `put` that raises is logged and counted in `write_errors`.
+`threads` writer threads (daemons, owned here; `thread_init` runs first in each) take jobs off
+the queue and `put` them into the tier. Each result goes to `on_written(result, h)` (on the
+writer's thread; it must not block), and a block the tier stored or already held is remembered
+as confirmed. Tier faults never escape: a `put` that raises is logged and counted in
+`write_errors`. The CPU time the writers spend in `put` is counted (`cpu_seconds`): with a
+file system L2 it is the checksum and the copy into the page cache, work that runs beside the
+engine on the replica's CPUs.
 
 The payload must stay unchanged until written: the store hands over L1's immutable copy, or a
 private copy when L1 is off.
@@ -57,6 +60,7 @@ class WriteBehind:
         confirm_ttl_s: float,
         on_written: Callable[[PutResult, BlockHash], None],
         clock: Callable[[], float] = time.monotonic,
+        thread_init: Callable[[], None] | None = None,
     ) -> None:
         self._tier = tier
         self._confirm_ttl_s = confirm_ttl_s
@@ -68,6 +72,8 @@ class WriteBehind:
         self._pending: set[BlockHash] = set()
         self._confirmed: Lru[BlockHash, float] = Lru(CONFIRMED_MAX)
         self._counts = dict.fromkeys(("queued", "dropped", "abandoned", "write_errors"), 0)
+        self._cpu_seconds = 0.0
+        self._thread_init = thread_init
         self._abandon = False
         self._queue: queue.Queue[_Job | None] = queue.Queue(queue_blocks)
         self._threads = [
@@ -83,6 +89,11 @@ class WriteBehind:
         right now)."""
         with self._lock:
             return {**self._counts, "depth": len(self._pending)}
+
+    def cpu_seconds(self) -> float:
+        """CPU time the writers spent in `put` so far."""
+        with self._lock:
+            return self._cpu_seconds
 
     def offer(self, block_hash: BlockHash, meta: BlockMeta, payload: memoryview) -> None:
         """Queue one block for L2 (see the module docstring)."""
@@ -127,16 +138,25 @@ class WriteBehind:
         return confirmed is not None and self._clock() - confirmed < self._confirm_ttl_s
 
     def _write_loop(self) -> None:
+        if self._thread_init is not None:
+            try:
+                self._thread_init()
+            except Exception:  # placement is an optimisation: write from where we are
+                log.exception("kvtier: L2 writer thread setup failed")
         while (job := self._queue.get()) is not None:
             if self._abandon:
                 self._finish(job.block_hash, "abandoned")
                 continue
+            cpu = time.thread_time()
             try:
                 result = self._tier.put(job.block_hash, job.meta, job.payload)
             except Exception:  # a tier must not raise; never let one kill the writer
                 log.exception("kvtier: L2 write of %s failed", job.block_hash.hex())
                 self._finish(job.block_hash, "write_errors")
                 continue
+            finally:
+                with self._lock:
+                    self._cpu_seconds += time.thread_time() - cpu
             self._on_written(result, job.block_hash)
             if result.stored or self._present(job.block_hash):
                 with self._lock:

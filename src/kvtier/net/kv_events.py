@@ -13,6 +13,16 @@ JSON keeps the format readable from any language with no extra dependency. PUB/S
 messages when nobody listens or a subscriber is slow; consumers detect loss by a gap in `seq`
 and treat the index as a hint (routing stays correct, only less informed).
 
+What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
+the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
+`CodecError`, counted and skipped by the subscriber. (ZMQ_MAXMSGSIZE is not used: libzmq
+drops the connection on a larger message and never reconnects, which would silence a replica
+for good.) The subscriber only connects (it binds nothing anyone could push to);
+the router accepts events only for replicas it knows (`kvtier.router.event_feed`). With CURVE
+(`curve_secret_key` on the publishers, from the Z85 key file named by
+$KVTIER_EVENTS_CURVE_SECRET_FILE; `curve_server_key`, its public half, on the subscriber), the
+stream is encrypted and a subscriber hears only a publisher that holds the fleet's secret key.
+
 Callers and threads:
 - `EventPublisher.publish` is called from any thread (the connector's store callbacks run on the
   scheduler thread and on L2 I/O threads); it only enqueues. One sender thread owned by the
@@ -24,7 +34,9 @@ Callers and threads:
 from __future__ import annotations
 
 import json
+import os
 import queue
+import re
 import secrets
 import threading
 import time
@@ -43,6 +55,7 @@ __all__ = [
     "WIRE_VERSION",
     "EventPublisher",
     "EventSubscriber",
+    "curve_secret_from_env",
     "decode",
     "encode",
     "new_epoch",
@@ -50,6 +63,14 @@ __all__ = [
 
 TOPIC = b"kvtier.kv"
 WIRE_VERSION = 1
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""Largest event frame accepted (an event of 100,000 hashes is ~3.5 MB)."""
+CURVE_SECRET_ENV = "KVTIER_EVENTS_CURVE_SECRET_FILE"
+"""Environment variable naming the file that holds the publishers' Z85 CURVE secret key."""
+_HASH_HEX = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
+_FIELDS = frozenset({"v", "kind", "replica", "epoch", "tier", "seq", "hashes"})
+_KINDS = {k.value: k for k in EventKind}
+_TIERS = {t.value: t for t in Tier}
 
 
 def new_epoch() -> str:
@@ -72,29 +93,57 @@ def encode(event: KVEvent) -> bytes:
 
 
 def decode(data: bytes) -> KVEvent:
-    """Parse one JSON frame; raises `CodecError` for anything malformed."""
+    """Parse one JSON frame; raises `CodecError` for anything but a well-formed event."""
+    if len(data) > MAX_EVENT_BYTES:
+        raise CodecError(f"event of {len(data)} bytes exceeds {MAX_EVENT_BYTES}")
     try:
-        doc: dict[str, Any] = json.loads(data)
-        if doc["v"] != WIRE_VERSION:
-            raise CodecError(f"event wire version {doc['v']!r}, expected {WIRE_VERSION}")
-        hashes = tuple(BlockHash(bytes.fromhex(h)) for h in doc["hashes"])
-        if any(len(h) != HASH_BYTES for h in hashes):
-            raise CodecError(f"event hash not {HASH_BYTES} bytes")
-        seq = doc["seq"]
-        if not isinstance(seq, int):
-            raise CodecError(f"event seq {seq!r} is not an integer")
-        return KVEvent(
-            kind=EventKind(doc["kind"]),
-            replica=str(doc["replica"]),
-            epoch=str(doc["epoch"]),
-            tier=Tier(doc["tier"]),
-            hashes=hashes,
-            seq=seq,
-        )
-    except CodecError:
-        raise
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CodecError(f"malformed KV event: {exc}") from exc
+        doc: Any = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly nested JSON
+        raise CodecError(f"malformed KV event: {type(exc).__name__}") from None
+    if not isinstance(doc, dict) or doc.keys() != _FIELDS:
+        raise CodecError("malformed KV event: not an object with exactly the event's fields")
+    version, seq, hashes = doc["v"], doc["seq"], doc["hashes"]
+    if type(version) is not int or version != WIRE_VERSION:
+        raise CodecError(f"event wire version {version!r}, expected {WIRE_VERSION}")
+    if type(seq) is not int or seq < 0:
+        raise CodecError("event seq is not a non-negative integer")
+    kind, tier = _KINDS.get(_text(doc["kind"])), _TIERS.get(_text(doc["tier"]))
+    replica, epoch = _text(doc["replica"]), _text(doc["epoch"])
+    if kind is None or tier is None or not replica or not epoch:
+        raise CodecError("malformed KV event: bad kind, tier, replica or epoch")
+    if not isinstance(hashes, list) or not all(
+        isinstance(h, str) and _HASH_HEX.fullmatch(h) for h in hashes
+    ):
+        raise CodecError(f"event hashes are not {2 * HASH_BYTES} lower-case hex digits each")
+    return KVEvent(
+        kind=kind,
+        replica=replica,
+        epoch=epoch,
+        tier=tier,
+        hashes=tuple(BlockHash(bytes.fromhex(h)) for h in hashes),
+        seq=seq,
+    )
+
+
+def _text(value: object, limit: int = 1024) -> str:
+    """`value` if it is a string of at most `limit` characters, else ""."""
+    return value if isinstance(value, str) and len(value) <= limit else ""
+
+
+def curve_secret_from_env() -> bytes | None:
+    """The Z85 CURVE secret key in the file $KVTIER_EVENTS_CURVE_SECRET_FILE names (None when
+    unset); raises ConfigError when that file does not hold one."""
+    path = os.environ.get(CURVE_SECRET_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            key = f.read(4096).strip()
+    except OSError as exc:
+        raise ConfigError(f"${CURVE_SECRET_ENV}: cannot read {path}: {exc}") from exc
+    if len(key) != 40:
+        raise ConfigError(f"${CURVE_SECRET_ENV}: {path} holds no Z85 CURVE key (40 characters)")
+    return key
 
 
 class EventPublisher:
@@ -112,7 +161,10 @@ class EventPublisher:
         epoch: str | None = None,
         max_queue: int = 10_000,
         linger_s: float = 1.0,
+        curve_secret_key: bytes | None = None,
     ) -> None:
+        """`curve_secret_key` (Z85): serve CURVE-encrypted events; None: the key from
+        $KVTIER_EVENTS_CURVE_SECRET_FILE when set, else plain events."""
         if not endpoint:
             raise ConfigError("events_endpoint: must not be empty")
         if not replica:
@@ -130,6 +182,11 @@ class EventPublisher:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.PUB)
         self._socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
+        secret = curve_secret_key or curve_secret_from_env()
+        if secret is not None:
+            self._socket.curve_secretkey = secret
+            self._socket.curve_publickey = zmq.curve_public(secret)
+            self._socket.curve_server = True
         try:
             self._socket.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -200,11 +257,25 @@ class EventSubscriber:
     replica restarts at the same endpoint.
     """
 
-    def __init__(self, endpoints: Sequence[str] = ()) -> None:
+    def __init__(
+        self, endpoints: Sequence[str] = (), *, curve_server_key: bytes | str | None = None
+    ) -> None:
+        """`curve_server_key`: the publishers' Z85 CURVE public key (only publishers holding
+        its secret half are heard, encrypted); None: plain events."""
         self._lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.SUB)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve_server_key is not None:
+            key = curve_server_key
+            if isinstance(key, str):
+                key = key.encode()
+            if len(key) != 40:
+                raise ConfigError("events_curve_server_key: not a Z85 CURVE key (40 characters)")
+            public, secret = zmq.curve_keypair()
+            self._socket.curve_publickey = public
+            self._socket.curve_secretkey = secret
+            self._socket.curve_serverkey = key
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._endpoints: list[str] = []
         self.malformed = 0

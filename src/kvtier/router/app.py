@@ -5,6 +5,8 @@
     GET  /v1/models                              a healthy replica's answer
     GET  /health                                 200 while a replica is up, else 503
     GET  /metrics                                Prometheus text (`kvtier.router.metrics`)
+    GET  /dashboard, /dashboard/data             live dashboard and its JSON feed
+                                                 (`kvtier.router.dashboard`)
 
 Bad input (malformed JSON, missing or mistyped fields, unknown model, a prompt longer than the
 replicas accept) is answered 4xx with an OpenAI error body
@@ -21,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hmac
 import logging
 import os
 import random
@@ -32,18 +33,25 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvtier.core.errors import ConfigError, RoutingError
 from kvtier.net.http_client import HttpPool
 from kvtier.router.asgi import (
     JSON_HEADERS,
+    BodyTimeout,
     BodyTooLarge,
     ClientGone,
     Exchange,
+    Limits,
     Receive,
     Scope,
     Send,
     server,
 )
+from kvtier.router.auth import ApiKeys, Denied
+from kvtier.router.dashboard import Dashboard
+from kvtier.router.discovery import ROUTE_KEY, ConsistentTies, Discovery
 from kvtier.router.event_feed import EventFeed
 from kvtier.router.health import HealthChecker
 from kvtier.router.index import PrefixIndex
@@ -70,6 +78,7 @@ class Router:
                 "model_dir: required: the router tokenizes with the model's own tokenizer"
             )
         self.config = config
+        self.auth = ApiKeys(config.api_key, config.api_keys_file, config.shared_cache_tenants)
         self.replicas = ReplicaSet(config.replicas)
         self.index = PrefixIndex(config.max_blocks)
         """Event-fed index (kvaware); the other strategies keep their own."""
@@ -79,20 +88,24 @@ class Router:
         if config.strategy == "kvaware":
             options["index"] = self.index
         self.policy = make_policy(config.strategy, **options)
-        self.rng = random.Random(config.seed)
+        self.rng = (ConsistentTies if config.consistent_ties else random.Random)(config.seed)
         self.clock = time.monotonic
         self.metrics = RouterMetrics(self.replicas, config.strategy, self._index_sizes)
+        self.dashboard = Dashboard(self.metrics, self.replicas)
         self.tokenizer = tokenizer
         self._pool: HttpPool | None = None
         self._upstream: Upstream | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._feed: EventFeed | None = None
+        self.discovery: Discovery | None = None
+        """Replicas found by DNS (`replicas_dns`), once started."""
         self._routes: dict[str, tuple[str, Handler]] = {
             "/v1/completions": ("POST", self._completions),
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/models": ("GET", self._models),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
+            **self.dashboard.routes(),
         }
 
     # ----- lifetime -----
@@ -110,6 +123,7 @@ class Router:
                     f"replica_ca_file: cannot load {self.config.replica_ca_file}: {exc}"
                 ) from exc
         self._pool = HttpPool(self.config.connect_timeout_s, self.config.read_timeout_s, tls=tls)
+        self.dashboard.start(self._pool)
         self._upstream = Upstream(
             self._pool, self.replicas, self.policy, self.rng, self.clock, self.metrics
         )
@@ -124,7 +138,10 @@ class Router:
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))
         vllm_events = {r.name: r.vllm_events for r in self.config.replicas if r.vllm_events}
-        if self.config.strategy == "kvaware" and (self.config.events or vllm_events):
+        discovered_events = self.config.replicas_dns and self.config.replica_events_port
+        if self.config.strategy == "kvaware" and (
+            self.config.events or vllm_events or discovered_events
+        ):
             self._feed = EventFeed(
                 self.index,
                 self.config.events,
@@ -133,8 +150,23 @@ class Router:
                 self._count_event,
                 self.clock,
                 self.config.max_blocks,
+                dynamic=bool(discovered_events),
+                known=self.replicas.replicas.__contains__,
+                curve_server_key=self.config.events_curve_server_key,
             )
             self._feed.start()
+        if self.config.replicas_dns is not None:
+            self.discovery = Discovery(
+                self.config,
+                self.replicas,
+                self._pool,
+                health.check_all,
+                self._drop,
+                self._feed,
+                self.clock,
+            )
+            await self.discovery.sync()
+            self._tasks.append(asyncio.create_task(self.discovery.run()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -142,6 +174,7 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._feed is not None:
             await self._feed.close()
+        await self.dashboard.stop()
         if self._pool is not None:
             self._pool.close()
 
@@ -150,6 +183,13 @@ class Router:
         self.policy.forget(replica)
         self.index.purge(replica)
         self.metrics.purges.labels(cause).inc()
+
+    def _drop(self, replica: str, cause: str) -> None:
+        """A replica left for good (discovery): forget it, and its series in /metrics."""
+        self.forget(replica, cause)
+        for gauge in (self.metrics.in_flight, self.metrics.queued, self.metrics.healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica)
 
     def _count_event(self, source: str, kind: str) -> None:
         self.metrics.events.labels(source, kind).inc()
@@ -181,27 +221,35 @@ class Router:
     async def _answer(self, exchange: Exchange, route: tuple[str, Handler] | None) -> int:
         """Run the handler; map every failure to an OpenAI error body. Returns the status."""
         try:
+            # a head that arrived whole in one read (a trickled one is cut by GuardedHttp)
+            if sum(len(k) + len(v) for k, v in exchange.headers.items()) > (
+                self.config.max_header_bytes
+            ):
+                raise BadRequest(431, f"request head exceeds {self.config.max_header_bytes} bytes")
             if route is None:
                 raise BadRequest(404, f"no such endpoint: {exchange.path}")
             method, handler = route
             if exchange.method != method:
                 raise BadRequest(405, f"{exchange.path} takes {method}, not {exchange.method}")
-            if self.config.api_key and exchange.path.startswith("/v1/"):
-                given = exchange.headers.get("authorization", "")
-                if not hmac.compare_digest(
-                    given.encode(), f"Bearer {self.config.api_key}".encode()
-                ):
+            if self.auth.enabled and exchange.path.startswith("/v1/"):
+                try:
+                    exchange.tenant = self.auth.authenticate(
+                        exchange.headers.get("authorization", "")
+                    )
+                except Denied:
                     raise BadRequest(
                         401,
                         "invalid or missing API key",
                         code="invalid_api_key",
                         type_="authentication_error",
-                    )
+                    ) from None
             return await handler(exchange)
         except BadRequest as exc:
             error = exc
         except BodyTooLarge as exc:
             error = BadRequest(413, str(exc))
+        except BodyTimeout as exc:
+            error = BadRequest(408, str(exc))
         except RoutingError as exc:
             error = BadRequest(
                 503, str(exc), code="no_healthy_replica", type_="service_unavailable"
@@ -215,7 +263,10 @@ class Router:
             error = BadRequest(500, f"internal router error: {exc}", type_="internal_error")
         if exchange.started:  # too late for an error body: the answer was under way
             return 500
-        await exchange.respond_json(error.status, error.body())
+        # the client may still be sending a body nobody will read: close after the answer
+        await exchange.respond_json(
+            error.status, error.body(), close=error.status in (408, 413, 431)
+        )
         return error.status
 
     # ----- handlers -----
@@ -228,8 +279,12 @@ class Router:
 
     async def _generate(self, exchange: Exchange, endpoint: str, chat: bool) -> int:
         arrived = time.perf_counter()
-        raw = await exchange.body(self.config.max_body_bytes)
+        raw = await exchange.body(self.config.max_body_bytes, self.config.client_timeout_s)
         body = parse_body(raw, chat=chat)
+        salt = self.auth.cache_salt(exchange.tenant, body.get("cache_salt"))
+        if salt is not body.get("cache_salt"):  # the tenant's own cache namespace
+            body["cache_salt"] = salt
+            raw = msgspec.json.encode(body)
         self._check_model(body["model"])
         assert self.tokenizer is not None  # set in start()
         prompt = self.tokenizer.prompt(body, chat)
@@ -239,6 +294,8 @@ class Router:
             if block_tokens is None
             else self.tokenizer.block_hashes(prompt, block_tokens, body.get("cache_salt"))
         )
+        if self.config.consistent_ties:
+            ROUTE_KEY.set(hashes[-1] if hashes else None)
         self._check_length(body, prompt, chat)
         session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
         route = RouteRequest(hashes, block_tokens or 1, prompt.estimated_tokens, session)
@@ -246,7 +303,7 @@ class Router:
             ("Content-Type", "application/json"),
             ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity")),
         ]
-        if not self.config.api_key and "authorization" in exchange.headers:
+        if not self.auth.enabled and "authorization" in exchange.headers:
             # without a key of its own the router passes the client's on (the replicas' key)
             headers.append(("Authorization", exchange.headers["authorization"]))
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)
@@ -346,7 +403,12 @@ async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listeni
     with sock:
         await router.start()
         try:
-            uvicorn_server = server(router, host, port)
+            limits = Limits(
+                router.config.max_header_bytes,
+                router.config.client_timeout_s,
+                router.config.max_connections,
+            )
+            uvicorn_server = server(router, host, port, limits)
             task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
             while not uvicorn_server.started:
                 if task.done():

@@ -4,9 +4,17 @@ Why ASGI on uvicorn rather than aiohttp's server: with the same upstream client,
 adds clearly less latency on uvicorn's httptools protocol with a bare ASGI callable
 (docs/router.md, "HTTP path", has the figures).
 
-`Exchange` wraps the scope and the receive/send callables: headers, the body under a size cap,
-whole or streamed responses, and `cancel_on_disconnect`, which turns a client hanging up into
-the cancellation of the work done for it (the upstream answer is then closed, and vLLM aborts).
+`Exchange` wraps the scope and the receive/send callables: headers, the body under a size cap
+and a deadline, whole or streamed responses, and `cancel_on_disconnect`, which turns a client
+hanging up into the cancellation of the work done for it (the upstream answer is then closed,
+and vLLM aborts).
+
+`GuardedHttp` is uvicorn's httptools protocol with bounds on the request head that uvicorn
+does not have: its size (431) and the time to receive it (408), so a client trickling headers
+byte by byte, or one that connects and never speaks, holds a connection for a bounded time and
+a bounded number of bytes. With `Limits.max_connections` (uvicorn's `limit_concurrency`, a 503
+beyond) and the body's own cap and deadline, clients cannot make the router hold more than
+max_connections x (head + body limit) of request bytes.
 """
 
 from __future__ import annotations
@@ -14,11 +22,23 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-__all__ = ["BodyTooLarge", "ClientGone", "Exchange", "Header", "fast_loop_factory", "server"]
+__all__ = [
+    "BodyTimeout",
+    "BodyTooLarge",
+    "ClientGone",
+    "Exchange",
+    "GuardedHttp",
+    "Header",
+    "Limits",
+    "fast_loop_factory",
+    "server",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -35,12 +55,27 @@ class BodyTooLarge(Exception):
         super().__init__(f"request body exceeds {limit} bytes")
 
 
+class BodyTimeout(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"request body not received within {timeout_s:g} s")
+
+
 class ClientGone(Exception):
     """The client hung up before its answer was complete."""
 
 
 class Exchange:
-    __slots__ = ("_receive", "_send", "client_gone", "done", "headers", "method", "path", "started")
+    __slots__ = (
+        "_receive",
+        "_send",
+        "client_gone",
+        "done",
+        "headers",
+        "method",
+        "path",
+        "started",
+        "tenant",
+    )
 
     def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self._receive = receive
@@ -57,11 +92,23 @@ class Exchange:
         """True once the last body byte is handed to the server."""
         self.client_gone = False
         """True once a disconnect cancelled the work (`cancel_on_disconnect`)."""
+        self.tenant: str | None = None
+        """The tenant of the request's API key (`kvtier.router.auth`); None: shared."""
 
-    async def body(self, limit: int) -> bytes:
+    async def body(self, limit: int, timeout_s: float | None = None) -> bytes:
+        """The whole body; BodyTooLarge beyond `limit` bytes, BodyTimeout when it takes longer
+        than `timeout_s` to arrive."""
         length = self.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
             raise BodyTooLarge(limit)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._read_body(limit)
+        except TimeoutError:
+            assert timeout_s is not None
+            raise BodyTimeout(timeout_s) from None
+
+    async def _read_body(self, limit: int) -> bytes:
         parts: list[bytes] = []
         size = 0
         while True:
@@ -88,8 +135,11 @@ class Exchange:
         self.done = True
         await self._send({"type": "http.response.body", "body": body})
 
-    async def respond_json(self, status: int, doc: object) -> None:
-        await self.respond(status, json.dumps(doc).encode(), JSON_HEADERS)
+    async def respond_json(self, status: int, doc: object, *, close: bool = False) -> None:
+        """Answer `doc` as JSON; `close` ends the connection after it (the client may still
+        be sending a request body nobody will read)."""
+        headers = [*JSON_HEADERS, (b"connection", b"close")] if close else JSON_HEADERS
+        await self.respond(status, json.dumps(doc).encode(), headers)
 
     async def start(self, status: int, headers: Iterable[Header]) -> None:
         """Begin a streamed response (chunked transfer encoding)."""
@@ -137,14 +187,107 @@ def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def server(app: Callable[..., Awaitable[None]], host: str, port: int) -> uvicorn.Server:
-    """A uvicorn server for the ASGI `app` (no lifespan, no access log, no proxy headers)."""
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may make the server hold (see the module docstring)."""
+
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 30.0
+    max_connections: int | None = None
+
+
+def _error_response(status: int, reason: str, message: str) -> bytes:
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    body = json.dumps({"error": error}).encode()
+    return (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+
+
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol, bounding the request head in size and time.
+
+    Counts the bytes received while a request's head is incomplete (a chunk that completes the
+    head may carry body bytes: those are not held against it) and arms a timer from the
+    connection's start, or a later request's first byte, until the head is complete.
+    """
+
+    limits = Limits()
+    """Set per server by `server()` (a subclass per `Limits`)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[arg-type]
+        self._head_bytes = 0
+        self._in_head = True
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm_head_timer()
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_expired)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _refuse(self, status: int, reason: str, message: str) -> None:
+        self._disarm_head_timer()
+        if not self.transport.is_closing():
+            self.transport.write(_error_response(status, reason, message))
+            self.transport.close()
+
+    def _head_expired(self) -> None:
+        self._head_timer = None
+        if self._in_head:
+            self._refuse(
+                408,
+                "Request Timeout",
+                f"request head not received within {self.limits.head_timeout_s:g} s",
+            )
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._in_head and self._head_bytes > self.limits.max_head_bytes:
+            self._refuse(
+                431,
+                "Request Header Fields Too Large",
+                f"request head exceeds {self.limits.max_head_bytes} bytes",
+            )
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_head = True
+        self._arm_head_timer()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+
+def server(
+    app: Callable[..., Awaitable[None]], host: str, port: int, limits: Limits | None = None
+) -> uvicorn.Server:
+    """A uvicorn server for the ASGI `app` (no lifespan, no access log, no proxy headers),
+    its clients bounded by `limits`."""
+    limits = limits or Limits()
+    protocol = type("GuardedHttp", (GuardedHttp,), {"limits": limits})
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="none",
-        http="httptools",
+        http=protocol,
+        limit_concurrency=limits.max_connections,
         interface="asgi3",
         lifespan="off",
         proxy_headers=False,

@@ -43,14 +43,24 @@ Count = Callable[[str, str], None]
 
 
 class KvtierApplier:
-    """Applies kvtier connector events to the index, purging a replica on a new epoch."""
+    """Applies kvtier connector events to the index, purging a replica on a new epoch.
 
-    def __init__(self, index: PrefixIndex, forget: Forget) -> None:
+    `known(replica)` is the allow-list: an event naming a replica the router does not serve
+    (a stray or forged publisher) is ignored, so it can neither fill the index nor purge a
+    real replica's entries."""
+
+    def __init__(
+        self, index: PrefixIndex, forget: Forget, known: Callable[[str], bool] | None = None
+    ) -> None:
         self._index = index
         self._forget = forget
+        self._known = known
         self._epochs: dict[str, str] = {}
 
-    def apply(self, event: KVEvent, now: float) -> None:
+    def apply(self, event: KVEvent, now: float) -> bool:
+        """Apply `event`; False when it was ignored (an unknown replica)."""
+        if self._known is not None and not self._known(event.replica):
+            return False
         known = self._epochs.get(event.replica)
         if known is not None and known != event.epoch:
             self._forget(event.replica, "restart")
@@ -64,6 +74,7 @@ class KvtierApplier:
             self._index.purge(SHARED)
         else:
             self._index.remove_tier(holder, event.tier)
+        return True
 
 
 _MEDIUM_TIER = {None: Tier.L0, "GPU": Tier.L0, "CPU": Tier.L1}
@@ -172,12 +183,23 @@ class EventFeed:
         count: Count,
         clock: Callable[[], float],
         max_blocks: int,
+        dynamic: bool = False,
+        *,
+        known: Callable[[str], bool] | None = None,
+        curve_server_key: str | None = None,
     ) -> None:
+        """`dynamic`: endpoints may join later (`connect`), even with none at start. `known`:
+        the replicas whose kvtier events are accepted (None: any); `curve_server_key`: the
+        publishers' CURVE public key (`kvtier.net.kv_events`)."""
         self._index = index
         self._clock = clock
         self._count = count
-        self._kvtier = KvtierApplier(index, forget)
-        self._subscriber = EventSubscriber(kvtier_endpoints) if kvtier_endpoints else None
+        self._kvtier = KvtierApplier(index, forget, known)
+        self._subscriber = (
+            EventSubscriber(kvtier_endpoints, curve_server_key=curve_server_key)
+            if kvtier_endpoints or dynamic
+            else None
+        )
         self._ctx = zmq.asyncio.Context.instance()
         self._vllm: list[tuple[zmq.asyncio.Socket, VllmRehasher]] = []
         for replica, endpoint in vllm_endpoints.items():
@@ -194,13 +216,24 @@ class EventFeed:
         for sock, rehasher in self._vllm:
             self._tasks.append(asyncio.create_task(self._vllm_loop(sock, rehasher)))
 
+    async def connect(self, endpoint: str) -> None:
+        """Also follow the kvtier events published at `endpoint` (a replica that joined)."""
+        if self._subscriber is None:
+            raise RuntimeError("EventFeed(dynamic=True) is required to connect endpoints later")
+        await asyncio.to_thread(self._subscriber.connect, endpoint)  # waits out a drain's poll
+
+    async def disconnect(self, endpoint: str) -> None:
+        """Stop following `endpoint` (a replica that left)."""
+        if self._subscriber is not None:
+            await asyncio.to_thread(self._subscriber.disconnect, endpoint)
+
     async def _kvtier_loop(self, subscriber: EventSubscriber) -> None:
         while True:
             # the subscriber blocks (it is thread-safe); poll it off the event loop
             events = await asyncio.to_thread(subscriber.drain, 10_000, 0.2)
             for event in events:
-                self._kvtier.apply(event, self._clock())
-                self._count("kvtier", event.kind.value)
+                applied = self._kvtier.apply(event, self._clock())
+                self._count("kvtier", event.kind.value if applied else "foreign")
 
     async def _vllm_loop(self, sock: zmq.asyncio.Socket, rehasher: VllmRehasher) -> None:
         while True:
@@ -212,8 +245,8 @@ class EventFeed:
                 rehasher.apply(
                     int.from_bytes(frames[1], "big"), frames[2], self._clock(), self._count
                 )
-            except (msgspec.DecodeError, TypeError, ValueError, AttributeError) as exc:
-                log.warning("bad vLLM KV event batch from %s: %s", rehasher.replica, exc)
+            except Exception as exc:  # whatever a malformed batch raises: skip it, keep the feed
+                log.warning("bad vLLM KV event batch from %s: %r", rehasher.replica, exc)
                 self._count("vllm", "malformed")
 
     async def close(self) -> None:

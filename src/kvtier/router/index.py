@@ -11,6 +11,9 @@ exact code the router runs):
   cached prefix. A block held by the pseudo-replica `SHARED` (the shared L2 pool) counts as L2
   for every replica.
 - `expire(before)`: drop entries last touched before `before` (speculative entries' TTL).
+- `supersede(guesses)`: from now on, `insert` and `remove` here also drop the same replica's
+  entries for the same blocks and tier from `guesses` (a policy's speculative index): a guess
+  lasts until the replica's own events answer it, however long the request queues.
 
 Memory is bounded: at most `max_blocks` (replica, block) entries; inserting beyond evicts the
 least recently touched entry. An entry keeps a bit set of the tiers it is in, so an L0 eviction
@@ -48,6 +51,22 @@ _BEST_OF_MASK: tuple[Tier | None, ...] = tuple(_best(m) for m in range(1 << len(
 _NO_HOLDERS: dict[str, int] = {}
 
 
+def _merged(holders: list[dict[BlockHash, dict[str, int]]], h: BlockHash) -> dict[str, int]:
+    """Tier bits per replica of block `h` across indexes (read in place when only one has it)."""
+    masks = _NO_HOLDERS
+    for index in holders:
+        found = index.get(h)
+        if found is None:
+            continue
+        if not masks:
+            masks = found
+            continue
+        masks = dict(masks)
+        for r, m in found.items():
+            masks[r] = masks.get(r, 0) | m
+    return masks
+
+
 class PrefixIndex:
     """Which blocks each replica holds, per tier; bounded by `max_blocks` entries (LRU)."""
 
@@ -61,10 +80,18 @@ class PrefixIndex:
         self._lru: OrderedDict[tuple[str, BlockHash], float] = OrderedDict()
         # replica -> its hashes, so `purge` does not scan the whole index.
         self._by_replica: dict[str, set[BlockHash]] = {}
+        # indexes of guesses that this index's entries answer (`supersede`)
+        self._guesses: list[PrefixIndex] = []
 
     # ----- public API -----
 
+    def supersede(self, guesses: PrefixIndex) -> None:
+        """Let every `insert`/`remove` here drop the matching entries of `guesses`."""
+        self._guesses.append(guesses)
+
     def insert(self, replica: str, hashes: Sequence[BlockHash], tier: Tier, now: float) -> None:
+        for guesses in self._guesses:
+            guesses.remove(replica, hashes, tier)
         bit = _BIT[tier]
         owned = self._by_replica.setdefault(replica, set())
         for h in hashes:
@@ -79,6 +106,8 @@ class PrefixIndex:
             self._drop(old_replica, old_hash)
 
     def remove(self, replica: str, hashes: Sequence[BlockHash], tier: Tier) -> None:
+        for guesses in self._guesses:
+            guesses.remove(replica, hashes, tier)
         bit = _BIT[tier]
         for h in hashes:
             holders = self._holders.get(h)
@@ -128,31 +157,62 @@ class PrefixIndex:
         event-fed index), so a prefix may continue across them. `replicas` adds replicas the
         indexes may not know yet (they still get shared L2 blocks). Replicas holding no leading
         block map to an empty list.
+
+        The walk visits, per block, only the replicas holding that block themselves (usually
+        one or two): every other replica's prefix is the shared pool's, the same for all.
         """
         indexes = (self, *also)
-        known = {r for ix in indexes for r in ix._by_replica if r != SHARED}
-        known.update(r for r in replicas if r != SHARED)
-        result: dict[str, list[Tier]] = {r: [] for r in known}
-        alive = set(known)
-        for h in hashes:
-            if not alive:
+        holders = [ix._holders for ix in indexes]
+        known = {r for ix in indexes for r in ix._by_replica}
+        known.update(replicas)
+        known.discard(SHARED)
+        l2, l2_bit, best = Tier.L2, _BIT[Tier.L2], _BEST_OF_MASK
+        # Replicas still matching that hold blocks of this prefix themselves; a list shorter
+        # than the blocks walked rides the shared pool since its end (L2, padded lazily).
+        own: dict[str, list[Tier]] = {}
+        ended: dict[str, list[Tier]] = {}
+        pooled = 0  # leading blocks the shared pool holds: every other replica's prefix
+        walked = 0
+        first = holders[0]
+        for i, h in enumerate(hashes):
+            masks = first.get(h, _NO_HOLDERS) if len(holders) == 1 else _merged(holders, h)
+            walked = i + 1
+            if masks.get(SHARED, 0) & l2_bit:  # the pool holds it: nobody's prefix ends here
+                for r, mask in masks.items():
+                    tiers = own.get(r)
+                    if tiers is None:
+                        if r == SHARED or r in ended or pooled != i:
+                            continue  # not a replica, or its prefix ended before this block
+                        tiers = own[r] = []
+                    if len(tiers) < i:
+                        tiers.extend([l2] * (i - len(tiers)))
+                    tiers.append(best[mask] or l2)
+                if pooled == i:
+                    pooled = walked
+                continue
+            holding: dict[str, list[Tier]] = {}
+            for r, mask in masks.items():
+                tiers = own.get(r)
+                if tiers is None:
+                    if r == SHARED or r in ended or pooled != i:
+                        continue
+                    tiers = []
+                if len(tiers) < i:
+                    tiers.extend([l2] * (i - len(tiers)))
+                tiers.append(best[mask] or l2)
+                holding[r] = tiers
+            for r, tiers in own.items():  # the pool lacks this block: riders end here
+                if r not in holding:
+                    tiers.extend([l2] * (i - len(tiers)))
+                    ended[r] = tiers
+            own = holding
+            if not own:
                 break
-            if len(indexes) == 1:  # the common case: no merge, read the holders in place
-                masks = self._holders.get(h, _NO_HOLDERS)
-            else:
-                masks = {}
-                for ix in indexes:
-                    for r, m in ix._holders.get(h, _NO_HOLDERS).items():
-                        masks[r] = masks.get(r, 0) | m
-            shared = bool(masks.get(SHARED, 0) & _BIT[Tier.L2])
-            for r in list(alive):
-                tier = _BEST_OF_MASK[masks.get(r, 0)]
-                if tier is None and shared:
-                    tier = Tier.L2
-                if tier is None:
-                    alive.discard(r)
-                else:
-                    result[r].append(tier)
+        for tiers in own.values():
+            tiers.extend([l2] * (walked - len(tiers)))
+        result = {r: [l2] * pooled for r in known}
+        result.update(ended)
+        result.update(own)
         return result
 
     def replicas(self) -> set[str]:

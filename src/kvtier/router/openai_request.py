@@ -8,10 +8,12 @@ replicas check the rest.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+import numpy as np
 
 __all__ = [
     "BadRequest",
@@ -38,6 +40,25 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 _decode_json = msgspec.json.Decoder().decode  # much faster than json.loads on long prompts
+
+MAX_JSON_DEPTH = 64
+"""Deepest nesting of arrays and objects a request body may have (OpenAI bodies, tool schemas
+included, stay far below; the decoder itself would give up near Python's recursion limit)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id a prompt may hold (ids are hashed as unsigned 32-bit integers)."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def _too_deep(raw: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether `raw` nests arrays/objects deeper than `limit`; C-speed: almost every body has
+    fewer brackets than `limit` at all, the rest are scanned with their strings removed."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    codes = np.frombuffer(_JSON_STRING.sub(b"", raw), dtype=np.uint8)
+    opens = (codes == 0x5B) | (codes == 0x7B)  # [ {
+    closes = (codes == 0x5D) | (codes == 0x7D)  # ] }
+    steps = opens.astype(np.int32) - closes
+    return bool(steps.size) and int(np.cumsum(steps).max()) > limit
 
 
 class BadRequest(Exception):
@@ -67,9 +88,11 @@ class BadRequest(Exception):
 
 def parse_body(raw: bytes, *, chat: bool) -> dict[str, Any]:
     """The request's JSON object, with the fields the router reads type-checked."""
+    if _too_deep(raw):
+        raise BadRequest(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = _decode_json(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
@@ -151,6 +174,10 @@ def chat_options(body: Mapping[str, Any]) -> ChatOptions:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise BadRequest(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    if "chat_template" in kwargs:  # a client's own Jinja template would run in the router
+        raise BadRequest(
+            400, "a chat template given in the request is not accepted", "chat_template_kwargs"
+        )
     return ChatOptions(
         tools=tools,
         add_generation_prompt=bool(body.get("add_generation_prompt", True)),
@@ -164,7 +191,9 @@ def _is_tokens(value: object) -> bool:
     return (
         isinstance(value, list)
         and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in value
+        )
     )
 
 

@@ -34,6 +34,8 @@ class Replica:
     max_model_len: int | None = None
     block_tokens: int | None = None
     """The engine's KV block size, read from its /metrics (learned by the health checker)."""
+    draining: bool = False
+    """Gone from discovery: no new requests; dropped once idle (`kvtier.router.discovery`)."""
 
     @property
     def name(self) -> str:
@@ -41,7 +43,10 @@ class Replica:
 
     def view(self, excluded: bool = False) -> ReplicaView:
         return ReplicaView(
-            self.name, self.in_flight, self.queued_prefill_tokens, self.healthy and not excluded
+            self.name,
+            self.in_flight,
+            self.queued_prefill_tokens,
+            self.healthy and not self.draining and not excluded,
         )
 
 
@@ -93,7 +98,16 @@ class ReplicaSet:
         return [r.view(r.name in excluded) for r in self.replicas.values()]
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.healthy]
+        return [r for r in self.replicas.values() if r.healthy and not r.draining]
+
+    def add(self, settings: ReplicaSettings, healthy: bool = True) -> Replica:
+        """A replica joins (discovery); `healthy=False` keeps it out until a good check."""
+        replica = self.replicas[settings.name] = Replica(settings, healthy=healthy)
+        return replica
+
+    def remove(self, name: str) -> Replica | None:
+        """A replica leaves; requests already holding it finish on their own."""
+        return self.replicas.pop(name, None)
 
     def models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}

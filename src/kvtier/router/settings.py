@@ -62,8 +62,8 @@ class ReplicaSettings(Settings):
 class RouterSettings(Settings):
     """Everything `kvtier router` and the `Router` app take."""
 
-    replicas: tuple[ReplicaSettings, ...]
-    """The vLLM replicas behind the router."""
+    replicas: tuple[ReplicaSettings, ...] = ()
+    """The vLLM replicas behind the router (and/or those found by `replicas_dns`)."""
     strategy: Strategy = "prefixaware"
     """Routing strategy: prefixaware remembers what it routed; kvaware follows the replicas' KV
     events; session sticks on a header or the body's `user`; roundrobin and leastload ignore
@@ -73,7 +73,15 @@ class RouterSettings(Settings):
     port: Annotated[int, Field(ge=0, lt=65536)] = 8000
     """Listen port (0: any free port)."""
     api_key: Annotated[str, Field(min_length=1)] | None = None
-    """When set, requests to /v1/* must carry `Authorization: Bearer <api_key>`."""
+    """When set, requests to /v1/* must carry `Authorization: Bearer <api_key>`. A key given
+    here shows in process listings: prefer `api_keys_file` or $KVTIER_API_KEYS."""
+    api_keys_file: str | None = None
+    """File of API keys, one `KEY` or `TENANT KEY` per line, re-read when it changes (rotation
+    without a restart); keys may also come from $KVTIER_API_KEYS. A tenant's requests get their
+    own cache namespace (see `kvtier.router.auth`)."""
+    shared_cache_tenants: tuple[str, ...] = ()
+    """Tenants allowed to share the unsalted cache namespace (with each other and with keys that
+    name no tenant); every other tenant's cached blocks are its own."""
     model_dir: str | None = None
     """Local HF model directory for the tokenizer and chat template; unset: the embedded
     model."""
@@ -100,10 +108,38 @@ class RouterSettings(Settings):
     """Longest silence from a replica mid-response before the request fails."""
     max_body_bytes: Annotated[ByteSize, Field(gt=0)] = 16 * 1024 * 1024
     """Largest request body accepted (413 beyond)."""
+    max_header_bytes: Annotated[ByteSize, Field(gt=0)] = 64 * 1024
+    """Largest request head (request line and headers) accepted (431 beyond)."""
+    client_timeout_s: Annotated[float, Field(gt=0)] = 30.0
+    """Time a client has to send a request's head, and again its body: a connection that
+    trickles them slower is answered 408 and closed."""
+    max_connections: Annotated[int, Field(gt=0)] = 1024
+    """Open client connections (and requests) served at once; beyond, new ones get a 503. With
+    the two limits above this bounds the memory clients can hold in the router."""
+    events_curve_server_key: str | None = None
+    """Z85 CURVE public key of the replicas' KV-event publishers: set, event sockets are
+    encrypted and only a publisher holding the matching secret key is heard (see
+    `kvtier.net.kv_events`)."""
     replica_ca_file: str | None = None
     """CA bundle (PEM) that signs the https:// replicas' certificates; unset: the system's."""
     seed: int | None = None
     """Seed of the tie-breaking random generator; unset: from the OS."""
+    replicas_dns: str | None = None
+    """HOST:PORT whose every DNS address is a replica at http://ADDRESS:PORT (a Kubernetes
+    headless Service), re-resolved every `discovery_interval_s`: a new address joins after a
+    good health check, a vanished one is drained, then dropped and purged from the index. Works
+    beside or instead of `replicas` (see `kvtier.router.discovery`)."""
+    discovery_interval_s: Annotated[float, Field(gt=0)] = 5.0
+    """Seconds between two resolutions of `replicas_dns`."""
+    replica_events_port: Annotated[int, Field(gt=0, lt=65536)] | None = None
+    """Port of the kvtier KV-event publisher on every discovered replica (followed at
+    tcp://ADDRESS:PORT, for kvaware); unset: discovered replicas' events are not followed."""
+    drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
+    """A replica gone from `replicas_dns` gets no new requests and is dropped once its last
+    request ends, or after this many seconds."""
+    consistent_ties: bool = False
+    """Break routing ties by a hash of the prompt (rendezvous) instead of at random, so several
+    routers with the same view choose the same replica."""
 
     @model_validator(mode="before")
     @classmethod
@@ -114,10 +150,15 @@ class RouterSettings(Settings):
 
     @model_validator(mode="after")
     def _check(self) -> Self:
-        if not self.replicas:
+        if not self.replicas and self.replicas_dns is None:
             raise ValueError(
-                "replicas: at least one replica is required (--replica URL or --replicas-file FILE)"
+                "replicas: at least one replica is required (--replica URL, --replicas-file FILE"
+                " or --replicas-dns HOST:PORT)"
             )
+        if self.replicas_dns is not None:
+            host, _, port = self.replicas_dns.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"replicas_dns: expected HOST:PORT, got {self.replicas_dns!r}")
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replicas: duplicate names in {names}")

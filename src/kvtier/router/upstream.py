@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,10 @@ from kvtier.core.errors import RoutingError
 from kvtier.net.http_client import HttpPool, Response
 from kvtier.router.asgi import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policies import Policy, RouteRequest
+from kvtier.router.policies import Policy, RouteRequest, work_tokens
 from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet
 
-__all__ = ["Forward", "Upstream", "UpstreamFailed"]
+__all__ = ["Forward", "Upstream", "UpstreamFailed", "reported_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,24 @@ class Forward:
     stream: bool
     arrived: float
     """`time.perf_counter()` at arrival (for latency metrics)."""
+
+
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def reported_usage(body: bytes) -> tuple[int, int] | None:
+    """(prompt tokens, cached prompt tokens) of the last `usage` object in an answer or in the
+    tail of a stream (vLLM puts it last), or None without one. A string value cannot fake it:
+    quotes inside JSON strings are escaped."""
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    prompt = _PROMPT_TOKENS.search(body, at)
+    if prompt is None:
+        return None
+    cached = _CACHED_TOKENS.search(body, at)
+    return int(prompt.group(1)), int(cached.group(1)) if cached else 0
 
 
 def sse_error(message: str, code: int) -> bytes:
@@ -97,11 +116,13 @@ class Upstream:
             self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
             replica = self._replicas[decision.replica]
             self._metrics.routed.inc(replica.name)
-            uncached = fwd.route.prompt_tokens - decision.cached_tokens
-            with self._replicas.claim(replica, uncached) as claim:
+            work = work_tokens(fwd.route, decision)
+            with self._replicas.claim(replica, work) as claim:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
                 try:
-                    return await self._attempt(exchange, fwd, replica, claim)
+                    return await self._attempt(
+                        exchange, fwd, replica, claim, decision.cached_tokens
+                    )
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
                     if retry.unreachable:
@@ -112,7 +133,7 @@ class Upstream:
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
     async def _attempt(
-        self, exchange: Exchange, fwd: Forward, replica: Replica, claim: LoadClaim
+        self, exchange: Exchange, fwd: Forward, replica: Replica, claim: LoadClaim, predicted: int
     ) -> int:
         try:
             resp = await self._pool.post(replica.settings.url, fwd.endpoint, fwd.body, fwd.headers)
@@ -126,27 +147,36 @@ class Upstream:
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
             claim.first_byte()
-            self._metrics.first_byte.observe(time.perf_counter() - fwd.arrived, fwd.endpoint)
+            now = time.perf_counter()
+            self._metrics.first_byte.observe(now - fwd.arrived, fwd.endpoint)
             headers = _passthrough(resp.headers, replica)
             if not fwd.stream or resp.status != 200:
                 try:
                     rest = await resp.read()
                 except OSError as exc:  # nothing sent yet: still a retry
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
-                await exchange.respond(resp.status, first + rest, headers)
+                tail = first + rest
+                await exchange.respond(resp.status, tail, headers)
             else:
+                self._metrics.observe_ttft(now - fwd.arrived, fwd.endpoint, now)
                 await exchange.start(resp.status, headers)
-                await self._relay(exchange, resp, first)
+                tail = await self._relay(exchange, resp, first)
+            usage = reported_usage(tail) if resp.status == 200 else None
+            if usage is not None:
+                self._metrics.observe_usage(replica.name, predicted, *usage)
             return resp.status
         finally:
             resp.close()
 
-    async def _relay(self, exchange: Exchange, resp: Response, first: bytes) -> None:
-        """Copy the SSE body chunk by chunk; committed: no exception escapes as a retry."""
+    async def _relay(self, exchange: Exchange, resp: Response, first: bytes) -> bytes:
+        """Copy the SSE body chunk by chunk; committed: no exception escapes as a retry.
+        Returns the last three chunks (the usage event, split or not, and `[DONE]`)."""
         chunk = first
+        tail = (b"", b"", b"")
         try:
             while chunk:
                 await exchange.write(chunk)
+                tail = (tail[1], tail[2], chunk)
                 try:
                     chunk = await resp.chunk()
                 except OSError as exc:  # the replica died or went silent
@@ -154,6 +184,7 @@ class Upstream:
                     await exchange.write(sse_error(f"replica failed mid-stream: {exc}", 502))
                     break
             await exchange.finish()
+            return b"".join(tail)
         except asyncio.CancelledError:  # the client went away (Exchange.cancel_on_disconnect)
             self._metrics.stream_errors.labels("client").inc()
             raise

@@ -35,7 +35,7 @@ from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
-from kvtier.vllm.worker_side import WorkerSide
+from kvtier.vllm.worker_side import BACKGROUND_NICE, WorkerSide, background_cpus, thread_placer
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,15 @@ class KvtierConnector(KVConnectorBase_V1):
         else:
             rank = compat.worker_tp_rank()
             identity = process_store.model_identity(self.config, geometry, model, rank)
-            self._stores = [process_store.acquire(self.config, identity, publish=rank == 0)]
+            cpus = background_cpus(self.config.background_cpus)
+            self._stores = [
+                process_store.acquire(
+                    self.config,
+                    identity,
+                    publish=rank == 0,
+                    thread_init=thread_placer(cpus, nice=BACKGROUND_NICE),
+                )
+            ]
             self._worker = WorkerSide(
                 self._stores[0],
                 geometry,
@@ -103,7 +111,13 @@ class KvtierConnector(KVConnectorBase_V1):
                 block_tokens,
                 self.config.load_threads,
                 self.counters,
+                cpus=cpus,
+                loads_in_background=self.config.load_async,
+                save_backlog_blocks=self.config.save_backlog_blocks,
+                load_staging=self.config.load_staging,
+                load_read_threads=self.config.load_read_threads,
             )
+        self.counters.watch((s.store for s in self._stores), source=role.name.lower())
         log.info(
             "kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
             role.name,

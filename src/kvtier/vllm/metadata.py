@@ -35,6 +35,9 @@ class LoadSpec:
     asynchronous: bool = True
     """True: vLLM waits for `get_finished`; False: the load must finish before this step's
     forward pass."""
+    planned_at: float | None = None
+    """`time.monotonic()` when the scheduler planned the load (the worker times the wait until
+    it starts: one machine's clock, comparable across its processes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +54,9 @@ class SaveSpec:
     reused_blocks: int
     """How many of the leading blocks of this request were cache hits (admission hint)."""
     engine_hashes: tuple[BlockHash, ...] = ()
+    promote: frozenset[int] = frozenset()
+    """Positions in `hashes` of blocks this request loaded from L2: saved into L1 although L2
+    holds them (the promotion the load left out of its critical path)."""
 
 
 @dataclass(slots=True)

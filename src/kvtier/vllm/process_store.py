@@ -21,7 +21,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -158,9 +158,16 @@ _lock = threading.Lock()
 _by_namespace: dict[Namespace, ProcessStore] = {}
 
 
-def acquire(config: ConnectorSettings, identity: ModelIdentity, *, publish: bool) -> ProcessStore:
+def acquire(
+    config: ConnectorSettings,
+    identity: ModelIdentity,
+    *,
+    publish: bool,
+    thread_init: Callable[[], None] | None = None,
+) -> ProcessStore:
     """The process's shared store for `identity`, created on first use; `publish` starts the event
-    publisher (when an endpoint is configured) if this call creates it."""
+    publisher (when an endpoint is configured) and `thread_init` runs in each of the store's L2
+    writer threads, if this call creates it."""
     namespace = identity.namespace()
     with _lock:
         shared = _by_namespace.get(namespace)
@@ -177,7 +184,9 @@ def acquire(config: ConnectorSettings, identity: ModelIdentity, *, publish: bool
                 aliases=HashAliases(),
                 publisher=publisher,
             )
-            shared.store = TieredStore(store_config, identity, on_event=shared.on_event)
+            shared.store = TieredStore(
+                store_config, identity, on_event=shared.on_event, thread_init=thread_init
+            )
             _by_namespace[namespace] = shared
             log.info(
                 "kvtier: store for namespace %s (L1 %d bytes, L2 %s, events %s)",

@@ -20,6 +20,14 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
 
 Counting rules: only full kvtier blocks, only the longest contiguous prefix that exists now,
 and never the last prompt token (vLLM must compute at least one token to sample from).
+
+Existence checks of a lookup run up to `LOOKUP_AHEAD` at a time (the first block's alone, so
+a cold prompt costs one): on a FUSE mount each is a round trip to the daemon.
+
+Timing (`ConnectorCounters`): the lookup thread's work (`phase_lookup_seconds`), how long
+requests waited for lookup answers from the first ask to the answer used
+(`phase_lookup_wait_seconds`), and how many "ask again" answers that took (`lookup_deferred`,
+one scheduler step each).
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LOOKUP_AHEAD = 8
+"""Existence checks one lookup keeps in flight (after its first block's)."""
+
 
 @dataclass(slots=True)
 class _Lookup:
@@ -64,6 +75,8 @@ class _Tracked:
     hashes: list[BlockHash] = field(default_factory=list)
     engine_hashes: list[BlockHash] = field(default_factory=list)
     lookup: _Lookup | None = None
+    asked_at: float | None = None
+    """When the lookups behind the next answer started (for the lookup-wait timing)."""
     local_tokens: int = 0
     """Block-aligned local (L0) hit given to the last `matched_tokens` that found more."""
     found: list[Tier] = field(default_factory=list)
@@ -71,6 +84,8 @@ class _Tracked:
     """Leading kvtier blocks already offered to the store."""
     hit_blocks: int = 0
     """Leading kvtier blocks that were cache hits (L0 or external)."""
+    from_l2: set[int] = field(default_factory=set)
+    """Chain positions of the blocks planned to load from L2 (promoted into L1 once saved)."""
     has_saves: bool = False
     hit_tokens: dict[Tier, int] = field(default_factory=dict)
 
@@ -108,6 +123,7 @@ class SchedulerSide:
         self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._checks = ThreadPoolExecutor(LOOKUP_AHEAD, thread_name_prefix="kvtier-exists")
 
     # ---- vLLM hooks ---------------------------------------------------------------------
 
@@ -132,12 +148,19 @@ class SchedulerSide:
             or (lookup.done_at is not None and now - lookup.done_at > self._ttl)
         ):
             lookup = tracked.lookup = self._submit(tracked.hashes[:usable])
+            if tracked.asked_at is None:
+                tracked.asked_at = now
             if self._lookup_wait_s <= 0:
+                self._counters.add(lookup_deferred=1)
                 return None, False
             # A short, bounded wait: in-memory and local lookups answer within it.
             wait([lookup.future], timeout=self._lookup_wait_s)
         if not lookup.future.done():
+            self._counters.add(lookup_deferred=1)
             return None, False
+        if tracked.asked_at is not None:
+            self._counters.add(phase_lookup_wait_seconds=time.monotonic() - tracked.asked_at)
+            tracked.asked_at = None
         found = lookup.future.result()[:usable] if lookup.future.exception() is None else []
         matched = len(found) * self._block
         if matched <= local_tokens:
@@ -166,6 +189,7 @@ class SchedulerSide:
                 tiers=tiers,
                 engine_hashes=tuple(tracked.engine_hashes[first * p : last * p]),
                 asynchronous=self._load_async,
+                planned_at=time.monotonic(),
             )
         )
         hit_tokens: dict[Tier, int] = {}
@@ -174,6 +198,7 @@ class SchedulerSide:
             n = min(end, (first + i + 1) * self._block) - start
             hit_tokens[tier] = hit_tokens.get(tier, 0) + n
         tracked.hit_tokens = hit_tokens
+        tracked.from_l2.update(first + i for i, tier in enumerate(tiers) if tier == Tier.L2)
         self._counters.add(
             hit_tokens_l1=hit_tokens.get(Tier.L1, 0), hit_tokens_l2=hit_tokens.get(Tier.L2, 0)
         )
@@ -216,6 +241,7 @@ class SchedulerSide:
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._checks.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -250,28 +276,55 @@ class SchedulerSide:
     def _submit(self, hashes: list[BlockHash]) -> _Lookup:
         lookup = _Lookup(n_hashes=len(hashes), future=self._lookups.submit(self._lookup, hashes))
 
-        def stamp(_: Future[list[Tier]]) -> None:
+        def stamp(done: Future[list[Tier]]) -> None:
             lookup.done_at = time.monotonic()
+            if not done.cancelled() and done.exception() is None:
+                hit = len(done.result())
+                self._counters.add(lookups=1, lookup_blocks=len(hashes), lookup_hit_blocks=hit)
 
         lookup.future.add_done_callback(stamp)
         return lookup
 
     def _lookup(self, hashes: list[BlockHash]) -> list[Tier]:
+        start = time.perf_counter()
+        try:
+            return self._find(hashes)
+        finally:
+            self._counters.add(phase_lookup_seconds=time.perf_counter() - start)
+
+    def _find(self, hashes: list[BlockHash]) -> list[Tier]:
         """Longest prefix every TP rank holds now; a block's tier is the farthest among ranks
         (L1 from the mirror of the workers' L1, else whatever the store finds: L2, or L1 when
         the worker shares this process's store)."""
         found: list[Tier] = []
-        for h in hashes:
-            tier = Tier.L1
+        checks: dict[tuple[int, int], Future[Tier | None]] = {}
+
+        def check(i: int) -> None:
+            """Start the store checks of block `i` (those not answered by the mirror)."""
             for rank, shared in enumerate(self._stores):
                 with self._l1_lock:
-                    in_l1 = h in self._l1[rank]
-                rank_tier = Tier.L1 if in_l1 else shared.store.contains(h)
-                if rank_tier is None:
-                    return found
-                tier = max(tier, rank_tier, key=TIER_ORDER.index)
-            found.append(tier)
-        return found
+                    in_l1 = hashes[i] in self._l1[rank]
+                if not in_l1 and (i, rank) not in checks:
+                    checks[i, rank] = self._checks.submit(shared.store.contains, hashes[i])
+
+        try:
+            for i in range(len(hashes)):
+                # The first block alone (a cold prompt costs one check), then a window ahead:
+                # over FUSE every check is a round trip, and several run at once.
+                for j in range(i, min(len(hashes), i + (1 if i == 0 else LOOKUP_AHEAD))):
+                    check(j)
+                tier = Tier.L1
+                for rank in range(len(self._stores)):
+                    pending = checks.pop((i, rank), None)
+                    rank_tier = Tier.L1 if pending is None else pending.result()
+                    if rank_tier is None:
+                        return found
+                    tier = max(tier, rank_tier, key=TIER_ORDER.index)
+                found.append(tier)
+            return found
+        finally:
+            for pending in checks.values():
+                pending.cancel()
 
     def _plan_save(self, tracked: _Tracked, n_scheduled: int) -> SaveSpec | None:
         """The kvtier blocks this step completes (KV computed by its forward pass)."""
@@ -309,4 +362,5 @@ class SchedulerSide:
             first_index=first,
             reused_blocks=tracked.hit_blocks,
             engine_hashes=tuple(tracked.engine_hashes[first * p : full * p]),
+            promote=frozenset(i - first for i in tracked.from_l2 if first <= i < full),
         )

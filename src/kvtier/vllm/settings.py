@@ -30,6 +30,7 @@ __all__ = [
     "ENV_PREFIX",
     "ConnectorSettings",
     "kv_transfer_config",
+    "parse_cpu_list",
 ]
 
 ENV_PREFIX = "KVTIER_"
@@ -64,6 +65,32 @@ class ConnectorSettings(StoreSettings):
     """Load hits while the engine keeps stepping (the request waits in WAITING_FOR_REMOTE_KVS);
     off: load them inside the step that computes the rest of the prompt, before its forward pass
     (one step less for the hit, but that step's batch waits for the load)."""
+    load_staging: bool = True
+    """Read L2 hits into a staging buffer each loader reuses, then copy them into vLLM's KV
+    cache; they reach L1 afterwards, when the request's blocks are saved. Off: read each into a
+    fresh buffer that L1 adopts at once (promotion on the load's critical path: the fresh
+    memory's page faults cost more than the read)."""
+    load_read_threads: Annotated[int, Field(ge=0)] = 2
+    """L2 blocks one load reads at a time, ahead of their copy into vLLM's KV cache: over a
+    FUSE mount a read mostly waits on the daemon, so parallel reads multiply its throughput;
+    0: one at a time, on the loader's own thread."""
+    background_cpus: str | None = None
+    """CPU ids ("0,2-3") the connector's background threads run on: block saves, L2 writes,
+    and asynchronous loads (synchronous loads run where the engine waits for them). Unset: the
+    CPUs the engine's own threads are not bound to (vLLM's CPU worker binds its threads, and
+    so every thread started after, to its cores), or, with none left, the engine's; "inherit":
+    always the engine's."""
+    save_backlog_blocks: Annotated[int, Field(gt=0)] = 256
+    """Blocks waiting to be copied out of the engine's cache beyond which a step's new saves
+    are dropped (and counted): a finished request keeps its KV blocks until its saves are
+    done, so an unbounded backlog would hold the engine's memory under saturation."""
+
+    @field_validator("background_cpus")
+    @classmethod
+    def _cpus(cls, value: str | None) -> str | None:
+        if value is not None and value != "inherit":
+            parse_cpu_list(value)
+        return value
 
     @field_validator("events_endpoint")
     @classmethod
@@ -101,6 +128,19 @@ class ConnectorSettings(StoreSettings):
     def as_extra_config(self) -> dict[str, Any]:
         """The non-default settings, as `kv_connector_extra_config`."""
         return self.non_default()
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPU ids of a list like "0,2-3" (Linux cpulist syntax)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"expected CPU ids like 0,2-3, got {text!r}")
+        cpus.update(range(int(first), int(last if sep else first) + 1))
+    if not cpus:
+        raise ValueError(f"expected CPU ids like 0,2-3, got {text!r}")
+    return cpus
 
 
 def kv_transfer_config(settings: ConnectorSettings) -> dict[str, Any]:

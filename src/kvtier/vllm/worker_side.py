@@ -2,12 +2,16 @@
 
 Runs in each worker (one per TP rank). vLLM calls, on the worker's execute thread, per step:
 
-    handle_preemptions(meta)   before the step: waits for pending saves of preempted requests
-                               (their blocks are about to be reused).
+    handle_preemptions(meta)   before the step: pending saves of preempted requests (their
+                               blocks are about to be reused) are dropped if not started yet
+                               (counted), and waited for if running.
     start_loads(meta)          queues this step's loads on the loader thread(s) and returns
                                (synchronous loads, if configured, are waited for here).
     submit_saves(meta)         after the forward (`wait_for_save`): queues this step's saves on
-                               the saver thread and returns; the forward pass never waits.
+                               the saver thread and returns; the forward pass never waits. Past
+                               `save_backlog_blocks` waiting blocks, new saves are dropped and
+                               counted: a finished request holds its KV blocks until its saves
+                               are done, so a saver that cannot keep up must not hold them.
     finished(ids)              requests whose loads completed, and finished requests whose
                                saves completed (vLLM holds their blocks until then).
     load_errors()              engine block ids that failed to load (vLLM recomputes them).
@@ -15,18 +19,35 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
                                run in another process and mirrors L1 from these reports).
 
 Background threads (owned here, stopped by `close`):
-- loader: `store.load` (L1 hit, or L2 read + validation + promotion), then `scatter` into the
-  request's engine blocks (allocated to it alone while it waits for the load);
-- saver: for each newly completed block not yet in the store, `gather` its engine blocks into a
-  host buffer and `store.save` it (copied into L1; written through to L2 asynchronously).
+- loader: `store.load_into`: an L1 hit is copied (`scatter`) from L1 into the request's engine
+  blocks (allocated to it alone while it waits for the load); an L2 hit is read into this
+  thread's staging buffer (reused: a fresh buffer per block costs page faults that exceed the
+  read itself), checksummed, then copied into the engine blocks. L2 hits are not promoted into
+  L1 here, on the request's critical path: the save plan offers the loaded blocks again once
+  the request computed on, and the saver copies them into L1 from the engine's cache;
+- saver: for each block of a save no tier holds (for a block the request loaded from L2: that
+  L1 does not hold), `gather` its engine blocks into a fresh host buffer that L1 adopts (one
+  copy) and `store.save` it (written through to L2 asynchronously by the store's writers).
+
+Placement: vLLM's CPU worker binds its threads, and so every thread they start, to the engine's
+cores. The saver, the store's L2 writers and asynchronous loaders move to `background_cpus`
+(default: the CPUs the engine is not bound to) and the saver and writers run at a lower
+priority (`BACKGROUND_NICE`), so saving never takes the engine's core; their CPU time is counted
+(`save_cpu_seconds`, the store's `l2_write_cpu_seconds`). Synchronous loaders stay on the
+engine's cores: the engine waits for them.
+
+Timing: each load reports its phases (queue: from the scheduler's plan to the loader's start;
+open, read, checksum: the L2 reads; copy: into the engine's blocks) to `ConnectorCounters`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
@@ -34,16 +55,54 @@ import torch
 from kvtier.core.codec import BlockMeta
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
-from kvtier.core.tiers.base import Tier
+from kvtier.core.store import LoadedBlock
+from kvtier.core.tiers.base import ReadTimes, Tier
 from kvtier.vllm.compat import EngineGeometry
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import ProcessStore
+from kvtier.vllm.settings import parse_cpu_list
 from kvtier.vllm.stats import ConnectorCounters
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
 log = logging.getLogger(__name__)
 
 PREEMPT_WAIT_S = 30.0
+BACKGROUND_NICE = 10
+"""Niceness of the saver and L2 writer threads: under CPU contention the engine (and loads)
+go first, and a saver that falls behind drops saves rather than slowing the engine."""
+
+
+def background_cpus(setting: str | None) -> set[int] | None:
+    """The CPUs of `ConnectorSettings.background_cpus`, resolved in the calling thread (the
+    worker's, bound like the engine's); None: leave background threads where they start."""
+    if setting == "inherit":
+        return None
+    if setting is not None:
+        return parse_cpu_list(setting)
+    others = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+    return others or None
+
+
+def thread_placer(cpus: set[int] | None, *, nice: int = 0) -> Callable[[], None] | None:
+    """A thread initializer moving the calling thread to `cpus` at niceness `nice` (Linux:
+    both apply to the calling thread only); None when there is nothing to change."""
+    if cpus is None and nice == 0:
+        return None
+
+    def place() -> None:
+        try:
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+            if nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as exc:  # e.g. CPUs outside this container's cpuset
+            log.warning("kvtier: could not place a background thread on CPUs %s: %s", cpus, exc)
+
+    return place
+
+
+class _LayoutMismatch(Exception):
+    """A stored block's layout is not this engine's (stops the load; the rest is recomputed)."""
 
 
 class WorkerSide:
@@ -55,7 +114,16 @@ class WorkerSide:
         block_tokens: int,
         load_threads: int,
         counters: ConnectorCounters,
+        *,
+        cpus: set[int] | None = None,
+        loads_in_background: bool = False,
+        save_backlog_blocks: int = 256,
+        load_staging: bool = True,
+        load_read_threads: int = 0,
     ) -> None:
+        """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
+        there too when `loads_in_background`. `load_staging`, `load_read_threads`: see
+        `ConnectorSettings`."""
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -64,15 +132,42 @@ class WorkerSide:
         self._per_block = block_tokens // geometry.engine_block_tokens
         self._counters = counters
         self._kv: PagedKV | None = None
-        self._save_buffer: torch.Tensor | None = None  # only the saver thread uses it
-        self._loader = ThreadPoolExecutor(load_threads, thread_name_prefix="kvtier-load")
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
+        self._pinned_save_buffer: torch.Tensor | None = None  # CUDA only; the saver's
+        self._local = threading.local()  # per loader thread: its staging buffer
+        self._loader = ThreadPoolExecutor(
+            load_threads,
+            thread_name_prefix="kvtier-load",
+            initializer=thread_placer(cpus) if loads_in_background else None,
+        )
+        # Readers of synchronous loads may use every CPU: the engine waits for them.
+        reader_cpus = (
+            cpus if loads_in_background or cpus is None else cpus | os.sched_getaffinity(0)
+        )
+        self._read_threads = load_read_threads
+        self._readers = (
+            ThreadPoolExecutor(
+                load_read_threads,
+                thread_name_prefix="kvtier-read",
+                initializer=thread_placer(reader_cpus),
+            )
+            if load_read_threads > 0 and load_staging
+            else None
+        )
+        self._saver = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="kvtier-save",
+            initializer=thread_placer(cpus, nice=BACKGROUND_NICE),
+        )
+        self._backlog_limit = save_backlog_blocks
+        self._load_staging = load_staging
         self._lock = threading.Lock()
         # All below guarded by _lock.
         self._loads_done: set[str] = set()
         self._load_errors: set[int] = set()
         self._save_jobs: dict[str, list[Future[None]]] = {}
         self._finishing: set[str] = set()
+        self._backlog = 0
+        """Blocks of the save jobs queued or running."""
         if self._store.config.l2_path is not None and not self._store.l2_enabled:
             counters.add(l2_unavailable=1)
 
@@ -105,8 +200,9 @@ class WorkerSide:
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         with self._lock:
             jobs = [f for r in meta.preempted for f in self._save_jobs.get(r, ())]
-        if jobs:
-            wait(jobs, timeout=PREEMPT_WAIT_S)
+        running = [f for f in jobs if not f.cancel()]  # not started: dropped (counted)
+        if running:
+            wait(running, timeout=PREEMPT_WAIT_S)
 
     def start_loads(self, meta: KvtierMetadata) -> None:
         """Queue asynchronous loads; run synchronous ones to completion (this step's forward
@@ -120,10 +216,20 @@ class WorkerSide:
         wait(sync)
 
     def submit_saves(self, meta: KvtierMetadata) -> None:
+        dropped = 0
         for spec in meta.saves:
+            n = len(spec.hashes)
+            with self._lock:
+                if self._backlog + n > self._backlog_limit:
+                    dropped += n
+                    continue
+                self._backlog += n
             future = self._saver.submit(self._save, spec)
+            future.add_done_callback(functools.partial(self._save_done, n_blocks=n))
             with self._lock:
                 self._save_jobs.setdefault(spec.req_id, []).append(future)
+        if dropped:
+            self._counters.add(save_dropped_blocks=dropped)
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         with self._lock:
@@ -147,6 +253,8 @@ class WorkerSide:
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
 
     # ---- background threads -------------------------------------------------------------
@@ -154,30 +262,44 @@ class WorkerSide:
     def _load(self, spec: LoadSpec) -> None:
         """Loader thread: read the blocks, write them into the request's engine blocks."""
         start = time.perf_counter()
+        queued = 0.0 if spec.planned_at is None else max(0.0, time.monotonic() - spec.planned_at)
         p = self._per_block
         self._alias(spec.hashes, spec.engine_hashes)
         done_ids = 0  # engine block ids of spec written so far
         counts = {Tier.L1: 0, Tier.L2: 0}
         loaded_bytes = 0
+        times = ReadTimes()
+        copy_s = 0.0
+
+        def consume(block: LoadedBlock) -> None:
+            nonlocal done_ids, loaded_bytes, copy_s
+            if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
+                log.warning(
+                    "kvtier: block %s has layout %s %s, expected %s %s",
+                    block.block_hash.hex(),
+                    block.meta.shape,
+                    block.meta.dtype,
+                    kv.layout.shape,
+                    kv.layout.dtype_name,
+                )
+                raise _LayoutMismatch
+            skip = spec.skip if counts[Tier.L1] + counts[Tier.L2] == 0 else 0
+            ids = spec.engine_block_ids[done_ids : done_ids + p - skip]
+            t = time.perf_counter()
+            kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
+            copy_s += time.perf_counter() - t
+            done_ids += len(ids)
+            counts[block.tier] += 1
+            loaded_bytes += block.payload.nbytes
+
         try:
             kv = self._require_kv()
-            for i, block in enumerate(self._store.load(spec.hashes)):
-                skip = spec.skip if i == 0 else 0
-                if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
-                    log.warning(
-                        "kvtier: block %s has layout %s %s, expected %s %s",
-                        block.block_hash.hex(),
-                        block.meta.shape,
-                        block.meta.dtype,
-                        kv.layout.shape,
-                        kv.layout.dtype_name,
-                    )
-                    break
-                ids = spec.engine_block_ids[done_ids : done_ids + p - skip]
-                kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
-                done_ids += len(ids)
-                counts[block.tier] += 1
-                loaded_bytes += block.payload.nbytes
+            staging = self._staging(kv) if self._load_staging else []
+            self._store.load_into(
+                spec.hashes, consume, staging=staging, pool=self._readers, times=times
+            )
+        except _LayoutMismatch:
+            pass
         except Exception:
             log.exception("kvtier: load for request %s failed", spec.req_id)
         failed = spec.engine_block_ids[done_ids:]
@@ -189,6 +311,11 @@ class WorkerSide:
             load_seconds=elapsed,
             load_max_seconds=elapsed,
             load_failed_blocks=len(failed),
+            phase_queue_seconds=queued,
+            phase_open_seconds=times.open_s,
+            phase_read_seconds=times.read_s,
+            phase_checksum_seconds=times.checksum_s,
+            phase_copy_seconds=copy_s,
         )
         if failed:
             log.warning(
@@ -202,22 +329,39 @@ class WorkerSide:
             if spec.asynchronous:
                 self._loads_done.add(spec.req_id)
 
+    def _staging(self, kv: PagedKV) -> list[memoryview]:
+        """This loader thread's staging buffers (one payload each, allocated once, reused): one
+        per read in flight, plus the one being copied into vLLM's cache."""
+        buffers: list[torch.Tensor] | None = getattr(self._local, "staging", None)
+        if buffers is None:
+            n = 1 if self._readers is None else self._read_threads + 1
+            buffers = self._local.staging = [kv.new_host_buffer() for _ in range(n)]
+        return [host_bytes(b) for b in buffers]
+
     def _save(self, spec: SaveSpec) -> None:
         """Saver thread: copy out and offer every block of `spec` the store does not hold."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         p = self._per_block
         self._alias(spec.hashes, spec.engine_hashes)
         saved = skipped = rejected = failed = 0
         try:
             kv = self._require_kv()
-            if self._save_buffer is None:
-                self._save_buffer = kv.new_host_buffer()
-            buffer = self._save_buffer
+            # On CPU each block gets a fresh buffer that L1 adopts (one copy, not two); pinned
+            # CUDA staging is too costly to allocate per block, so it is reused and copied.
+            adopt = kv.device.type == "cpu"
             for i, block_hash in enumerate(spec.hashes):
-                if self._store.contains(block_hash) is not None:
+                # A block loaded from L2 goes into L1 (promotion); any other one is skipped
+                # when a tier holds it (re-copying an L1-refused tail on every hit is waste).
+                held = (
+                    self._store.has_near(block_hash)
+                    if i in spec.promote
+                    else self._store.contains(block_hash) is not None
+                )
+                if held:
                     skipped += 1
                     continue
                 index = spec.first_index + i
+                buffer = kv.new_host_buffer() if adopt else self._pinned_buffer(kv)
                 kv.gather(spec.engine_block_ids[i * p : (i + 1) * p], buffer)
                 meta = BlockMeta(
                     num_tokens=self._block,
@@ -231,6 +375,7 @@ class WorkerSide:
                     host_bytes(buffer),
                     reused=index < spec.reused_blocks,
                     prefix_tokens=(index + 1) * self._block,
+                    adopt=adopt,
                 ):
                     saved += 1
                 else:
@@ -243,10 +388,22 @@ class WorkerSide:
             save_blocks=saved,
             save_bytes=nbytes,
             save_seconds=time.perf_counter() - start,
+            save_cpu_seconds=time.thread_time() - cpu,
             save_skipped_blocks=skipped,
             save_rejected_blocks=rejected,
             save_failed_blocks=failed,
         )
+
+    def _save_done(self, future: Future[None], *, n_blocks: int) -> None:
+        with self._lock:
+            self._backlog -= n_blocks
+        if future.cancelled():
+            self._counters.add(save_dropped_blocks=n_blocks)
+
+    def _pinned_buffer(self, kv: PagedKV) -> torch.Tensor:
+        if self._pinned_save_buffer is None:
+            self._pinned_save_buffer = kv.new_host_buffer()
+        return self._pinned_save_buffer
 
     def _alias(self, hashes: tuple[BlockHash, ...], engine_hashes: tuple[BlockHash, ...]) -> None:
         if not engine_hashes:

@@ -9,6 +9,8 @@ thread, its worker threads and the store's own I/O threads, once per block):
     get(h)            the block's meta and a read-only payload view, or None on a miss.
                       A block that fails validation is a miss; the tier removes and counts it.
     get_many(hs)      `get` for many blocks at once, results in order.
+    read_into(h, out) optional (`ReadsInto`): the payload read into the caller's buffer `out`
+                      (no buffer allocated per read), validated like `get`; returns the meta.
     put(h, meta, p)   store a copy of payload `p`; reports whether it was stored and which blocks
                       were evicted to make room. A block already present is not rewritten.
     remove(h)         delete the block if present.
@@ -25,7 +27,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import BlockHash
@@ -115,6 +117,23 @@ class TierCounters:
         )
 
 
+@dataclass(slots=True)
+class ReadTimes:
+    """Seconds block reads spent per phase: one instance per reading thread (not locked)."""
+
+    open_s: float = 0.0
+    """Opening the object, reading and validating its header."""
+    read_s: float = 0.0
+    """Reading the payload."""
+    checksum_s: float = 0.0
+    """Hashing the payload (the checksum check)."""
+
+    def add(self, other: ReadTimes) -> None:
+        self.open_s += other.open_s
+        self.read_s += other.read_s
+        self.checksum_s += other.checksum_s
+
+
 class BlockTier(Protocol):
     """One storage tier (see the module docstring for the contract)."""
 
@@ -136,3 +155,15 @@ class BlockTier(Protocol):
     def stats(self) -> TierStats: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A tier that reads a payload into a buffer the caller owns and reuses (a staging buffer):
+    no allocation, page faults or fresh memory per read. On a miss or an invalid block it
+    returns None and `out` holds garbage; a buffer whose size is not the payload's is a miss
+    too (the block is left alone). `times`, when given, accumulates the phases of the read."""
+
+    def read_into(
+        self, block_hash: BlockHash, out: memoryview, times: ReadTimes | None = None
+    ) -> BlockMeta | None: ...

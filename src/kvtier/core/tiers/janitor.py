@@ -138,6 +138,20 @@ class PassReport:
     orphans_removed: int
 
 
+@dataclass(frozen=True, slots=True)
+class JanitorStats:
+    """One janitor's totals since it started (what it did as the lease holder)."""
+
+    lease_held: bool
+    """It held the lease after its latest attempt."""
+    passes: int
+    evicted_blocks: int
+    evicted_bytes: int
+    orphans_removed: int
+    last_report: PassReport | None
+    """Its latest pass (None until it held the lease once)."""
+
+
 class AccessRecorder:
     """The readers' half of the shared access record (see the module docstring).
 
@@ -201,6 +215,7 @@ class Janitor:
         self._thread: threading.Thread | None = None
         self.passes = 0
         self.last_report: PassReport | None = None
+        self._evicted_blocks = self._evicted_bytes = self._orphans_removed = 0
 
     # ---- one pass ------------------------------------------------------------------------
 
@@ -257,6 +272,9 @@ class Janitor:
         )
         self.passes += 1
         self.last_report = report
+        self._evicted_blocks += report.evicted_blocks
+        self._evicted_bytes += report.evicted_bytes
+        self._orphans_removed += report.orphans_removed
         self._write_status(report)
         return report
 
@@ -322,6 +340,17 @@ class Janitor:
                 os.close(fd)
         except OSError:
             pass
+
+    def stats(self) -> JanitorStats:
+        """Its totals (read from any thread: plain attribute reads of the janitor's thread)."""
+        return JanitorStats(
+            lease_held=self.lease.epoch is not None,
+            passes=self.passes,
+            evicted_blocks=self._evicted_blocks,
+            evicted_bytes=self._evicted_bytes,
+            orphans_removed=self._orphans_removed,
+            last_report=self.last_report,
+        )
 
     # ---- background thread ---------------------------------------------------------------
 

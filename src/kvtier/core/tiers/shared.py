@@ -71,9 +71,13 @@ def open_shared_l2(
     if config.l2_url is not None:
         from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings  # ~0.1 s of imports
 
-        return SharedL2(
-            ValkeyTier(ValkeyTierSettings(url=config.l2_url), namespace, manifest, clock=clock)
+        valkey_settings = ValkeyTierSettings(
+            url=config.l2_url,
+            username=config.l2_username,
+            password_file=config.l2_password_file,
+            tls_ca_file=config.l2_tls_ca_file,
         )
+        return SharedL2(ValkeyTier(valkey_settings, namespace, manifest, clock=clock))
     if config.l2_path is None:
         return None
     access = AccessRecorder(config.l2_touch_interval_s)
@@ -84,6 +88,7 @@ def open_shared_l2(
         exists_ttl_s=config.l2_exists_ttl_s,
         access=access,
         clock=clock,
+        file_mode=config.l2_file_mode,
     )
     settings = janitor_settings(config)
     janitor = None

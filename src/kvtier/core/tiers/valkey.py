@@ -18,6 +18,10 @@ server for a backoff that doubles from `backoff_initial_s` to `backoff_max_s` (s
 costs lookups nothing) and the first call after it reconnects. A value that fails validation
 is a miss, deleted and counted.
 
+Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
+once at start, never logged: logged URLs are redacted) authenticate to a server with
+`requirepass` or ACL users; a `rediss://` URL speaks TLS, verified against `tls_ca_file`.
+
 Thread-safe: the client's connection pool hands each concurrent call its own connection.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,9 +48,9 @@ from kvtier.core.codec import (
     encode_header,
     verify_payload,
 )
-from kvtier.core.errors import CodecError
+from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.keys import BlockHash, Namespace
-from kvtier.core.settings import L2_URL_SCHEMES, Settings
+from kvtier.core.settings import L2_URL_SCHEMES, Settings, redact_url
 from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
 
 if TYPE_CHECKING:
@@ -53,12 +58,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+PASSWORD_ENV = "KVTIER_L2_PASSWORD"
+"""Environment variable holding the Valkey password when no `password_file` is given."""
+
 
 class ValkeyTierSettings(Settings):
     """Where the Valkey L2 lives and how hard to try when it is unreachable."""
 
     url: str
-    """`redis://host:port[/db]` (also `rediss://`, `unix://`)."""
+    """`redis://host:port[/db]` (also `rediss://` for TLS, `unix://`)."""
+    username: str | None = None
+    """ACL user to authenticate as; unset: the default user."""
+    password_file: str | None = None
+    """File holding the password; unset: $KVTIER_L2_PASSWORD, else no AUTH."""
+    tls_ca_file: str | None = None
+    """CA bundle (PEM) that signs the server's certificate (rediss://); unset: the system's."""
     socket_timeout_s: Annotated[float, Field(gt=0)] = 10.0
     """Per-command timeout: a hung server costs at most this. One batch of blocks is one reply
     of many megabytes, so keep it well above that transfer's time."""
@@ -72,13 +86,24 @@ class ValkeyTierSettings(Settings):
     @model_validator(mode="after")
     def _check(self) -> Self:
         if not self.url.startswith(L2_URL_SCHEMES):
-            raise ValueError(f"url: expected redis://host:port[/db], got {self.url!r}")
+            raise ValueError(f"url: expected redis://host:port[/db], got {redact_url(self.url)!r}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ValueError(
                 f"backoff_max_s: must be >= backoff_initial_s "
                 f"({self.backoff_initial_s}), got {self.backoff_max_s}"
             )
         return self
+
+
+def _password(config: ValkeyTierSettings) -> str | None:
+    """The password `config` names (file, else environment), or None."""
+    if config.password_file is None:
+        return os.environ.get(PASSWORD_ENV) or None
+    try:
+        with open(config.password_file, encoding="utf-8") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"l2_password_file: cannot read {config.password_file}: {exc}") from exc
 
 
 class _Backoff:
@@ -119,14 +144,24 @@ class ValkeyTier:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
+        self._where = redact_url(config.url)
         self._namespace = namespace
         self._prefix = f"{namespace}:"
+        options: dict[str, Any] = {}
+        if config.username is not None:
+            options["username"] = config.username
+        password = _password(config)
+        if password is not None:
+            options["password"] = password
+        if config.tls_ca_file is not None:
+            options["ssl_ca_certs"] = config.tls_ca_file
         self._client = valkey.Valkey.from_url(
             config.url,
             socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
+            **options,
         )
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
@@ -155,7 +190,7 @@ class ValkeyTier:
             log.warning(
                 "kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
                 op,
-                self._config.url,
+                self._where,
                 exc,
                 delay,
             )
@@ -165,7 +200,7 @@ class ValkeyTier:
             log.warning("kvtier L2 valkey %s failed: %s", op, exc)
             return None
         if self._backoff.succeeded():
-            log.warning("kvtier L2 valkey: %s reachable again", self._config.url)
+            log.warning("kvtier L2 valkey: %s reachable again", self._where)
         return result
 
     # ---- batched reads -------------------------------------------------------------------

@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvtier.core.errors import ConfigError
-from kvtier.router.policies.base import CostWeights, Decision, Policy, ReplicaView, RouteRequest
+from kvtier.router.policies.base import (
+    CostWeights,
+    Decision,
+    Policy,
+    ReplicaView,
+    RouteRequest,
+    work_tokens,
+)
 from kvtier.router.policies.cost import CostPolicy, KVAwarePolicy, PrefixAwarePolicy
 from kvtier.router.policies.simple import (
     LeastLoadPolicy,
@@ -34,6 +41,7 @@ __all__ = [
     "RouteRequest",
     "SessionPolicy",
     "make_policy",
+    "work_tokens",
 ]
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -36,6 +36,7 @@ __all__ = [
     "cached_tokens",
     "healthy_sorted",
     "pick_min",
+    "work_tokens",
 ]
 
 
@@ -70,6 +71,10 @@ class Decision:
     "session", "roundrobin"."""
     cached_tokens: int
     """Prompt tokens the policy expects to be served from cache there."""
+    work_tokens: int | None = None
+    """Prefill-equivalent work it expects there: new tokens plus the time to read the cached
+    ones from slower tiers, in tokens (None: the prompt minus `cached_tokens`). What the
+    replica's load counters and the policy's history charge for the request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +95,14 @@ class CostWeights:
     running_penalty: float = 128.0
     """Cost per request in flight on the replica (one block of prefill)."""
     history_weight: float = 2.0
-    """Extra cost per uncached token per unit of the replica's excess share of recent uncached
-    prefill (spreads cold prefixes by the load they bring)."""
-    history_half_life_s: float = 10.0
-    """Half-life of the recent-work history."""
+    """Extra cost per new prefill token per unit of the replica's excess share of recent work
+    (spreads cold prefixes by the load they bring)."""
+    history_half_life_s: float = 60.0
+    """Half-life of the recent-work history: about how long the prefixes a replica took keep
+    coming back (a conversation, an agent session), so its share reflects sustained load."""
+    duplicate_weight: float = 1.0
+    """Extra cost per token this replica would compute although another one holds it or is
+    computing it (the fleet computes it twice, and its hit is lost); kvaware only."""
     tie_tokens: float = 1.0
     """Costs closer than this are a tie, broken at random."""
 
@@ -102,7 +111,13 @@ class CostWeights:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ConfigError(f"{name}: must be within [0, 1], got {value}")
-        for name in ("queue_weight", "running_penalty", "history_weight", "tie_tokens"):
+        for name in (
+            "queue_weight",
+            "running_penalty",
+            "history_weight",
+            "duplicate_weight",
+            "tie_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}: must not be negative, got {getattr(self, name)}")
         if self.history_half_life_s <= 0:
@@ -146,6 +161,13 @@ def pick_min(costs: dict[str, float], tolerance: float, rng: random.Random) -> s
 
 def cached_tokens(tiers: Sequence[Tier], request: RouteRequest) -> int:
     return min(len(tiers) * request.block_tokens, request.prompt_tokens)
+
+
+def work_tokens(request: RouteRequest, decision: Decision) -> int:
+    """The prefill-equivalent work a decision puts on its replica (`Decision.work_tokens`)."""
+    if decision.work_tokens is not None:
+        return decision.work_tokens
+    return max(0, request.prompt_tokens - decision.cached_tokens)
 
 
 class History:

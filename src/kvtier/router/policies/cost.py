@@ -2,21 +2,36 @@
 
 Cost of sending a request to replica r (lower is better), in prefill tokens:
 
-    cost(r) = u(r) = max(0, prompt_tokens - Σ_blocks credit(tier) · block_tokens)   uncached
-            + queue_weight    · queued_prefill_tokens(r)                   work ahead of it
-            + running_penalty · in_flight(r)                               decode slots taken
-            + history_weight  · u(r) · max(0, recent(r) / mean_recent - 1)   over its share
+    cost(r) = n(r) · (1 + history_weight · max(0, recent(r)/mean_recent − 1))  new prefill
+            + Σ_blocks (1 − credit(tier)) · block_tokens                     reading its prefix
+            + duplicate_weight · (most cached anywhere − cached(r))           computed twice
+            + queue_weight    · queued_prefill_tokens(r)                      work ahead of it
+            + running_penalty · in_flight(r)                                  decode slots taken
 
-credit: L0 1.0, L1 0.8, L2 0.5 over the replica's longest contiguous cached prefix (a block in
-the shared L2 counts for every replica). `recent(r)` is the uncached prefill this policy sent to
-r, halved every `history_half_life_s`; a replica that got more than the mean pays extra for new
-uncached work in proportion to its excess. That spreads cold prefixes by the future load they
+n(r) = prompt_tokens − cached(r), where cached(r) covers the blocks of r's longest contiguous
+cached prefix (a block in the shared L2 counts for every replica). Credit is the fraction of a
+block's prefill its tier saves: L0 1.0, L1 0.8, L2 0.5, so a cached block still costs the time
+to read it. `recent(r)` is the prefill-equivalent work (new tokens plus reads) this policy sent
+to r, halved every `history_half_life_s`; a replica that got more than the mean pays extra for
+new prefill in proportion to its excess. That spreads cold prefixes by the future load they
 bring (instantaneous load alone places them by whoever happens to be idle that instant, and
-affinity then locks in a lopsided split), while a warm request, whose uncached part is small,
-still goes to its cache. When every request shares one first block (a system prompt), the
-load terms outweigh that block's credit as soon as its replica has a request queued, so the
-prefix spreads instead of hot-spotting; the speculative insert then makes the second replica
-equally attractive.
+affinity then locks in a lopsided split).
+
+Why the history term multiplies only the new prefill: reading a cached prefix costs the same
+wherever the excess is, and multiplying it too made a long conversation look cheaper to move
+off its replica (a read of its whole prefix from L2) than to extend there, the more so the
+longer it grew; sessions of hundreds of thousands of tokens then hopped between replicas and
+paid those reads (docs/sim.md, "Long agent sessions").
+
+The duplicate term (kvaware only) prices recomputing what another replica holds or is
+computing right now (with the events, blocks not yet in the shared pool: the previous turn of a
+conversation still in flight): the fleet then computes those tokens twice, and their hit is
+lost. prefixaware cannot tell such blocks from a prefix cached long ago (everything it routed
+looks held), so the term would only make it stickier.
+
+When every request shares one first block (a system prompt), the load terms outweigh that
+block's credit as soon as its replica has a request queued, so the prefix spreads instead of
+hot-spotting; the speculative insert then makes the second replica equally attractive.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ from kvtier.router.policies.base import (
     cached_tokens,
     healthy_sorted,
     pick_min,
+    work_tokens,
 )
 
 __all__ = ["CostPolicy", "KVAwarePolicy", "PrefixAwarePolicy"]
@@ -52,6 +68,8 @@ class CostPolicy:
         """What this policy routed, inserted as L0 at route time."""
         self._history = History(self.weights.history_half_life_s)
         self._credits = self.weights.credits()
+        self._duplicate_weight = 0.0
+        """`duplicate_weight` where matches tell in-flight blocks (kvaware), else 0."""
 
     def _match(self, request: RouteRequest, names: list[str]) -> dict[str, list[Tier]]:
         return self.speculative.match(request.hashes, replicas=names)
@@ -64,27 +82,33 @@ class CostPolicy:
         matches = self._match(request, [r.name for r in healthy])
         recent = {r.name: self._history.value(r.name, now) for r in healthy}
         mean_recent = sum(recent.values()) / len(healthy)
+        cached = {r.name: cached_tokens(matches.get(r.name, ()), request) for r in healthy}
+        best = max(cached.values())
         costs: dict[str, float] = {}
+        works: dict[str, float] = {}
         for r in healthy:
-            credit = (
-                sum(map(self._credits.__getitem__, matches.get(r.name, ()))) * request.block_tokens
+            tiers = matches.get(r.name, ())
+            new = request.prompt_tokens - cached[r.name]
+            credit = request.block_tokens * sum(
+                tiers.count(tier) * credit for tier, credit in self._credits.items()
             )
-            uncached = max(0.0, request.prompt_tokens - credit)
+            reads = max(0.0, cached[r.name] - credit)
+            works[r.name] = new + reads
             excess = max(0.0, recent[r.name] / mean_recent - 1.0) if mean_recent > 0 else 0.0
             costs[r.name] = (
-                uncached * (1.0 + w.history_weight * excess)
+                new * (1.0 + w.history_weight * excess)
+                + reads
+                + self._duplicate_weight * (best - cached[r.name])
                 + w.queue_weight * r.queued_prefill_tokens
                 + w.running_penalty * r.in_flight
             )
         chosen = pick_min(costs, w.tie_tokens, rng)
-        cached = {name: cached_tokens(matches.get(name, ()), request) for name in costs}
-        best = max(cached.values())
         reason = "cold" if best == 0 else "prefix-hit" if cached[chosen] == best else "load"
-        return Decision(chosen, reason, cached[chosen])
+        return Decision(chosen, reason, cached[chosen], round(works[chosen]))
 
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
         self.speculative.insert(decision.replica, request.hashes, Tier.L0, now)
-        self._history.add(decision.replica, request.prompt_tokens - decision.cached_tokens, now)
+        self._history.add(decision.replica, work_tokens(request, decision), now)
 
     def forget(self, replica: str) -> None:
         self.speculative.purge(replica)
@@ -100,8 +124,13 @@ class PrefixAwarePolicy(CostPolicy):
 class KVAwarePolicy(CostPolicy):
     """Precise index fed by the replicas' KV events (tiers L0/L1/L2), plus speculative entries.
 
-    Speculative entries cover the gap until the events arrive and expire after
-    `speculative_ttl_s`; the event-fed `index` is shared with the router's event consumer.
+    Speculative entries cover the gap until the events arrive: an event about the same replica,
+    block and tier drops them (`PrefixIndex.supersede`), so they last as long as the request
+    queues, however long that is; the rest (guesses no event answered: a request that failed
+    before its prefill) expire `speculative_ttl_s` after routing. Expiring them on a short
+    timer instead lost the prefix of every request that waited longer than the timer (its
+    siblings went elsewhere and recomputed it). The event-fed `index` is shared with the
+    router's event consumer.
     """
 
     name = "kvaware"
@@ -111,13 +140,15 @@ class KVAwarePolicy(CostPolicy):
         index: PrefixIndex | None = None,
         weights: CostWeights | None = None,
         max_blocks: int = 1_000_000,
-        speculative_ttl_s: float = 10.0,
+        speculative_ttl_s: float = 300.0,
     ) -> None:
         super().__init__(weights, max_blocks)
         if speculative_ttl_s <= 0:
             raise ConfigError(f"speculative_ttl_s: must be positive, got {speculative_ttl_s}")
         self.index = index if index is not None else PrefixIndex(max_blocks)
+        self.index.supersede(self.speculative)
         self.speculative_ttl_s = speculative_ttl_s
+        self._duplicate_weight = self.weights.duplicate_weight
 
     def _match(self, request: RouteRequest, names: list[str]) -> dict[str, list[Tier]]:
         return self.index.match(request.hashes, also=(self.speculative,), replicas=names)

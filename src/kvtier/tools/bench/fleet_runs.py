@@ -9,18 +9,33 @@ Configurations:
     kvtier-l1              kvtier L1 (host memory) per replica, round robin
     kvtier-l1l2-roundrobin kvtier L1 + shared L2, round robin
     kvtier-l1l2-prefixaware / kvtier-l1l2-kvaware   L1 + L2 behind kvtier's router
+
+A name may end in `+monitor`: that fleet also runs Prometheus scraping the router and every
+replica each second (the monitoring-overhead comparison, docs/observability.md). While a
+configuration runs, its router serves the live dashboard (`/dashboard`, URL printed); the report
+includes the dashboard's tier-hit time series and, with `--screenshots`, the dashboard as it
+stood when the workload ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.tools.bench.report import Run, markdown_table, plot, summarize, write_json
+from kvtier.tools.bench.report import (
+    Run,
+    markdown_table,
+    plot,
+    plot_tier_series,
+    summarize,
+    write_json,
+)
 from kvtier.tools.bench.scenarios import ChatShape, RagShape, TraceShape
 from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, LocalSpec, RoutingSpec
 
@@ -37,7 +52,11 @@ DEFAULT_TRACE = (
 )
 
 
+MONITOR = "+monitor"
+
+
 def config_spec(base: FleetSpec, name: str, work_dir: Path) -> FleetSpec:
+    name = name.removesuffix(MONITOR)
     if name not in CONFIGS:
         raise ConfigError(
             f"--configs: unknown configuration {name!r} (known: {', '.join(CONFIGS)})"
@@ -93,39 +112,99 @@ def run_scenario(args: argparse.Namespace) -> list[Run]:
     # Logs stay under the report directory; each fleet's L2 data is removed after its run.
     work = Path(args.report_dir).resolve() / "fleets"
     runs = []
-    for name in names:
-        spec = config_spec(base, name, work)
-        try:
-            with LocalFleet(spec) as cluster:
-                tokenizer = AutoTokenizer.from_pretrained(cluster.model)
-                sessions = _sessions(args, tokenizer)
-                runner = Runner(
-                    cluster.url, cluster.model_name, tokenizer, deadline_s=args.deadline
-                )
-                records = asyncio.run(runner.run(sessions, label=f"{args.scenario_name} {name}"))
-        finally:
-            shutil.rmtree(spec.work_dir / "l2", ignore_errors=True)
-        runs.append(Run(args.scenario_name, name, tuple(records), {}))
+    for turn in range(args.repeat):
+        for name in names:
+            label = name if args.repeat == 1 else f"{name}#{turn + 1}"
+            spec = config_spec(base, name, work)
+            watch = args.dashboard or name.endswith(MONITOR)
+            series: tuple[dict[str, Any], ...] = ()
+            final: dict[str, Any] = {}
+            try:
+                with LocalFleet(spec, monitor=name.endswith(MONITOR)) as cluster:
+                    if watch:  # the first read starts the router's sampling
+                        _dashboard(cluster.url, "/dashboard/data/latest")
+                        print(f"{label}: live dashboard at {cluster.url}/dashboard", flush=True)
+                    tokenizer = AutoTokenizer.from_pretrained(cluster.model)
+                    sessions = _sessions(args, tokenizer)
+                    runner = Runner(
+                        cluster.url, cluster.model_name, tokenizer, deadline_s=args.deadline
+                    )
+                    records = asyncio.run(
+                        runner.run(sessions, label=f"{args.scenario_name} {label}")
+                    )
+                    if watch:
+                        series, final = _watched(args, cluster.url, label)
+            finally:
+                shutil.rmtree(spec.work_dir / "l2", ignore_errors=True)
+            runs.append(Run(args.scenario_name, label, tuple(records), {}, series, final))
     return runs
+
+
+def _dashboard(url: str, path: str) -> dict[str, Any]:
+    from kvtier.tools.status import fetch
+
+    return fetch(url, path)
+
+
+def _watched(
+    args: argparse.Namespace, url: str, label: str
+) -> tuple[tuple[dict[str, Any], ...], dict[str, Any]]:
+    """The dashboard's series and totals once the workload is done (after one more sample),
+    and its screenshot with `--screenshots`."""
+    time.sleep(1.5)
+    doc = _dashboard(url, "/dashboard/data")
+    if args.screenshots:
+        from kvtier.tools.monitoring import capture_dashboard
+
+        png = Path(args.report_dir) / f"{args.scenario_name.lower()}_dashboard_{label}.png"
+        capture_dashboard(url + "/dashboard", screenshot=png)
+    return tuple(doc["series"]), dict(doc["totals"])
 
 
 def _cmd(args: argparse.Namespace) -> int:
     runs = run_scenario(args)
     rows = [summarize(r) for r in runs]
     out = Path(args.report_dir)
-    images = plot(runs, out, args.scenario_name)
+    images = plot(runs, out, args.scenario_name) + plot_tier_series(runs, out, args.scenario_name)
     table = markdown_table(rows, baseline=rows[0]["config"] if rows else None)
     report = out / f"{args.scenario_name.lower()}_report.md"
+    shots = sorted(out.glob(f"{args.scenario_name.lower()}_dashboard_*.png"))
     report.write_text(
         f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
-        + "\n".join(f"![{p.stem}]({p.name})" for p in images)
+        + _dashboard_note(runs)
+        + "\n".join(f"![{p.stem}]({p.name})" for p in [*images, *shots])
         + "\n"
     )
+    series = {r.config: r.series for r in runs if r.series}
+    if series:
+        (out / f"{args.scenario_name.lower()}_series.json").write_text(json.dumps(series) + "\n")
     if args.json:
         write_json(rows, Path(args.json))
     print(table)
     print(f"\nreport: {report}")
     return 0
+
+
+def _dashboard_note(runs: list[Run]) -> str:
+    """What each watched run's dashboard showed at its end, beside the benchmark's figures."""
+    watched = [r for r in runs if r.dashboard]
+    if not watched:
+        return ""
+    lines = [
+        "While each configuration ran, its router served the live dashboard at "
+        "`<router>/dashboard` (docs/observability.md); its tier-hit series is plotted below. "
+        "At the end of each run the dashboard showed:",
+        "",
+        "| config | requests | TTFT p50 ms | TTFT p90 ms | cached share | routing accuracy |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in watched:
+        d = r.dashboard
+        lines.append(
+            f"| {r.config} | {d['requests']} | {d['ttft_p50_ms']} | {d['ttft_p90_ms']} | "
+            f"{d['cached_share']} | {d['routing_accuracy']} |"
+        )
+    return "\n".join(lines) + "\n\n"
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -152,6 +231,23 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="seconds after which a configuration stops sending (default 900)",
     )
     p.add_argument("--json", metavar="FILE", help="write one JSON row per configuration")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run the configurations this many times, interleaved (default 1)",
+    )
+    p.add_argument(
+        "--no-dashboard",
+        dest="dashboard",
+        action="store_false",
+        help="do not sample the router dashboard (no tier-hit series; for overhead runs)",
+    )
+    p.add_argument(
+        "--screenshots",
+        action="store_true",
+        help="screenshot each run's dashboard when its workload ends (needs chromium)",
+    )
     p.add_argument(
         "--report-dir",
         default="out/report",

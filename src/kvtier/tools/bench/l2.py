@@ -112,6 +112,11 @@ class L2Target:
         with open(self._raw_path(name, True), "rb", buffering=0) as f:
             return len(f.read())
 
+    def raw_read_into(self, name: str, buffer: memoryview) -> int:
+        """The plain read into a buffer the reader reuses (directory targets); bytes read."""
+        with open(self._raw_path(name, True), "rb", buffering=0) as f:
+            return f.readinto(buffer) or 0
+
     def raw_remove(self, name: str) -> None:
         if self.url is not None:
             self._valkey().delete(_RAW_PREFIX + name)

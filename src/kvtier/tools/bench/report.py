@@ -15,7 +15,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,10 @@ class Run:
     records: tuple[Record, ...]
     extra: Mapping[str, Any]
     """Figures the run adds to its row (e.g. per-tier hit tokens from the replicas)."""
+    series: tuple[Mapping[str, Any], ...] = ()
+    """The router dashboard's time series of the run (`kvtier.router.dashboard`), if watched."""
+    dashboard: Mapping[str, Any] = field(default_factory=dict)
+    """The dashboard's totals at the end of the run (what its screenshot shows)."""
 
 
 def summarize(run: Run) -> dict[str, Any]:
@@ -156,6 +160,43 @@ def plot(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:
         ),
     )
     return paths
+
+
+TIER_COLORS = {"l0": "#2e7d32", "l1": "#1e88e5", "l2": "#8e24aa", "computed": "#bdbdbd"}
+
+
+def plot_tier_series(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:
+    """One PNG: prompt tokens/s served by each tier over the run, per configuration (from the
+    router dashboard's series; nothing when no run was watched)."""
+    watched = [r for r in runs if r.scenario == scenario and r.series]
+    if not watched:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(watched), 1, figsize=(8, 2.4 * len(watched)), squeeze=False)
+    for ax, run in zip(axes[:, 0], watched, strict=True):
+        points = [p for p in run.series if "tokens_per_s" in p]
+        t0 = points[0]["t"] if points else 0.0
+        ax.stackplot(
+            [p["t"] - t0 for p in points],
+            *([p["tokens_per_s"][tier] for p in points] for tier in TIER_COLORS),
+            labels=[tier.upper() for tier in TIER_COLORS],
+            colors=list(TIER_COLORS.values()),
+        )
+        ax.set_title(run.config, fontsize=9)
+        ax.set_ylabel("tokens/s")
+    axes[0, 0].legend(loc="upper right", fontsize=8, ncols=4)
+    axes[-1, 0].set_xlabel("seconds into the run")
+    fig.suptitle(f"{scenario}: prompt tokens served by tier (router dashboard, 1 s samples)")
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{scenario.lower()}_tier_series.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: Path) -> None:

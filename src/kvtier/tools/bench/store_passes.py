@@ -17,7 +17,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
 from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
-from kvtier.core.tiers.base import BlockTier
+from kvtier.core.tiers.base import BlockTier, ReadsInto
 from kvtier.tools.bench.l2 import L2Target, parse_l2_spec
 
 __all__ = [
@@ -162,6 +162,15 @@ def _get(tier: BlockTier, hashes: Sequence[BlockHash], i: int) -> None:
     tier.get(hashes[i])
 
 
+def _read_into(tier: ReadsInto, hashes: Sequence[BlockHash], buffer: memoryview, i: int) -> None:
+    if tier.read_into(hashes[i], buffer) is None:
+        raise RuntimeError("L2 read_into missed a block that was written")
+
+
+def _raw_read_into(target: L2Target, names: Sequence[str], buffer: memoryview, i: int) -> None:
+    target.raw_read_into(names[i], buffer)
+
+
 def _drop_page_cache() -> None:
     os.sync()
     try:
@@ -248,13 +257,14 @@ def measure_l2(
 ) -> None:
     """The L2 tier next to the raw operations, on the same target and bytes (every repeat)."""
     tokens, n = config.block_tokens, config.blocks
+    size = geometry.block_bytes(tokens)
     writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
     names = [f"{i:04d}.bin" for i in range(n)]
     # The same keys every repeat (removed in between, fan-out directories stay): the steady
     # state of a long-running L2.
     hashes, metas = _chains("l2", n // CHAIN_BLOCKS, tokens, geometry)
     try:
-        for r in range(config.repeats):
+        for _ in range(config.repeats):
             os.sync()
             t_raw_w, t_l2_w = paired(
                 n,
@@ -266,10 +276,11 @@ def measure_l2(
                 _drop_page_cache()
             else:
                 os.sync()
+            hits = reader.stats().hits
             t_raw_r, t_l2_r = paired(
                 n, partial(_raw_read, target, names), partial(_get, reader, hashes)
             )
-            if reader.stats().hits != (r + 1) * n:
+            if reader.stats().hits - hits != n:
                 raise RuntimeError("L2 read back fewer blocks than were written")
             for name, t in (
                 ("raw_write", t_raw_w),
@@ -278,6 +289,18 @@ def measure_l2(
                 ("l2_read", t_l2_r),
             ):
                 seconds[name].append(t)
+            if isinstance(reader, ReadsInto) and target.url is None:
+                # The connector's path: into a staging buffer each side reuses (pre-faulted).
+                if config.cold:
+                    _drop_page_cache()
+                mine, theirs = (memoryview(bytearray(size)) for _ in range(2))
+                t_raw_i, t_l2_i = paired(
+                    n,
+                    partial(_raw_read_into, target, names, theirs),
+                    partial(_read_into, reader, hashes, mine),
+                )
+                seconds.setdefault("raw_read_into", []).append(t_raw_i)
+                seconds.setdefault("l2_read_into", []).append(t_l2_i)
             for h, name in zip(hashes, names, strict=True):
                 writer.remove(h)
                 target.raw_remove(name)

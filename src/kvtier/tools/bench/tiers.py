@@ -1,36 +1,49 @@
 """S1 `kvtier bench tiers`: TTFT of a prompt served cold, from L0, from L1 and from another
-replica's L2, for kvtier and its peers, side by side in one run.
+replica's L2 (a local directory and JuiceFS mounts), for kvtier and plain vLLM, side by side in
+one run, with the spread of the runs and, with `--breakdown`, where an L2 hit's time goes.
 
-    kvtier bench tiers --lengths 512,1024,2500,4000 --runs 3 --json s1.json
+    kvtier bench tiers --lengths 512,1024,2500,4000 --runs 5 --juicefs --breakdown --json s1.json
 
 Servers (all `vllm serve` on the same model, pinned to the same cores with the same thread
-count, started through `kvtier.tools.vllm_server`, one at a time: an idle engine still polls and
-would steal the core of the one being measured):
-- `kvtier` A and B: the connector, one shared L2 directory;
-- `vllm-prefix`: plain vLLM (its prefix cache is the L0 baseline);
-- peers, each tried and recorded with the exact error when it cannot run here:
-  `vllm-offload` (`--kv-offloading-size`), `vllm-offload-fs` (its tiering with an `fs` tier
-  shared by two servers), `lmcache` (`--kv-offloading-backend lmcache`).
+count, started through `kvtier.tools.vllm_server`), all up at once, and every one not being
+measured frozen (SIGSTOP of its process group: an idle engine still polls and would steal the
+core of the one being measured):
+- `kvtier` A: the connector with L2 in a directory; serves cold, L0 and L1;
+- `kvtier` B: a second replica on the same directory that never computes a prompt (L2 hits);
+- `kvtier-juicefs`: a replica reading L2 through the second mount of a JuiceFS volume (metadata
+  in a Valkey server, objects in a local directory) whose first mount received A's blocks
+  (copied file by file: the same bytes A wrote), so every hit crosses FUSE, JuiceFS's client
+  and its object store, as on another node;
+- `kvtier-NAME` for each `--variant NAME:key=value,...`: another L2 reader with those connector
+  settings (e.g. the data path before this release, to compare in the same run);
+- `vllm-prefix`: plain vLLM (its prefix cache is the L0 baseline).
+Peers (vLLM's native offloading, LMCache) are tried afterwards, one at a time, and recorded with
+the exact error when they cannot run here.
 
-For every length and run a fresh document of exactly that many tokens (real text, see
-`kvtier.tools.bench.corpus`) is sent with max_tokens=1 and streamed; TTFT is the time to the first
-token. Per prompt: cold on A, again on A (L0 hit), after emptying A's L0 through vLLM's
-`/reset_prefix_cache` (L1 hit); then, A stopped, on B, which never saw it (L2 hit). Rows carry
-the median and every run.
+Order: runs go round by round; in each, every length gets a fresh document of exactly that many
+tokens (real text, `kvtier.tools.bench.corpus`), sent with max_tokens=1 and streamed (TTFT =
+time to the first streamed token): cold on A and on plain vLLM, then L0 on both (which of the
+two goes first alternates from run to run), L1 on A after emptying its L0 through vLLM's
+`/reset_prefix_cache`, then the L2 hits on every reader (in an order that rotates). So slow
+drifts of a shared machine hit every system alike, and each ratio is taken within one prompt
+(paired); rows report the median and the min-max of the runs, ratios the median and min-max
+of the paired ratios.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import os
 import random
 import re
 import shutil
+import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,10 +52,28 @@ from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port
 from kvtier.router.health import engine_block_tokens
 from kvtier.tools.bench.client import call
+from kvtier.tools.bench.tiers_breakdown import (
+    PHASES,
+    Breakdown,
+    breakdown_rows,
+    breakdown_table,
+    save_cpu,
+    scrape,
+    write_chart,
+)
 from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
 
 GIB = 1024**3
 SCENARIOS = ("cold", "l0", "l1", "l2_cross")
+PLAIN = "vllm-prefix"
+RATIOS = (
+    ("kvtier cold / vLLM cold", ("kvtier", "cold"), (PLAIN, "cold")),
+    ("kvtier L1 / vLLM L0", ("kvtier", "l1"), (PLAIN, "l0")),
+    ("kvtier L2 / vLLM L0", ("kvtier", "l2_cross"), (PLAIN, "l0")),
+    ("kvtier L2 / kvtier L0", ("kvtier", "l2_cross"), ("kvtier", "l0")),
+    ("vLLM cold / kvtier L2", (PLAIN, "cold"), ("kvtier", "l2_cross")),
+)
+"""Paired ratios reported for kvtier; every L2 reader gets its "L2 / vLLM L0" too."""
 
 
 @dataclass(slots=True)
@@ -63,6 +94,8 @@ class Row:
             row["error"] = self.error
         else:
             row["ttft_ms"] = round(statistics.median(self.runs), 2)
+            row["min_ms"] = round(min(self.runs), 2)
+            row["max_ms"] = round(max(self.runs), 2)
             row["runs"] = [round(r, 2) for r in self.runs]
         return row
 
@@ -78,6 +111,8 @@ def prompt_ids(corpus: Any, n_tokens: int, seed: int) -> list[int]:
 
 def ttft_ms(url: str, model: str, tokens: Sequence[int], timeout_s: float = 600.0) -> float:
     """Stream one greedy completion of one token; milliseconds until its first chunk."""
+    import asyncio
+
     from kvtier.tools.bench.client import new_pool, stream_request
 
     async def once() -> float:
@@ -109,21 +144,46 @@ def reset_l0(url: str, attempts: int = 50) -> None:
     raise KvtierError(f"{url}: prefix cache still busy after {attempts} resets")
 
 
-def wait_for_l2(
-    l2_dir: Path, tokens: Sequence[int], block_tokens: int, timeout_s: float = 120.0
-) -> None:
-    """Block until every full kvtier block of `tokens` is published in L2 (write-through is
-    asynchronous: the cross-replica scenario must not race it)."""
+def block_files(l2_dir: Path, tokens: Sequence[int], block_tokens: int) -> list[Path]:
+    """Paths (relative to `l2_dir`) of the L2 files of every full kvtier block of `tokens`."""
     from kvtier.core.keys import block_hashes
 
-    names = {f"{h.hex()}.kvt" for h in block_hashes(list(tokens), block_tokens)}
+    names = [h.hex() for h in block_hashes(list(tokens), block_tokens)]
+    namespaces = [p.name for p in l2_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    if len(namespaces) != 1:
+        raise KvtierError(f"{l2_dir}: expected one namespace directory, found {namespaces}")
+    return [Path(namespaces[0], h[0:2], h[2:4], f"{h}.kvt") for h in names]
+
+
+def wait_for_l2(
+    l2_dir: Path, tokens: Sequence[int], block_tokens: int, timeout_s: float = 120.0
+) -> list[Path]:
+    """Block until every full kvtier block of `tokens` is published in L2 (write-through is
+    asynchronous: the cross-replica scenario must not race it); returns their paths."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        present = {p.name for p in l2_dir.rglob("*.kvt")}
-        if names <= present:
-            return
-        time.sleep(0.1)
-    raise KvtierError(f"L2 write-through of {len(names)} blocks not done after {timeout_s} s")
+        try:
+            files = block_files(l2_dir, tokens, block_tokens)
+            if all((l2_dir / f).is_file() for f in files):
+                return files
+        except KvtierError:
+            pass  # the namespace directory is not there yet
+        time.sleep(0.05)
+    raise KvtierError(
+        f"L2 write-through of a {len(tokens)}-token prompt not done after {timeout_s} s"
+    )
+
+
+def copy_blocks(src_root: Path, dst_root: Path, files: Sequence[Path]) -> None:
+    """Publish `files` under `dst_root` as a writer would: a temp name, then a rename."""
+    for rel in files:
+        dst = dst_root / rel
+        if dst.exists():
+            continue
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f"{dst.name}.{os.getpid()}.copy.tmp")
+        shutil.copyfile(src_root / rel, tmp)
+        os.rename(tmp, dst)
 
 
 def failure_reason(log_path: Path) -> str:
@@ -135,6 +195,33 @@ def failure_reason(log_path: Path) -> str:
         if re.search(r"\b\w*(Error|Exception): ", ln) and "WARNING" not in ln
     ]
     return (errors or lines[-1:] or ["no output"])[0][:500]
+
+
+def paired_ratios(
+    rows: dict[tuple[str, int, str], Row], l2_systems: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Median and min-max of per-prompt ratios (both TTFTs of one prompt, taken close in time)."""
+    specs = list(RATIOS) + [
+        (f"{s} L2 / vLLM L0", (s, "l2_cross"), (PLAIN, "l0")) for s in l2_systems if s != "kvtier"
+    ]
+    out: list[dict[str, Any]] = []
+    for tokens in sorted({t for _, t, _ in rows}):
+        for name, (sa, ca), (sb, cb) in specs:
+            a, b = rows.get((sa, tokens, ca)), rows.get((sb, tokens, cb))
+            if a is None or b is None or a.error or b.error or len(a.runs) != len(b.runs):
+                continue
+            ratios = [x / y for x, y in zip(a.runs, b.runs, strict=True)]
+            out.append(
+                {
+                    "ratio": name,
+                    "tokens": tokens,
+                    "median": round(statistics.median(ratios), 3),
+                    "min": round(min(ratios), 3),
+                    "max": round(max(ratios), 3),
+                    "runs": [round(r, 3) for r in ratios],
+                }
+            )
+    return out
 
 
 class Bench:
@@ -153,10 +240,14 @@ class Bench:
         self.work = Path(tempfile.mkdtemp(prefix="kvtier-bench-tiers-"))
         self.l2_dir = Path(args.l2_path) if args.l2_path else self.work / "l2"
         self.l2_dir.mkdir(parents=True, exist_ok=True)
-        self.servers: list[Any] = []
+        self.servers: dict[str, Any] = {}
+        self.frozen: set[str] = set()
         self.rows: dict[tuple[str, int, str], Row] = {}
+        self.breakdowns: list[Breakdown] = []
+        self.save_cpu: dict[str, float] = {}
 
     def start(self, label: str, transfer: dict[str, Any] | None, extra: Sequence[str] = ()) -> Any:
+        """Start a server, warm it up, and freeze it until `use(label)`."""
         from kvtier.tools.vllm_server import ServerSpec, start_server
 
         spec = ServerSpec(
@@ -172,8 +263,9 @@ class Bench:
             log_path=self.work / f"{label}.log",
         )
         server = start_server(spec, timeout_s=900)
-        self.servers.append(server)
-        ttft_ms(server.url, self.name, prompt_ids(self.corpus, 300, seed=hash(label) % 10**6))
+        self.servers[label] = server
+        ttft_ms(server.url, self.name, prompt_ids(self.corpus, 300, seed=len(self.servers)))
+        self._signal(label, signal.SIGSTOP)
         return server
 
     def try_start(
@@ -184,18 +276,44 @@ class Bench:
         except KvtierError:
             return None, failure_reason(self.work / f"{label}.log")
 
+    @contextmanager
+    def use(self, label: str) -> Iterator[str]:
+        """Thaw one server (every other one stays frozen) and yield its URL."""
+        for other in list(self.servers):
+            if other != label and other not in self.frozen:
+                self._signal(other, signal.SIGSTOP)
+        self._signal(label, signal.SIGCONT)
+        try:
+            yield self.servers[label].url
+        finally:
+            self._signal(label, signal.SIGSTOP)
+
+    def _signal(self, label: str, sig: int) -> None:
+        try:
+            os.killpg(self.servers[label].pid, sig)
+        except ProcessLookupError:
+            pass
+        if sig == signal.SIGSTOP:
+            self.frozen.add(label)
+        else:
+            self.frozen.discard(label)
+
     def prompts(self, length: int) -> list[list[int]]:
         return [
             prompt_ids(self.corpus, length, seed=length * 1000 + i) for i in range(self.args.runs)
         ]
 
+    def record(self, system: str, tokens: int, scenario: str, ms: float) -> None:
+        self.rows.setdefault((system, tokens, scenario), Row(system, tokens, scenario)).runs.append(
+            ms
+        )
+
     def measure(self, system: str, scenarios: dict[str, Callable[[list[int]], float]]) -> None:
-        """Run the scenarios in order on every run's prompt of every length."""
+        """Run the scenarios in order on every run's prompt of every length (peers)."""
         for length in self.args.lengths:
             for tokens in self.prompts(length):
                 for scenario, fn in scenarios.items():
-                    key = (system, length, scenario)
-                    self.rows.setdefault(key, Row(system, length, scenario)).runs.append(fn(tokens))
+                    self.record(system, length, scenario, fn(tokens))
             for scenario in scenarios:
                 print(json.dumps(self.rows[system, length, scenario].as_dict()), flush=True)
 
@@ -222,60 +340,153 @@ class Bench:
                 self.rows[system, length, s] = Row(system, length, s, error=reason)
 
     def close(self) -> None:
-        for server in self.servers:
+        for label, server in self.servers.items():
+            self._signal(label, signal.SIGCONT)  # a stopped process would not act on SIGTERM
             server.stop()
-        self.servers = []
+        self.servers = {}
+        self.frozen = set()
 
 
-def _kvtier(
-    bench: Bench, system: str = "kvtier", l2_a: Path | None = None, l2_b: Path | None = None
-) -> None:
-    """Replica A measures cold/L0/L1 with L2 at `l2_a`; replica B, started after A stopped,
-    measures L2 hits reading `l2_b` (the same directory, or another mount of one volume)."""
-    l2_a = l2_a or bench.l2_dir
-    l2_b = l2_b or l2_a
-
-    def transfer_for(l2: Path) -> dict[str, Any]:
-        return kv_transfer_config(
-            ConnectorSettings(
-                l1_bytes=int(bench.args.l1_gib * GIB),
-                l2_path=str(l2),
-                block_tokens=bench.args.block_tokens,
-            )
+def _transfer(bench: Bench, l2: Path, **settings: Any) -> dict[str, Any]:
+    return kv_transfer_config(
+        ConnectorSettings(
+            l1_bytes=int(bench.args.l1_gib * GIB),
+            l2_path=str(l2),
+            block_tokens=bench.args.block_tokens,
+            **settings,
         )
-
-    a = bench.start(f"{system}-a", transfer_for(l2_a))
-    bench.measure_local(system, a.url)
-    block_tokens = bench.args.block_tokens or engine_block_tokens(call(a.url, "/metrics")[1])
-    for length in bench.args.lengths:
-        for tokens in bench.prompts(length):
-            wait_for_l2(l2_b, tokens, block_tokens or 0)
-    bench.close()  # one server at a time: an idle engine still polls and steals the core
-    b = bench.start(f"{system}-b", transfer_for(l2_b))
-    bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, bench.name, t)})
+    )
 
 
-def _kvtier_juicefs(bench: Bench) -> None:
-    """The kvtier rows again with L2 on a JuiceFS volume, A and B on two mounts (two nodes)."""
+def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
+    """`NAME:key=value,...` -> (NAME, connector settings), checked against `ConnectorSettings`;
+    the key `l2=juicefs` (needs `--juicefs`) makes the variant read through the JuiceFS mount
+    instead of the directory."""
+    name, _, body = text.partition(":")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", name):
+        raise argparse.ArgumentTypeError(f"variant name {name!r}: lower-case letters, digits, -")
+    settings: dict[str, Any] = {}
+    for item in filter(None, body.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"variant {name}: expected key=value, got {item!r}")
+        settings[key.strip()] = value.strip()
+    if settings.get("l2", "dir") not in ("dir", "juicefs"):
+        raise argparse.ArgumentTypeError(f"variant {name}: l2 must be dir or juicefs")
+    try:
+        ConnectorSettings.from_mapping({k: v for k, v in settings.items() if k != "l2"})
+    except KvtierError as exc:
+        raise argparse.ArgumentTypeError(f"variant {name}: {exc}") from None
+    return name, settings
+
+
+class _S1:
+    """The side-by-side run (see the module docstring)."""
+
+    def __init__(self, bench: Bench, jfs_dirs: tuple[Path, Path] | None) -> None:
+        self.bench = bench
+        self.jfs = jfs_dirs
+        self.readers: dict[str, str] = {"kvtier": "kvtier-b"}
+        """L2-reading system -> its server label."""
+        self.block_tokens = bench.args.block_tokens
+
+    def start(self) -> None:
+        b = self.bench
+        b.start("vllm-prefix", None)
+        b.start("kvtier-a", _transfer(b, b.l2_dir))
+        if not self.block_tokens:
+            with b.use("kvtier-a") as url:
+                self.block_tokens = engine_block_tokens(call(url, "/metrics")[1]) or 0
+        b.start("kvtier-b", _transfer(b, b.l2_dir))
+        if self.jfs is not None:
+            b.start("kvtier-juicefs", _transfer(b, self.jfs[1]))
+            self.readers["kvtier-juicefs"] = "kvtier-juicefs"
+        for name, variant in b.args.variant or ():
+            settings = dict(variant)
+            on_juicefs = settings.pop("l2", "dir") == "juicefs"
+            if on_juicefs and self.jfs is None:
+                raise KvtierError(f"variant {name}: l2=juicefs needs --juicefs")
+            label = f"kvtier-{name}"
+            l2 = self.jfs[1] if on_juicefs and self.jfs is not None else b.l2_dir
+            b.start(label, _transfer(b, l2, **settings))
+            self.readers[label] = label
+
+    def run(self) -> None:
+        b = self.bench
+        lengths = list(b.args.lengths)
+        prompts = {n: b.prompts(n) for n in lengths}
+        with b.use("kvtier-a") as url:
+            before = scrape(url)
+        for r in range(b.args.runs):
+            order = lengths[r % len(lengths) :] + lengths[: r % len(lengths)]
+            for n in order:
+                self.one_prompt(prompts[n][r], r)
+            print(f"kvtier bench tiers: run {r + 1}/{b.args.runs} done", flush=True)
+        with b.use("kvtier-a") as url:
+            ttft_ms(url, b.name, prompts[lengths[0]][0][:64])  # a step: the last stats arrive
+            after = scrape(url)
+        b.save_cpu = save_cpu(before, after)
+
+    def one_prompt(self, tokens: list[int], r: int) -> None:
+        b, n = self.bench, len(tokens)
+        pair = [("kvtier", "kvtier-a"), (PLAIN, "vllm-prefix")]
+        if r % 2:
+            pair.reverse()
+        files: list[Path] = []
+        for system, label in pair:  # cold
+            with b.use(label) as url:
+                b.record(system, n, "cold", ttft_ms(url, b.name, tokens))
+                if label == "kvtier-a":  # its write-through finishes before it is frozen
+                    files = wait_for_l2(b.l2_dir, tokens, self.block_tokens)
+                    time.sleep(0.2)
+        for system, label in pair:  # L0
+            with b.use(label) as url:
+                b.record(system, n, "l0", ttft_ms(url, b.name, tokens))
+        with b.use("kvtier-a") as url:  # L1
+            reset_l0(url)
+            b.record("kvtier", n, "l1", ttft_ms(url, b.name, tokens))
+        if self.jfs is not None:
+            copy_blocks(b.l2_dir, self.jfs[0], files)
+            time.sleep(1.2)  # the other mount's attribute and entry caches (1 s)
+        readers = list(self.readers.items())
+        for system, label in readers[r % len(readers) :] + readers[: r % len(readers)]:
+            with b.use(label) as url:
+                before = scrape(url) if b.args.breakdown else None
+                ms = ttft_ms(url, b.name, tokens)
+                b.record(system, n, "l2_cross", ms)
+                if before is not None:
+                    b.breakdowns.append(Breakdown.measure(system, n, ms, url, before))
+                # the replica copies the loaded blocks into its L1 in the background: let it
+                # finish before it is frozen, so it never runs during another measurement
+                time.sleep(0.3 + 0.01 * len(files))
+
+
+def _kvtier(bench: Bench) -> list[str]:
+    """The side-by-side run; returns the L2-reading systems."""
+    if not bench.args.juicefs:
+        s1 = _S1(bench, None)
+        s1.start()
+        s1.run()
+        return list(s1.readers)
     from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
+    from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec, start_valkey
 
-    with JuiceFSVolume(JuiceFSVolumeSpec(root=str(bench.work / "juicefs"))) as volume:
+    # Metadata in Valkey, as a multi-node volume keeps it (SQLite serialises two mounts).
+    meta = ValkeyServerSpec(maxmemory_bytes=0, data_dir=str(bench.work / "juicefs-meta"))
+    with (
+        start_valkey(meta) as server,
+        JuiceFSVolume(
+            JuiceFSVolumeSpec(root=str(bench.work / "juicefs"), meta_url=server.url + "/1")
+        ) as volume,
+    ):
         first, second = volume.mount(), volume.mount()
         try:
-            _kvtier(bench, "kvtier-juicefs", Path(first.path), Path(second.path))
+            s1 = _S1(bench, (Path(first.path), Path(second.path)))
+            s1.start()
+            s1.run()
+            return list(s1.readers)
         finally:
             bench.close()  # engines must let go of the mounts before they unmount
-
-
-def _vllm_prefix(bench: Bench) -> None:
-    server = bench.start("vllm-prefix", None)
-    bench.measure(
-        "vllm-prefix",
-        {
-            "cold": lambda t: ttft_ms(server.url, bench.name, t),
-            "l0": lambda t: ttft_ms(server.url, bench.name, t),
-        },
-    )
 
 
 def _peer(
@@ -291,14 +502,16 @@ def _peer(
     if a is None:
         bench.errors(system, scenarios, reason or "did not start")
         return
-    bench.measure_local(system, a.url)
+    with bench.use(f"{system}-a") as url:
+        bench.measure_local(system, url)
     bench.close()
     if two_servers:
         b, reason = bench.try_start(f"{system}-b", transfer, extra)
         if b is None:
             bench.errors(system, ["l2_cross"], reason or "did not start")
             return
-        bench.measure(system, {"l2_cross": lambda t: ttft_ms(b.url, bench.name, t)})
+        with bench.use(f"{system}-b") as url:
+            bench.measure(system, {"l2_cross": lambda t: ttft_ms(url, bench.name, t)})
         bench.close()
 
 
@@ -326,15 +539,30 @@ def _peers(bench: Bench) -> None:
     )
 
 
+def _print_summary(bench: Bench, ratios: list[dict[str, Any]]) -> None:
+    print("\nkvtier bench tiers: median TTFT ms [min-max] of", bench.args.runs, "runs")
+    for row in sorted(bench.rows.values(), key=lambda r: (r.tokens, r.system, r.scenario)):
+        d = row.as_dict()
+        if "error" in d:
+            continue
+        print(
+            f"  {row.tokens:>5} {row.system:>16} {row.scenario:>8} {d['ttft_ms']:9.1f} "
+            f"[{d['min_ms']:.1f}-{d['max_ms']:.1f}]"
+        )
+    print("paired ratios: median [min-max]")
+    for ratio in ratios:
+        print(
+            f"  {ratio['tokens']:>5} {ratio['ratio']:>34} {ratio['median']:6.3f} "
+            f"[{ratio['min']:.3f}-{ratio['max']:.3f}]"
+        )
+
+
 def _run(args: argparse.Namespace) -> int:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     bench = Bench(args)
+    load_before = os.getloadavg()
     try:
-        _kvtier(bench)
-        bench.close()  # free the cores before the next system
-        if args.juicefs:
-            _kvtier_juicefs(bench)
-        _vllm_prefix(bench)
+        l2_systems = _kvtier(bench)
         bench.close()
         if not args.skip_peers:
             _peers(bench)
@@ -342,8 +570,26 @@ def _run(args: argparse.Namespace) -> int:
         bench.close()
         if not args.l2_path:
             shutil.rmtree(bench.l2_dir, ignore_errors=True)  # GBs of blocks; logs are kept
-    rows = [r.as_dict() for r in bench.rows.values()]
+    ratios = paired_ratios(bench.rows, l2_systems)
+    breakdown = breakdown_rows(bench.breakdowns)
+    meta = {
+        "meta": "kvtier bench tiers",
+        "runs": args.runs,
+        "lengths": args.lengths,
+        "load_average": [round(x, 2) for x in (*load_before, *os.getloadavg())],
+        "cpus": os.cpu_count(),
+        "kvtier_a_save_cpu": bench.save_cpu,
+    }
+    rows = [meta] + [r.as_dict() for r in bench.rows.values()] + ratios + breakdown
     Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    _print_summary(bench, ratios)
+    if bench.save_cpu:
+        print(f"replica A's saves, off the engine's cores: {bench.save_cpu}")
+    if breakdown:
+        print("\nwhere an L2 hit's time goes (median ms over runs):")
+        print(breakdown_table(breakdown))
+    if args.chart and breakdown:
+        write_chart(breakdown, Path(args.chart))
     print(f"kvtier bench tiers: {len(rows)} rows -> {args.json} (server logs: {bench.work})")
     return 0
 
@@ -351,11 +597,9 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "tiers",
-        help="S1: TTFT cold / L0 / L1 / cross-replica L2, kvtier vs peers",
-        description="Measure time to first token of prompts served cold, from vLLM's prefix "
-        "cache (L0), from kvtier's L1 after L0 was emptied, and from L2 on a "
-        "second replica, beside plain vLLM and vLLM's native offloading and "
-        "LMCache (recorded with their error where they cannot run).",
+        help="S1: TTFT cold / L0 / L1 / cross-replica L2, kvtier vs plain vLLM and peers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--lengths",
@@ -363,7 +607,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="prompt lengths in tokens, comma-separated (default: %(default)s)",
     )
     p.add_argument(
-        "--runs", type=int, default=3, help="distinct prompts per length; rows report the median"
+        "--runs",
+        type=int,
+        default=5,
+        help="distinct prompts per length; rows report the median and min-max (default: 5)",
     )
     p.add_argument("--json", required=True, help="write the rows here")
     p.add_argument("--model", help="local HF model directory (default: the embedded model)")
@@ -371,8 +618,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--l1-gib",
         type=float,
-        default=2.0,
-        help="L1 budget of kvtier and of the offloading peers (default: 2)",
+        default=1.0,
+        help="L1 budget of kvtier and of the offloading peers (default: 1)",
     )
     p.add_argument(
         "--block-tokens",
@@ -387,9 +634,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--juicefs",
         action="store_true",
-        help="also measure kvtier with L2 on a JuiceFS volume (system "
-        "'kvtier-juicefs'): replica A writes through one FUSE mount, replica B "
-        "reads through a second mount of the same volume",
+        help="also measure L2 hits through a JuiceFS volume in the same run (system "
+        "'kvtier-juicefs': A's blocks land through one FUSE mount, the reader uses another)",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        type=parse_variant,
+        metavar="NAME:KEY=VALUE,...",
+        help="one more L2-reading replica 'kvtier-NAME' with these connector settings, e.g. "
+        "before:load_staging=false,background_cpus=inherit (repeatable)",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="read each L2 reader's connector metrics around every hit and print where the "
+        f"time goes ({', '.join(PHASES)})",
+    )
+    p.add_argument("--chart", help="with --breakdown: draw the breakdown as a PNG here")
     p.add_argument("--skip-peers", action="store_true", help="measure only kvtier and plain vLLM")
     p.set_defaults(func=_run)

@@ -27,12 +27,15 @@ def _cmd_up(args: argparse.Namespace) -> int:
     # through LocalFleet.stop() and leave nothing running.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with LocalFleet(spec) as cluster:
+        with LocalFleet(spec, monitor=args.monitor) as cluster:
             print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
             for i, url in enumerate(cluster.replica_urls):
                 print(f"  replica {i}: {url}")
             print(f"  L2: {cluster.l2_location or 'disabled'}")
             print(f"  endpoint: {cluster.url}/v1  (model {cluster.model_name!r})")
+            print(f"  dashboard: {cluster.url}/dashboard  (`kvtier status` in a terminal)")
+            if cluster.prometheus is not None:
+                print(f"  prometheus: {cluster.prometheus.url}  (rules: deploy/prometheus/)")
             print("kvtier: Ctrl-C or `kvtier down` stops everything", flush=True)
             while True:
                 time.sleep(3600)
@@ -78,6 +81,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="deployment YAML (HyperPod-style keys; see docs/cluster.md)",
     )
     up.add_argument("--replicas", type=int, help="override the number of replicas")
+    up.add_argument(
+        "--monitor",
+        action="store_true",
+        help="also run Prometheus (Debian's `prometheus`) scraping the router and every replica "
+        "each second, with kvtier's recording and alert rules (docs/observability.md)",
+    )
     up.set_defaults(func=_cmd_up)
     down = subparsers.add_parser(
         "down",

@@ -1,4 +1,5 @@
-"""Start and stop a local fleet: the shared L2, N vLLM replicas with the connector, the router.
+"""Start and stop a local fleet: the shared L2, N vLLM replicas with the connector, the router,
+and with `monitor`, a Prometheus scraping them (`kvtier.tools.monitoring`).
 
 `Cluster(spec)` owns every process it starts (and the L2 server or mount when it started one);
 `stop()` ends them all, in reverse order, whatever state start-up reached. A state file in the
@@ -23,6 +24,7 @@ from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import FleetSpec
 from kvtier.tools.embedded_model import resolve_model
+from kvtier.tools.monitoring import Prometheus
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.tools.vllm_server import ServerProcess, ServerSpec
 from kvtier.vllm.settings import kv_transfer_config
@@ -33,9 +35,11 @@ STATE_FILE = "cluster.json"
 class LocalFleet:
     """A running fleet; use as a context manager or call `start()` / `stop()`."""
 
-    def __init__(self, spec: FleetSpec, *, progress: bool = True) -> None:
+    def __init__(self, spec: FleetSpec, *, progress: bool = True, monitor: bool = False) -> None:
         self.spec = spec
         self.progress = progress
+        self.monitor = monitor
+        self.prometheus: Prometheus | None = None
         self.work_dir = spec.work_dir.resolve()
         self.model = resolve_model(spec.model)
         self.model_name = Path(self.model).name
@@ -61,6 +65,10 @@ class LocalFleet:
             self._start_l2()
             self._start_replicas()
             self._start_router()
+            if self.monitor:
+                self.prometheus = Prometheus(
+                    self.work_dir / "prometheus", self.url, self.replica_urls
+                ).start()
             self._write_state()
         except BaseException:
             self.stop()
@@ -160,8 +168,9 @@ class LocalFleet:
             "strategy": self.spec.strategy,
             "model_dir": self.model,
             "replicas": self.replica_urls,
-            "events": self.event_endpoints if self.spec.cache.connector_enabled else (),
         }
+        if self.spec.cache.connector_enabled:  # (an empty --events is not a valid flag)
+            values["events"] = self.event_endpoints
         cmd = [
             sys.executable,
             "-m",
@@ -181,11 +190,16 @@ class LocalFleet:
             "router": self.url,
             "replicas": self.replica_urls,
             "l2": self.l2_location,
+            "dashboard": self.url + "/dashboard",
+            "prometheus": self.prometheus.url if self.prometheus is not None else None,
         }
         (self.work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
 
     # ----------------------------------------------------------------------------- shutdown
     def stop(self) -> None:
+        if self.prometheus is not None:
+            self.prometheus.stop()
+            self.prometheus = None
         if self.router is not None:
             self.router.terminate()
             try:

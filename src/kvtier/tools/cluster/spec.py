@@ -28,6 +28,7 @@ connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
       connector: {}                # e.g. {block_tokens: 256, admission: reused}
       router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
+    kubernetes: {}                 # the fleet on a cluster (`kvtier deploy render`)
 
 `load_spec` validates every key and raises `ConfigError` naming its full path
 (`kvCacheSpec.l2CacheSpec.l2CacheBackend: ...`); unknown keys are errors too (typos must not be
@@ -45,6 +46,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 from kvtier.core.errors import ConfigError
 from kvtier.core.settings import Settings
 from kvtier.router.settings import RouterSettings, Strategy
+from kvtier.tools.deploy.settings import KubernetesSpec
 from kvtier.vllm.settings import ConnectorSettings
 
 __all__ = [
@@ -55,6 +57,7 @@ __all__ = [
     "RoutingSpec",
     "load_spec",
     "parse_spec",
+    "read_document",
 ]
 
 GIB = 1024**3
@@ -194,6 +197,8 @@ class FleetSpec(Section):
     local: LocalSpec = Field(default_factory=LocalSpec, alias="kvtier")
     """What HyperPod has no name for: ports, engine cache, work directory, any connector or
     router setting."""
+    kubernetes: KubernetesSpec = Field(default_factory=KubernetesSpec)
+    """The fleet on a Kubernetes cluster (`kvtier deploy render`; `kvtier up` ignores it)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
@@ -246,14 +251,16 @@ def parse_spec(data: object) -> FleetSpec:
     return FleetSpec.from_mapping(data)
 
 
-def load_spec(path: Path | None) -> FleetSpec:
-    """The spec in `path` (YAML), or the defaults when `path` is None."""
-    if path is None:
-        return parse_spec({})
+def read_document(path: Path) -> object:
+    """The YAML document in `path`; ConfigError when it cannot be read or parsed."""
     try:
-        data = yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML ({exc})") from exc
-    return parse_spec(data)
+
+
+def load_spec(path: Path | None) -> FleetSpec:
+    """The spec in `path` (YAML), or the defaults when `path` is None."""
+    return parse_spec({} if path is None else read_document(path))

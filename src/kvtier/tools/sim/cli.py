@@ -28,6 +28,8 @@ _TRACE_HELP = (
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvtier.tools.sim import agent_trace
+
     sim = subparsers.add_parser(
         "sim",
         help="simulate a fleet replaying a trace (hit rates, TTFT, load balance)",
@@ -98,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     plan.add_argument("--json", type=Path, metavar="FILE", help="write the answer as JSON")
     plan.set_defaults(func=_run_plan)
+    agent_trace.register(subparsers)
 
 
 def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:

@@ -8,7 +8,7 @@ Model (every choice here is a stated assumption, see docs/sim.md):
 - On arrival the router's strategy (`kvtier.router.policies`, unchanged) picks a replica from
   `ReplicaView`s counted as the real router counts them: requests in flight (routed, until their
   last output token) and uncached prompt tokens routed but not yet at first token (prompt minus
-  the decision's `cached_tokens`).
+  the decision's `cached_tokens`, plus the read time of slower tiers: `work_tokens`).
 - When a replica starts a request it walks the prompt's blocks: each block comes from the best
   tier holding it (L0 > L1 > L2); the walk stops at the first block held nowhere (prefix caching
   is contiguous) or held only where reading is slower than recomputing. The start waits for the
@@ -41,7 +41,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
-from kvtier.router.policies import ReplicaView, RouteRequest
+from kvtier.router.policies import ReplicaView, RouteRequest, work_tokens
 from kvtier.tools.sim.caches import EVICTION, BlockCache, make_cache
 from kvtier.tools.sim.cost_model import CostModel
 from kvtier.tools.sim.report import ReplicaReport, SimResult, max_over_mean, percentile_ms
@@ -210,7 +210,7 @@ class _Fleet:
         self.policy.observe_routed(route, decision, now)
         self.reasons[decision.reason] += 1
         replica = self.by_name[decision.replica]
-        job = _Job(request, max(0, request.input_tokens - decision.cached_tokens))
+        job = _Job(request, work_tokens(route, decision))
         replica.routed += 1
         replica.in_flight += 1
         replica.queued_prefill_tokens += job.expected_uncached
@@ -262,10 +262,13 @@ class _Fleet:
         self.queue_s.append(job.started_s - request.arrival_s)
         replica.queued_prefill_tokens -= job.expected_uncached
         for tier, cache in replica.tiers:
+            stored: list[BlockHash] = []
             evicted: list[int] = []
-            for block in request.blocks:
+            for block, h in zip(request.blocks, request.hashes, strict=True):
+                if block not in cache:
+                    stored.append(h)
                 evicted += cache.put(block)
-            self._publish(replica, tier, request.hashes, evicted, now)
+            self._publish(replica, tier, stored, evicted, now)
         self._schedule(now + self.costs.decode_s(request.output_tokens), _DECODE_DONE, replica, job)
         replica.busy = False
         if replica.queue:
@@ -275,15 +278,17 @@ class _Fleet:
         self,
         replica: _Replica,
         tier: Tier,
-        stored: tuple[BlockHash, ...],
+        stored: list[BlockHash],
         evicted: list[int],
         now: float,
     ) -> None:
-        """KV events of one tier after a request: all its blocks stored, then the evictions."""
+        """KV events of one tier after a request, as the engine and the connector emit them:
+        the blocks new to the tier stored, then the evictions."""
         if self.index is None:
             return
         holder = SHARED if tier is Tier.L2 else replica.name
-        self.index.insert(holder, stored, tier, now)
+        if stored:
+            self.index.insert(holder, stored, tier, now)
         if evicted:
             self.index.remove(holder, [block_hash(b) for b in evicted], tier)
 

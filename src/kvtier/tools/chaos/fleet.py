@@ -1,0 +1,308 @@
+"""The fleet `kvtier bench chaos` injects faults into: 3 replicas, the router, and a shared L2 of
+the kind a phase needs, with handles for every fault.
+
+    juicefs   one JuiceFS mount shared by the replicas; its metadata in a Valkey server that
+              persists (AOF, fsync always), so killing and restarting it loses nothing
+    faultfs   `kvtier.tools.chaos.faultfs` over a small tmpfs: EIO, slow reads, a full disk,
+              and a FUSE mount to pull from under the replicas
+    valkey    a Valkey server as the L2
+
+`ChaosFleet` wraps `kvtier.tools.cluster.local_fleet.LocalFleet` (replicas and router) and owns
+the L2 pieces it starts; `stop()` ends everything, whatever state a fault left it in.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self, cast
+
+import psutil
+
+from kvtier.net.ports import free_port, free_port_range
+from kvtier.net.readiness import wait_ready
+from kvtier.router.settings import Strategy
+from kvtier.tools.chaos.faultfs import FaultFS
+from kvtier.tools.cluster.local_fleet import LocalFleet
+from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, L2Spec, LocalSpec, RoutingSpec
+from kvtier.tools.l2ops.juicefs import JuiceFSMount, JuiceFSVolume, JuiceFSVolumeSpec, mounted_under
+from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
+from kvtier.tools.vllm_server import ServerProcess
+
+__all__ = ["ChaosFleet", "FleetOptions", "PhaseName"]
+
+PhaseName = Literal["juicefs", "faultfs", "valkey"]
+TMPFS_BYTES = 400 * 1024 * 1024
+"""Size of the faultfs phase's tmpfs: ~65 blocks of the embedded model (the load stores ~30)."""
+
+
+class PersistentValkey(ValkeyServer):
+    """A Valkey server that keeps its data across a kill (append-only file, fsync always)."""
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--appendonly", "yes", "--appendfsync", "always"]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetOptions:
+    model: str | None = None
+    replicas: int = 3
+    engine_blocks: int = 24
+    """Engine (L0) cache per replica in 128-token blocks: small, so prompts reach L1 and L2."""
+    l1_gib: float = 0.06
+    """L1 per replica: about ten blocks of the embedded model."""
+    strategy: str = "kvaware"
+    connector: tuple[tuple[str, Any], ...] = ()
+    """Extra connector settings, e.g. (("load_async", True),)."""
+
+
+class ChaosFleet:
+    def __init__(self, phase: PhaseName, work_dir: Path, options: FleetOptions) -> None:
+        self.phase = phase
+        self.work_dir = work_dir.resolve()
+        self.options = options
+        self.fleet: LocalFleet | None = None
+        self.meta: PersistentValkey | None = None
+        self.volume: JuiceFSVolume | None = None
+        self.mount: JuiceFSMount | None = None
+        self.faultfs: FaultFS | None = None
+        self.tmpfs: Path | None = None
+        self.valkey: ValkeyServer | None = None
+        self.l2_path: str | None = None
+        self._stack = ExitStack()
+
+    # ----- start and stop -----
+
+    def start(self, progress: bool = False) -> Self:
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            l2 = self._start_l2()
+            opts = self.options
+            spec = FleetSpec(
+                model=opts.model,
+                replicas=opts.replicas,
+                routing=RoutingSpec(strategy=cast(Strategy, opts.strategy)),
+                cache=CacheSpec(l1_gib=opts.l1_gib, l2=l2),
+                local=LocalSpec(
+                    router_port=free_port(),
+                    replica_base_port=free_port_range(opts.replicas),
+                    engine_kv_cache_blocks=opts.engine_blocks,
+                    work_dir=str(self.work_dir / "fleet"),
+                    connector=dict(opts.connector),
+                    router={"health_interval_s": 0.5, "health_timeout_s": 1.0},
+                ),
+            )
+            self.fleet = LocalFleet(spec, progress=progress).start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_l2(self) -> L2Spec:
+        if self.phase == "valkey":
+            self.valkey = ValkeyServer(
+                ValkeyServerSpec(data_dir=str(self.work_dir / "valkey"), maxmemory_bytes=1 << 30)
+            ).start()
+            return L2Spec(backend="valkey", url=self.valkey.url)
+        if self.phase == "juicefs":
+            self.meta = PersistentValkey(
+                ValkeyServerSpec(
+                    data_dir=str(self.work_dir / "meta"),
+                    maxmemory_bytes=0,
+                    maxmemory_policy="noeviction",
+                )
+            )
+            (self.work_dir / "meta").mkdir(exist_ok=True)
+            self.meta.start()
+            self.volume = JuiceFSVolume(
+                JuiceFSVolumeSpec(root=str(self.work_dir / "jfs"), meta_url=self.meta.url + "/1")
+            )
+            self.mount = self.volume.mount()
+            self.l2_path = self.mount.path
+        else:
+            self.tmpfs = self.work_dir / "backing"
+            self.tmpfs.mkdir(exist_ok=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(self.tmpfs)],
+                check=True,
+            )
+            self.faultfs = FaultFS(
+                str(self.tmpfs), str(self.work_dir / "l2"), str(self.work_dir / "faultfs.log")
+            ).mount()
+            self.l2_path = self.faultfs.mountpoint
+        return L2Spec(backend="posix", path=self.l2_path)
+
+    def stop(self) -> None:
+        if self.fleet is not None:
+            for server in self.fleet.replicas:
+                _signal_group(server.pid, signal.SIGCONT)  # a frozen replica cannot stop
+            if self.fleet.router is not None:
+                _signal_group(self.fleet.router.pid, signal.SIGCONT)
+            self.fleet.stop()
+            self.fleet = None
+        if self.volume is not None:
+            self.volume.close()
+        if self.meta is not None:
+            self.meta.stop()
+        if self.faultfs is not None:
+            self.faultfs.unmount()
+        if self.tmpfs is not None:
+            while os.path.ismount(self.tmpfs):
+                subprocess.run(["umount", "-l", str(self.tmpfs)], check=False)
+        if self.valkey is not None:
+            self.valkey.stop()
+        self._stack.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ----- what the load and the faults need -----
+
+    @property
+    def running(self) -> LocalFleet:
+        assert self.fleet is not None, "start() first"
+        return self.fleet
+
+    @property
+    def url(self) -> str:
+        return self.running.url
+
+    @property
+    def model_name(self) -> str:
+        return self.running.model_name
+
+    def replica(self, i: int) -> ServerProcess:
+        return self.running.replicas[i]
+
+    def freeze(self, i: int, frozen: bool) -> None:
+        _signal_group(self.replica(i).pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def kill_replica(self, i: int) -> None:
+        self.replica(i).kill()
+
+    def restart_replica(self, i: int, timeout_s: float = 600) -> None:
+        old = self.replica(i)
+        old.stop()
+        new = ServerProcess(old.spec)
+        self.running.replicas[i] = new
+        new.wait_healthy(timeout_s)
+
+    def kill_router(self) -> None:
+        router = self.running.router
+        assert router is not None
+        _signal_group(router.pid, signal.SIGKILL)
+        router.wait(10)
+
+    def restart_router(self) -> None:
+        self.running._start_router()  # the same command `kvtier up` started it with
+
+    def all_healthy(self) -> bool:
+        from kvtier.tools.bench.client import call
+
+        try:
+            status, body = call(self.url, "/health", timeout_s=5)
+        except (OSError, TimeoutError):
+            return False
+        import json
+
+        return status == 200 and len(json.loads(body)["healthy_replicas"]) == len(
+            self.running.replicas
+        )
+
+    def wait_all_healthy(self, timeout_s: float = 120) -> float:
+        """Seconds until the router sees every replica healthy; raises on timeout."""
+        start = time.monotonic()
+        while not self.all_healthy():
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"fleet not healthy within {timeout_s} s")
+            time.sleep(0.25)
+        return time.monotonic() - start
+
+    def wait_router(self, timeout_s: float = 120) -> None:
+        router = self.running.router
+        wait_ready(self.url + "/health", timeout_s, exited=None if router is None else router.poll)
+
+    # ----- inventory: L2 blocks, processes, mounts -----
+
+    def l2_blocks(self) -> set[str]:
+        """Names of the blocks the L2 holds now (a Valkey L2: its keys)."""
+        if self.valkey is not None:
+            import valkey
+
+            client = valkey.Valkey(host="127.0.0.1", port=self.valkey.port, socket_timeout=5)
+            try:
+                return {k.decode() for k in client.scan_iter(count=1000) if b"manifest" not in k}
+            except valkey.exceptions.ValkeyError:
+                return set()
+            finally:
+                client.close()  # type: ignore[no-untyped-call]
+        root = self.tmpfs if self.tmpfs is not None else self.l2_path
+        if root is None:
+            return set()
+        return {p.name for p in _walk(Path(root)) if p.name.endswith(".kvt")}
+
+    def block_files(self) -> list[Path]:
+        """Block files as seen from the machine (the backing store under a FUSE layer)."""
+        root = self.tmpfs if self.tmpfs is not None else self.l2_path
+        return [] if root is None else [p for p in _walk(Path(root)) if p.name.endswith(".kvt")]
+
+    def mounts(self) -> list[str]:
+        return mounted_under(str(self.work_dir))
+
+    def processes(self) -> list[str]:
+        """Descriptions of every live process this fleet started (children of this process)."""
+        me = psutil.Process()
+        found = []
+        for child in me.children(recursive=True):
+            try:
+                found.append(f"{child.pid}:{child.name()}")
+            except psutil.Error:
+                continue
+        return sorted(found)
+
+    def tree_usage(self, pid: int) -> tuple[int, int]:
+        """(resident bytes, open file descriptors) of a process and its descendants."""
+        rss = fds = 0
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                try:
+                    rss += proc.memory_info().rss
+                    fds += proc.num_fds()
+                except psutil.Error:
+                    continue
+        except psutil.Error:
+            pass
+        return rss, fds
+
+
+def _walk(root: Path) -> Iterator[Path]:
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                if not entry.name.startswith("."):
+                    yield from _walk(Path(entry.path))
+            else:
+                yield Path(entry.path)
+        except OSError:
+            continue
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

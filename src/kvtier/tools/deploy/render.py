@@ -1,0 +1,398 @@
+"""The Kubernetes overlay of a deployment file: `kvtier deploy render --config F --out DIR`.
+
+The manifests live in `deploy/k8s` (a kustomize base, and one component per option). Rendering
+copies the base and the components the file asks for into DIR and writes DIR/kustomization.yaml
+with what the file sets: replica and router counts, images, the connector's settings (as the
+`KVTIER_*` environment of the replicas), the router's flags, the model, resources, the L2
+volume or Valkey, and generated secrets (the router's API key, Valkey's password) that a later
+render keeps. `kubectl apply -k DIR` deploys it; DIR holds no reference to this checkout.
+
+    spec = load_spec(Path("fleet.yaml"))
+    notes = render(spec, Path("out"))       # notes: what the file set that has no effect here
+
+The container command lines are built here once (`replica_args`, `router_args`) and the base
+holds the ones of a default file; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shutil
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import yaml
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.settings import to_flags
+from kvtier.router.settings import RouterSettings
+from kvtier.tools.cluster.spec import GIB, FleetSpec
+from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
+from kvtier.vllm.settings import ENV_PREFIX, ConnectorSettings, kv_transfer_config
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "connector_env",
+    "find_manifests",
+    "render",
+    "replica_args",
+    "router_args",
+]
+
+HTTP_PORT = 8000
+EVENTS_PORT = 5557
+L2_MOUNT = "/mnt/kvtier-l2"
+API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
+EMBEDDED_MODEL = "/opt/kvtier/model"
+"""Where the CPU image (deploy/docker/Dockerfile.cpu) keeps the embedded model."""
+EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
+IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
+CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
+
+
+def find_manifests() -> Path:
+    """`deploy/k8s` of this checkout ($KVTIER_DEPLOY_DIR overrides)."""
+    given = os.environ.get("KVTIER_DEPLOY_DIR")
+    candidates = [Path(given)] if given else []
+    candidates += [p / "deploy" / "k8s" for p in Path(__file__).resolve().parents]
+    for path in candidates:
+        if (path / "base" / "kustomization.yaml").is_file():
+            return path
+    raise ConfigError(
+        "deploy/k8s not found: run from a kvtier checkout or set KVTIER_DEPLOY_DIR to it"
+    )
+
+
+# ----- container command lines --------------------------------------------------------------
+
+
+def _transfer_config() -> str:
+    """`--kv-transfer-config`: the connector, its settings coming from the environment."""
+    config = kv_transfer_config(ConnectorSettings())
+    config.pop("kv_connector_extra_config")
+    return json.dumps(config)
+
+
+def replica_args(spec: FleetSpec) -> list[str]:
+    """`vllm serve` arguments of a replica (the model and names come from its environment)."""
+    args = ["$(MODEL)", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
+    args += ["--served-model-name", "$(SERVED_MODEL_NAME)", "--enable-prompt-tokens-details"]
+    if spec.cache.connector_enabled:
+        args += ["--kv-transfer-config", _transfer_config()]
+    if spec.kubernetes.device == "cpu":
+        args += CPU_ARGS
+    if spec.local.engine_kv_cache_blocks is not None:
+        args += ["--num-gpu-blocks-override", str(spec.local.engine_kv_cache_blocks)]
+    return args + list(spec.kubernetes.vllm_args)
+
+
+def router_args(spec: FleetSpec) -> list[str]:
+    """`kvtier router` arguments: replicas by the headless Service, events on their port."""
+    values: dict[str, Any] = {
+        "strategy": spec.strategy,
+        "host": "0.0.0.0",
+        "port": HTTP_PORT,
+        "model_dir": "$(MODEL)",
+        "replicas_dns": f"kvtier-replicas:{HTTP_PORT}",
+        "discovery_interval_s": 5,
+        "replica_events_port": EVENTS_PORT if spec.cache.connector_enabled else None,
+        "consistent_ties": True,
+        "api_keys_file": API_KEYS_FILE,
+    }
+    values.update(spec.local.router)
+    RouterSettings.from_mapping(values, where="kvtier.router")  # a bad value fails here
+    return to_flags(RouterSettings, values, ROUTER_FLAGS)
+
+
+def connector_env(spec: FleetSpec) -> dict[str, str]:
+    """The replicas' `KVTIER_*` connector settings (their own id is set per pod)."""
+    settings = spec.connector_settings(
+        replica_id="per-pod",
+        events_endpoint=f"tcp://0.0.0.0:{EVENTS_PORT}",
+        l2_location=None,
+    )
+    if settings is None:
+        return {}
+    values = settings.non_default()
+    values.pop("replica_id")
+    l2 = spec.cache.l2
+    if spec.cache.l2_enabled and l2.kind != "valkey":
+        values.update(
+            l2_path=L2_MOUNT,
+            l2_capacity_bytes=int(l2.size_gib * GIB),
+            l2_profile=_file_system(spec),
+        )
+    elif spec.cache.l2_enabled and l2.url is not None:
+        values["l2_url"] = l2.url  # an in-cluster Valkey's URL carries a Secret: set per pod
+    env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items()}
+    ConnectorSettings.from_sources({}, env)  # what the replicas will parse
+    return env
+
+
+def _env_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _l2_volume(spec: FleetSpec) -> str | None:
+    """claim | curvine | juicefs | existingClaim; None: no volume (no L2, or Valkey)."""
+    if not spec.cache.l2_enabled or spec.cache.l2.kind == "valkey":
+        return None
+    chosen = spec.kubernetes.l2_volume
+    if spec.cache.l2.kind == "juicefs":
+        if chosen not in (None, "juicefs"):
+            raise ConfigError(
+                f"kubernetes.l2Volume: {chosen} does not go with l2CacheBackend juicefs"
+            )
+        return "juicefs"
+    return chosen or "claim"
+
+
+def _file_system(spec: FleetSpec) -> str:
+    volume = _l2_volume(spec)
+    default = volume if volume in ("curvine", "juicefs") else "nfs"
+    return spec.kubernetes.l2_file_system or default
+
+
+def _model(spec: FleetSpec) -> tuple[str, str]:
+    """(MODEL, SERVED_MODEL_NAME) of the fleet."""
+    k8s = spec.kubernetes
+    if spec.model is None:
+        if k8s.device == "gpu":
+            raise ConfigError(
+                "model: required for GPU replicas (an HF id, or a path in the image or under "
+                "kubernetes.modelClaim); the embedded model is served with kubernetes.device: cpu"
+            )
+        return EMBEDDED_MODEL, k8s.served_model_name or EMBEDDED_NAME
+    return spec.model, k8s.served_model_name or PurePosixPath(spec.model).name
+
+
+# ----- the overlay --------------------------------------------------------------------------
+
+
+def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[str]:
+    """Write the overlay of `spec` into `out` (see the module docstring); returns notes."""
+    manifests = manifests or find_manifests()
+    k8s = spec.kubernetes
+    model, served = _model(spec)
+    notes: list[str] = []
+    components = []
+    if k8s.device == "cpu":
+        components.append("cpu")
+    hub = k8s.hub_egress if k8s.hub_egress is not None else not model.startswith("/")
+    if hub:
+        components.append("hub-egress")
+    volume = _l2_volume(spec)
+    valkey_inside = spec.cache.l2_enabled and spec.cache.l2.kind == "valkey"
+    if volume in ("curvine", "juicefs"):
+        components.append(f"l2-{volume}")
+    elif volume == "existingClaim":
+        components.append("l2-existing-claim")
+    elif volume is None and valkey_inside and spec.cache.l2.url is None:
+        components.append("valkey")
+    elif volume is None:
+        components.append("no-l2")
+    if k8s.service_monitor:
+        components.append("servicemonitor")
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("base", "components", "patches"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    shutil.copytree(manifests / "base", out / "base")
+    for name in dict.fromkeys([*components, "no-l2"] if "valkey" in components else components):
+        shutil.copytree(manifests / "components" / name, out / "components" / name)
+    (out / "patches").mkdir()
+
+    secret_files = [f"keys={_secret(out, 'router-api-keys', 'key')}"]
+    secret_files.append(f"tenant-salt-key={_secret(out, 'tenant-salt-key', 'raw')}")
+    generators: list[dict[str, Any]] = [
+        {"name": "kvtier-router-api-keys", "files": secret_files},
+    ]
+    patches: list[dict[str, Any]] = []
+    resources: list[str] = ["base"]
+
+    replica = _container_patch("kvtier-replica", "vllm", k8s.image or IMAGES[k8s.device])
+    container = replica["spec"]["template"]["spec"]["containers"][0]
+    container["args"] = replica_args(spec)
+    env = dict(k8s.replica_env)
+    if k8s.device == "cpu":
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(spec.local.engine_kv_cache_gib),
+            OMP_NUM_THREADS=str(spec.local.threads_per_replica),
+        )
+    elif spec.local.engine_kv_cache_gib != 1:
+        notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    if k8s.replica_resources is not None:
+        container["resources"] = {"$patch": "replace", **k8s.replica_resources.model_dump()}
+    elif k8s.device == "cpu" and spec.local.threads_per_replica > 1:
+        container["resources"] = {"requests": {"cpu": str(spec.local.threads_per_replica)}}
+    if k8s.node_selector:
+        replica["spec"]["template"]["spec"]["nodeSelector"] = dict(k8s.node_selector)
+    router = _container_patch("kvtier-router", "router", k8s.router_image)
+    router["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(spec)
+    if k8s.router_resources is not None:
+        router["spec"]["template"]["spec"]["containers"][0]["resources"] = {
+            "$patch": "replace",
+            **k8s.router_resources.model_dump(),
+        }
+    if k8s.model_claim is not None:
+        for patch in (replica, router):
+            _mount_model(patch, k8s.model_claim, k8s.model_mount_path)
+    _write(out / "patches" / "replica.yaml", replica)
+    _write(out / "patches" / "router.yaml", router)
+    patches += [{"path": "patches/replica.yaml"}, {"path": "patches/router.yaml"}]
+
+    l2 = spec.cache.l2
+    if volume is not None and volume != "existingClaim":
+        size = k8s.l2_claim_gib or math.ceil(l2.size_gib * 1.25)
+        claim: dict[str, Any] = {"spec": {"resources": {"requests": {"storage": f"{size}Gi"}}}}
+        if k8s.l2_storage_class is not None:
+            claim["spec"]["storageClassName"] = k8s.l2_storage_class
+        patches.append(_inline("PersistentVolumeClaim", "kvtier-l2", claim))
+    if volume == "existingClaim":
+        patches.append(_json_patch("Deployment", "kvtier-replica", [_claim_op(k8s.l2_claim_name)]))
+    if volume == "curvine":
+        parameters = {"master-addrs": k8s.curvine_master_addrs}
+        patches.append(_inline("StorageClass", "kvtier-curvine", {"parameters": parameters}))
+    if volume == "juicefs":
+        parameters = {
+            f"csi.storage.k8s.io/{role}-secret-namespace": k8s.namespace
+            for role in ("provisioner", "node-publish")
+        }
+        patches.append(_inline("StorageClass", "kvtier-juicefs", {"parameters": parameters}))
+    if "valkey" in components:
+        password = _secret(out, "valkey-password", "raw")
+        generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
+        patches.append(_valkey_patch(out, spec))
+    if valkey_inside and l2.url is not None:
+        resources.append(_external_valkey_policy(out, l2.url))
+        notes.append("l2CacheLocalUrl: lands in a ConfigMap; a password in it is readable there")
+
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "namespace": k8s.namespace,
+        "resources": resources,
+        "components": [f"components/{name}" for name in components],
+        "labels": [
+            {"pairs": {"app.kubernetes.io/instance": k8s.instance}, "includeTemplates": True}
+        ],
+        "replicas": [
+            {"name": "kvtier-replica", "count": spec.replicas},
+            {"name": "kvtier-router", "count": k8s.routers},
+        ],
+        "configMapGenerator": [
+            {
+                "name": "kvtier-connector",
+                "behavior": "replace",
+                "literals": [f"{k}={v}" for k, v in connector_env(spec).items()],
+            },
+            {
+                "name": "kvtier-model",
+                "behavior": "replace",
+                "literals": [f"MODEL={model}", f"SERVED_MODEL_NAME={served}"],
+            },
+        ],
+        "secretGenerator": generators,
+        "patches": patches,
+    }
+    header = "# Written by `kvtier deploy render`; apply with: kubectl apply -k .\n"
+    (out / "kustomization.yaml").write_text(header + yaml.safe_dump(kustomization, sort_keys=False))
+    return notes
+
+
+def _container_patch(deployment: str, container: str, image: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": deployment},
+        "spec": {"template": {"spec": {"containers": [{"name": container, "image": image}]}}},
+    }
+
+
+def _mount_model(patch: dict[str, Any], claim: str, path: str) -> None:
+    pod = patch["spec"]["template"]["spec"]
+    pod["containers"][0]["volumeMounts"] = [{"name": "model", "mountPath": path, "readOnly": True}]
+    pod["volumes"] = [{"name": "model", "persistentVolumeClaim": {"claimName": claim}}]
+
+
+def _inline(kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+    version = {"StorageClass": "storage.k8s.io/v1"}.get(kind, "v1")
+    doc = {"apiVersion": version, "kind": kind, "metadata": {"name": name}, **body}
+    return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(doc)}
+
+
+def _json_patch(kind: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(ops)}
+
+
+def _claim_op(claim: str | None) -> dict[str, Any]:
+    path = "/spec/template/spec/volumes/0/persistentVolumeClaim/claimName"
+    return {"op": "replace", "path": path, "value": claim}
+
+
+def _valkey_patch(out: Path, spec: FleetSpec) -> dict[str, Any]:
+    """Image and memory of the in-cluster Valkey (maxmemory = the L2 size)."""
+    gib = spec.cache.l2.size_gib
+    args = ["--requirepass", "$(VALKEY_PASSWORD)", "--maxmemory", str(int(gib * GIB))]
+    args += ["--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no"]
+    memory = f"{math.ceil(gib * 1.25 + 0.5)}Gi"
+    container = {
+        "name": "valkey",
+        "image": spec.kubernetes.valkey_image,
+        "args": args,
+        "resources": {"requests": {"memory": memory}, "limits": {"memory": memory}},
+    }
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "kvtier-valkey"},
+        "spec": {"template": {"spec": {"containers": [container]}}},
+    }
+    _write(out / "patches" / "valkey.yaml", patch)
+    return {"path": "patches/valkey.yaml"}
+
+
+def _external_valkey_policy(out: Path, url: str) -> str:
+    """Replicas may reach the external Valkey's port (its address is outside the cluster)."""
+    from urllib.parse import urlsplit
+
+    port = urlsplit(url).port or 6379
+    policy = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "kvtier-replica-to-l2"},
+        "spec": {
+            "podSelector": {
+                "matchLabels": {
+                    "app.kubernetes.io/name": "kvtier",
+                    "app.kubernetes.io/component": "replica",
+                }
+            },
+            "policyTypes": ["Egress"],
+            "egress": [{"ports": [{"protocol": "TCP", "port": port}]}],
+        },
+    }
+    _write(out / "patches" / "l2-egress.yaml", policy)
+    return "patches/l2-egress.yaml"
+
+
+def _secret(out: Path, name: str, kind: str) -> str:
+    """A random secret kept in out/secrets (made once; re-rendering keeps it)."""
+    path = out / "secrets" / name
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(24) + ("\n" if kind == "key" else ""))
+    return f"secrets/{name}"
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))

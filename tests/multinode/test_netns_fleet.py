@@ -1,0 +1,358 @@
+"""The multi-node shape, on one machine: every replica on its own emulated node (a network
+namespace with its own address and its own JuiceFS mount of the shared volume), the router and
+Valkey (the JuiceFS metadata engine) on another, a client on a third; the router finds the
+replicas through a hosts file giving `kvtier-replicas` several addresses, as cluster DNS gives a
+headless Service's. Every request crosses namespaces over real sockets.
+
+Shown, with the figures printed as one JSON line (`multinode:`) for docs/kubernetes.md:
+1. a prompt computed on node X is served from L2 on another node through the router, with the
+   same greedy output (TTFT cold vs. cross-node L2 hit);
+2. a node added to the name while traffic runs is discovered and takes load (delay, failures);
+3. a node whose link goes down is dropped within a stated time, and no request sent after that
+   fails (failures before and after);
+Kept small for CI: 2 replicas + 1 added, one 1,024-token prompt, short traffic requests.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.bench.corpus import Corpus
+from kvtier.tools.l2ops.juicefs import (
+    find_juicefs_binary,
+    force_unmount,
+    fuse_available,
+    mounted_under,
+)
+from kvtier.tools.l2ops.valkey_server import find_valkey_binary
+from kvtier.tools.vllm_server import ServerSpec
+from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
+from tests.multinode.netns import Network, Node, in_node, require
+
+pytestmark = pytest.mark.engine
+
+PORT = 8000
+EVENTS_PORT = 5557
+SERVICE = "kvtier-replicas"
+PROMPT_TOKENS = 1024
+DROP_LIMIT_S = 5.0
+"""Link down -> out of the routing set: one failed health check (interval 0.5 s, timeout 1 s)."""
+DISCOVERY_LIMIT_S = 5.0
+"""Name updated -> routable: one resolution (1 s) + the health probe + the check after it."""
+
+
+@dataclass
+class Sent:
+    started: float
+    ended: float
+    ok: bool
+    replica: str | None
+    error: str = ""
+
+
+class Traffic:
+    """Short requests from the client node, two at a time, until stopped (bounded)."""
+
+    def __init__(self, client: Node, router: str, model: str, max_s: float = 300.0) -> None:
+        self.sent: list[Sent] = []
+        self._stop = threading.Event()
+        self._workers = [in_node(client, self._loop, router, model, w, max_s) for w in range(2)]
+
+    def _loop(self, router: str, model: str, worker: int, max_s: float) -> None:
+        deadline = time.monotonic() + max_s
+        with httpx.Client(timeout=60) as http:
+            for i in range(5000):
+                if self._stop.is_set() or time.monotonic() > deadline:
+                    return
+                body = {
+                    "model": model,
+                    "prompt": f"Request {worker}-{i}: name a colour of the sea.",
+                    "max_tokens": 2,
+                    "temperature": 0,
+                }
+                started = time.monotonic()
+                try:
+                    resp = http.post(router + "/v1/completions", json=body)
+                    ok, error = (
+                        resp.status_code == 200,
+                        "" if resp.status_code == 200 else resp.text,
+                    )
+                    replica = resp.headers.get("x-kvtier-replica")
+                except httpx.HTTPError as exc:
+                    ok, error, replica = False, repr(exc), None
+                self.sent.append(Sent(started, time.monotonic(), ok, replica, error))
+
+    def stop(self) -> list[Sent]:
+        self._stop.set()
+        for worker in self._workers:
+            worker.result(120)
+        return self.sent
+
+
+def get_json(client: Node, url: str) -> Any:
+    return in_node(client, lambda: httpx.get(url, timeout=5).json()).result(15)
+
+
+def wait_until(what: str, check: Any, timeout_s: float, interval_s: float = 0.1) -> float:
+    """Seconds until `check()` is true; fails the test after `timeout_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if check():
+            return time.monotonic() - started
+        time.sleep(interval_s)
+    pytest.fail(f"{what}: not within {timeout_s} s")
+
+
+def ttft(client: Node, router: str, body: dict[str, Any]) -> tuple[float, str, str, dict[str, Any]]:
+    """(seconds to the first streamed token, text, serving replica, usage) of one request."""
+
+    def go() -> tuple[float, str, str, dict[str, Any]]:
+        started = time.monotonic()
+        first = None
+        text, usage = "", {}
+        doc = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", router + "/v1/completions", json=doc, timeout=300) as resp:
+            assert resp.status_code == 200, resp.read()
+            replica = resp.headers["x-kvtier-replica"]
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("choices"):
+                    first = first or time.monotonic()
+                    text += event["choices"][0].get("text", "")
+                usage = event.get("usage") or usage
+        assert first is not None
+        return first - started, text, replica, usage
+
+    return in_node(client, go).result(320)
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    require()
+    if not fuse_available():
+        pytest.skip("JuiceFS mounts need root and /dev/fuse")
+    with Network() as net:
+        yield net
+
+
+def test_nodes_share_l2_join_and_leave(
+    network: Network, tmp_path: Path, model_dir: str, tokenizer: Tokenizer, corpus: Corpus
+) -> None:
+    net = network
+    ctrl, client = net.node("ctrl"), net.node("client")
+    a, b, c = net.node("a"), net.node("b"), net.node("c")
+    replicas = [a, b, c]
+    url = {n.name: f"http://{n.address}:{PORT}" for n in replicas}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def log(name: str) -> Any:
+        return open(logs / f"{name}.log", "ab")
+
+    # Valkey on the control node: JuiceFS metadata, reached by every node over the network
+    net.spawn(
+        ctrl,
+        [find_valkey_binary(), "--bind", ctrl.address, "--port", "6379", "--save", "",
+         "--appendonly", "no", "--protected-mode", "no", "--maxmemory-policy", "noeviction"],
+        log=log("valkey"),
+    )  # fmt: skip
+    meta = f"redis://{ctrl.address}:6379/1"
+    juicefs = find_juicefs_binary()
+    wait_until(
+        "valkey",
+        lambda: in_node(client, _port_open, ctrl.address, 6379).result(5),
+        15,
+    )
+    done = subprocess.run(
+        ["nsenter", f"--net={ctrl.netns}", juicefs, "format", meta, "kvtier-l2", "--storage",
+         "file", "--bucket", f"{tmp_path}/objects/", "--trash-days", "0"],
+        capture_output=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    mounts: dict[str, Path] = {}
+    try:
+        for node in replicas:  # each node its own FUSE daemon, its own caches
+            point = tmp_path / f"mnt-{node.name}"
+            point.mkdir()
+            atexit.register(force_unmount, str(point), juicefs)
+            net.spawn(
+                node,
+                [juicefs, "mount", meta, str(point), "--no-usage-report", "--no-syslog",
+                 "--backup-meta", "0", "--metrics", "127.0.0.1:9567", "--cache-dir",
+                 f"{tmp_path}/cache-{node.name}", "--attr-cache", "1s", "--entry-cache", "1s",
+                 "--dir-entry-cache", "1s"],
+                log=log(f"juicefs-{node.name}"),
+            )  # fmt: skip
+            mounts[node.name] = point
+            wait_until(f"mount {point}", lambda p=point: str(p) in mounted_under(str(p)), 30)
+        _fleet(
+            net, tmp_path, model_dir, tokenizer, corpus, ctrl, client, replicas, url, mounts, log
+        )
+    finally:
+        net.close()  # engines first, then the FUSE daemons (their mounts then detach)
+        for point in mounts.values():
+            force_unmount(str(point), juicefs)
+
+
+def _port_open(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) == 0
+
+
+def _fleet(
+    net: Network,
+    tmp_path: Path,
+    model_dir: str,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    ctrl: Node,
+    client: Node,
+    replicas: list[Node],
+    url: dict[str, str],
+    mounts: dict[str, Path],
+    log: Any,
+) -> None:
+    a, b, c = replicas
+    for i, node in enumerate(replicas):  # all three start now; c joins the name later
+        connector = ConnectorSettings(
+            l1_bytes=512 * 1024**2,
+            l2_path=str(mounts[node.name]),  # the volume's root, as a pod mounts its claim
+            l2_profile="juicefs",
+            l2_capacity_bytes=2 * 1024**3,
+            events_endpoint=f"tcp://0.0.0.0:{EVENTS_PORT}",
+            replica_id=url[node.name],
+        )
+        spec = ServerSpec(
+            model=model_dir,
+            port=PORT,
+            kv_transfer_config=kv_transfer_config(connector),
+            max_model_len=4096,
+            cpu_ids=str(i % 2),
+            extra_args=["--enable-prompt-tokens-details"],
+        )
+        cmd = spec.command()
+        cmd[cmd.index("--host") + 1] = node.address  # the node's address, not loopback
+        net.spawn(node, cmd, env=spec.environment(), log=log(f"replica-{node.name}"))
+    net.hosts(ctrl, {SERVICE: [a.address, b.address]})
+    router_url = f"http://{ctrl.address}:{PORT}"
+    net.spawn(
+        ctrl,
+        [sys.executable, "-m", "kvtier.cli", "router", "--host", ctrl.address,
+         "--port", str(PORT), "--model", model_dir, "--strategy", "kvaware",
+         "--replicas-dns", f"{SERVICE}:{PORT}", "--replica-events-port", str(EVENTS_PORT),
+         "--discovery-interval-s", "1", "--health-interval-s", "0.5", "--health-timeout-s", "1",
+         "--connect-timeout-s", "1", "--read-timeout-s", "15", "--consistent-ties"],
+        log=log("router"),
+        hosts=True,
+    )  # fmt: skip
+
+    def healthy() -> list[str]:
+        try:
+            return list(get_json(client, router_url + "/health")["healthy_replicas"])
+        except (httpx.HTTPError, ValueError, TimeoutError):
+            return []
+
+    started = time.monotonic()
+    wait_until("a and b behind the router", lambda: len(healthy()) == 2, 900, 2.0)
+    wait_until(
+        "c started",
+        lambda: in_node(client, _status, url[c.name] + "/health").result(10) == 200,
+        600,
+        2.0,
+    )
+    fleet_up_s = time.monotonic() - started
+
+    # 1. computed on node X, served from L2 on another node, through the router
+    ids = tokenizer.hf.encode(corpus.document(PROMPT_TOKENS + 200, seed=15))[:PROMPT_TOKENS]
+    model = Path(model_dir).name
+    body = {"model": model, "prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    cold_s, cold_text, x, _ = ttft(client, router_url, body)
+    others = [n for n in (a, b) if url[n.name] != x]
+    assert len(others) == 1, x
+    lost = next(n for n in (a, b) if url[n.name] == x)
+    blocks = PROMPT_TOKENS // 128
+    for node in (a, b, c):  # every node's own mount shows the blocks
+        wait_until(
+            f"L2 blocks on {node.name}'s mount",
+            lambda n=node: len(list(mounts[n.name].rglob("*.kvt"))) >= blocks,
+            60,
+            0.5,
+        )
+
+    # 2. a node joins the name while traffic runs
+    traffic = Traffic(client, router_url, model)
+    time.sleep(3)
+    joined_at = time.monotonic()
+    net.hosts(ctrl, {SERVICE: [a.address, b.address, c.address]})
+    discovery_s = wait_until("c discovered", lambda: url[c.name] in healthy(), 30)
+    time.sleep(4)
+    # 3. the node that computed the prompt loses its link
+    down_at = time.monotonic()
+    net.link(lost, up=False)
+    drop_s = wait_until(f"{lost.name} dropped", lambda: x not in healthy(), 30)
+    net.hosts(ctrl, {SERVICE: [n.address for n in replicas if n is not lost]})
+    time.sleep(4)
+    sent = traffic.stop()
+
+    # the prompt again: another node serves it from L2, the same greedy tokens
+    hit_s, hit_text, y, usage = ttft(client, router_url, body)
+    assert y != x
+    assert hit_text == cold_text
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= (blocks - 1) * 128
+
+    during_join = [s for s in sent if joined_at <= s.started < joined_at + discovery_s + 4]
+    before_down = [s for s in sent if s.started < down_at]
+    after_down = [s for s in sent if s.started >= down_at]
+    failed_after = [s for s in after_down if not s.ok]
+    cut = [s for s in before_down if not s.ok]
+    on_c = [s for s in sent if s.started >= joined_at + discovery_s and s.replica == url[c.name]]
+    figures = {
+        "fleet_up_s": round(fleet_up_s, 1),
+        "ttft_cold_s": round(cold_s, 3),
+        "ttft_cross_node_l2_s": round(hit_s, 3),
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "discovery_delay_s": round(discovery_s, 2),
+        "failed_during_join": sum(not s.ok for s in during_join),
+        "requests_to_new_node": len(on_c),
+        "drop_time_s": round(drop_s, 2),
+        "failed_started_after_link_down": len(failed_after),
+        "failed_in_flight_at_link_down": len(cut),
+        "requests": len(sent),
+        "median_request_s": round(statistics.median(s.ended - s.started for s in sent), 3),
+        "slowest_after_link_down_s": round(
+            max((s.ended - s.started for s in after_down), default=0), 2
+        ),
+    }
+    print("multinode:", json.dumps(figures))
+    assert not failed_after, [s.error for s in failed_after][:3]
+    assert all(s.ended > down_at for s in cut)  # only requests already under way may fail
+    assert not [s for s in during_join if not s.ok]
+    assert on_c, "the added node took no request"
+    assert discovery_s <= DISCOVERY_LIMIT_S
+    assert drop_s <= DROP_LIMIT_S
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=3).status_code
+    except httpx.HTTPError:
+        return None

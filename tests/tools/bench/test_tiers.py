@@ -1,0 +1,104 @@
+"""`kvtier bench tiers` without engines: variants, paired ratios, and the L2-hit breakdown read
+from connector metrics (the engine runs themselves are the benchmark, not a test)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvtier.tools.bench.tiers import PLAIN, Row, copy_blocks, paired_ratios, parse_variant
+from kvtier.tools.bench.tiers_breakdown import (
+    PHASES,
+    Breakdown,
+    breakdown_rows,
+    breakdown_table,
+    parse_samples,
+    write_chart,
+)
+
+METRICS = """\
+# HELP kvtier_connector_hit_phase_seconds_total Seconds cache hits spent per phase.
+kvtier_connector_hit_phase_seconds_total{engine="0",model_name="m",phase="read"} 0.25
+kvtier_connector_hit_phase_seconds_total{engine="1",model_name="m",phase="read"} 0.5
+kvtier_connector_hit_phase_seconds_total{engine="0",model_name="m",phase="copy"} 0.125
+kvtier_connector_loaded_blocks_total{engine="0",model_name="m",tier="l2"} 19.0
+kvtier_connector_load_seconds_sum{engine="0",model_name="m"} 0.05
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 7.0
+"""
+
+
+def test_samples_are_keyed_by_phase_or_tier_and_summed_over_engines() -> None:
+    assert parse_samples(METRICS) == {
+        "kvtier_connector_hit_phase_seconds_total{phase=read}": 0.75,
+        "kvtier_connector_hit_phase_seconds_total{phase=copy}": 0.125,
+        "kvtier_connector_loaded_blocks_total{tier=l2}": 19.0,
+        "kvtier_connector_load_seconds_sum": 0.05,
+    }
+
+
+def _hit(ttft: float, load: float, **phases: float) -> Breakdown:
+    ms = dict.fromkeys(("lookup", "lookup_wait", "queue", "open", "read", "checksum", "copy"), 0.0)
+    return Breakdown("kvtier", 2500, ttft, ms | phases, load, 0.0, 19.0)
+
+
+def test_a_breakdown_adds_up_to_the_ttft() -> None:
+    split = _hit(800.0, 50.0, lookup_wait=1.0, queue=4.0, read=20.0, copy=25.0).split()
+    assert list(split) == list(PHASES)
+    assert split["load_other"] == pytest.approx(5.0)
+    assert split["engine"] == pytest.approx(745.0)
+    assert sum(split.values()) == pytest.approx(800.0)
+
+
+def test_parallel_reads_are_scaled_down_to_the_loads_wall_time() -> None:
+    split = _hit(500.0, 40.0, open=30.0, read=40.0, copy=10.0).split()  # 80 thread-ms in 40
+    assert (split["open"], split["read"], split["copy"]) == pytest.approx((15.0, 20.0, 5.0))
+    assert split["load_other"] == 0.0
+    assert sum(split.values()) == pytest.approx(500.0)
+
+
+def test_rows_take_medians_and_the_chart_is_drawn(tmp_path: Path) -> None:
+    rows = breakdown_rows([_hit(t, 50.0, read=20.0) for t in (700.0, 900.0, 800.0)])
+    (row,) = rows
+    assert (row["breakdown"], row["tokens"], row["runs"]) == ("kvtier", 2500, 3)
+    assert row["ttft_ms"] == 800
+    assert "kvtier" in breakdown_table(rows)
+    write_chart(rows, tmp_path / "b.png")
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_ratios_are_paired_per_prompt() -> None:
+    rows = {
+        ("kvtier", 512, "cold"): Row("kvtier", 512, "cold", [110.0, 200.0, 300.0]),
+        (PLAIN, 512, "cold"): Row(PLAIN, 512, "cold", [100.0, 200.0, 330.0]),
+        (PLAIN, 512, "l0"): Row(PLAIN, 512, "l0", [50.0, 50.0, 50.0]),
+        ("kvtier-juicefs", 512, "l2_cross"): Row("kvtier-juicefs", 512, "l2_cross", [60.0] * 3),
+    }
+    by_name = {r["ratio"]: r for r in paired_ratios(rows, ["kvtier", "kvtier-juicefs"])}
+    cold = by_name["kvtier cold / vLLM cold"]
+    assert (cold["median"], cold["min"], cold["max"]) == (1.0, pytest.approx(0.909, abs=1e-3), 1.1)
+    assert by_name["kvtier-juicefs L2 / vLLM L0"]["median"] == 1.2
+    assert "kvtier L2 / vLLM L0" not in by_name  # no such row: not invented
+
+
+def test_variants_are_checked_against_the_connector_settings() -> None:
+    assert parse_variant("before:load_staging=false,background_cpus=inherit") == (
+        "before",
+        {"load_staging": "false", "background_cpus": "inherit"},
+    )
+    assert parse_variant("r4:l2=juicefs,load_read_threads=4")[1]["l2"] == "juicefs"
+    for bad in ("Bad:load_staging=false", "x:no_such_setting=1", "x:l2=nfs", "x:load_read_threads"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+
+
+def test_blocks_are_copied_to_another_mount_under_the_same_names(tmp_path: Path) -> None:
+    src, dst = tmp_path / "a", tmp_path / "b"
+    rel = Path("ns", "ab", "cd", "abcd.kvt")
+    (src / rel).parent.mkdir(parents=True)
+    (src / rel).write_bytes(b"block")
+    copy_blocks(src, dst, [rel])
+    copy_blocks(src, dst, [rel])  # already there: left alone
+    assert (dst / rel).read_bytes() == b"block"
+    assert [p.name for p in (dst / rel).parent.iterdir()] == ["abcd.kvt"]

@@ -1,0 +1,65 @@
+"""Rendering and checking manifests as a cluster would: `kubectl kustomize`, then every object
+against the Kubernetes API schema of `KUBERNETES_VERSION` (kubernetes-validate, strict: unknown
+fields are errors) and the ServiceMonitor against its CRD schema (vendored in schemas/)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+KUBERNETES_VERSION = "1.33"
+"""Pinned: the oldest minor version EKS still offers standard support for."""
+SCHEMAS = Path(__file__).parent / "schemas"
+CRD_SCHEMAS = {("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-v1.json"}
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl")
+    if found is None:
+        pytest.skip("kubectl is not installed")
+    return found
+
+
+def kustomize(path: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize path`, parsed."""
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, f"kubectl kustomize {path}:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@cache
+def _crd_schema(name: str) -> dict[str, Any]:
+    schema: dict[str, Any] = json.loads((SCHEMAS / name).read_text())
+    return schema
+
+
+def validate(obj: dict[str, Any]) -> None:
+    """Raise if `obj` is not a valid object of the pinned Kubernetes version (or its CRD)."""
+    crd = CRD_SCHEMAS.get((obj.get("apiVersion", ""), obj.get("kind", "")))
+    if crd is not None:
+        jsonschema.Draft202012Validator(_crd_schema(crd)).validate(obj)
+        return
+    kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} objects"
+    return found[0]
+
+
+def container(objects: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
+    pod = by_kind(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    first: dict[str, Any] = pod["containers"][0]
+    return first

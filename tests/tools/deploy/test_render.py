@@ -1,0 +1,217 @@
+"""`kvtier deploy render`: the overlay of a deployment file renders with kubectl, every object
+validates, and what the file says is what the cluster would run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvtier.cli import main
+from kvtier.core.errors import ConfigError
+from kvtier.tools.cluster.spec import parse_spec
+from kvtier.tools.deploy.render import connector_env, render
+from kvtier.vllm.settings import ConnectorSettings
+from tests.tools.deploy.kube import by_kind, container, kustomize, validate
+
+FILES: dict[str, dict[str, Any]] = {
+    "cpu-claim": {
+        "replicas": 3,
+        "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "posix", "l2CacheSizeGiB": 4}},
+        "kvtier": {"router": {"health_interval_s": 0.5}, "connector": {"admission": "reused"}},
+        "kubernetes": {"device": "cpu", "namespace": "demo", "serviceMonitor": True},
+    },
+    "gpu-curvine": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "intelligentRoutingSpec": {"routingStrategy": "prefixaware"},
+        "kubernetes": {
+            "l2Volume": "curvine",
+            "image": "registry.example/kvtier/vllm-gpu:1",
+            "replicaResources": {"requests": {"cpu": "8", "nvidia.com/gpu": "2"}},
+            "vllmArgs": ["--tensor-parallel-size", "2"],
+        },
+    },
+    "gpu-juicefs": {
+        "model": "/models/qwen",
+        "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "juicefs"}},
+        "kubernetes": {"namespace": "team-a", "modelClaim": "weights", "modelMountPath": "/models"},
+    },
+    "existing-claim": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kubernetes": {"l2Volume": "existingClaim", "l2ClaimName": "efs-kv", "l2FileSystem": "efs"},
+    },
+    "valkey-inside": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "valkey", "l2CacheSizeGiB": 2}},
+    },
+    "valkey-outside": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kvCacheSpec": {
+            "l2CacheSpec": {"l2CacheBackend": "redis", "l2CacheLocalUrl": "redis://cache:6380/1"}
+        },
+    },
+    "no-l2": {"kubernetes": {"device": "cpu"}, "kvCacheSpec": {"enableL2Cache": False}},
+    "no-cache": {
+        "kubernetes": {"device": "cpu"},
+        "intelligentRoutingSpec": {"enabled": False},
+        "kvCacheSpec": {"enableL1Cache": False, "enableL2Cache": False},
+    },
+}
+
+
+def rendered(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    out = tmp_path / name
+    render(parse_spec(FILES[name]), out)
+    objects = kustomize(out)
+    for obj in objects:
+        validate(obj)
+    return objects
+
+
+def env_of(objects: list[dict[str, Any]]) -> dict[str, str]:
+    connector = next(
+        o
+        for o in objects
+        if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvtier-connector")
+    )
+    data: dict[str, str] = connector.get("data", {})
+    return data
+
+
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_every_rendered_object_validates(tmp_path: Path, name: str) -> None:
+    objects = rendered(tmp_path, name)
+    spec = parse_spec(FILES[name])
+    assert by_kind(objects, "Deployment", "kvtier-replica")["spec"]["replicas"] == spec.replicas
+    namespace = spec.kubernetes.namespace
+    assert all(o["metadata"].get("namespace", namespace) == namespace for o in objects)
+    # what the replicas will parse is what the file says
+    ConnectorSettings.from_sources({}, env_of(objects))
+
+
+def test_cpu_fleet(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "cpu-claim")
+    replica = container(objects, "kvtier-replica")
+    assert replica["image"] == "kvtier/vllm-cpu:0.2.0"
+    assert "nvidia.com/gpu" not in replica["resources"].get("limits", {})
+    assert "--health-interval-s" in container(objects, "kvtier-router")["args"]
+    env = env_of(objects)
+    assert env["KVTIER_ADMISSION"] == "reused"
+    assert env["KVTIER_L2_CAPACITY_BYTES"] == str(4 * 1024**3)
+    claim = by_kind(objects, "PersistentVolumeClaim", "kvtier-l2")
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert by_kind(objects, "ServiceMonitor", "kvtier")
+    names = {o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert "kvtier-model-download" not in names  # the embedded model is in the image
+
+
+def test_gpu_curvine_fleet(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "gpu-curvine")
+    replica = container(objects, "kvtier-replica")
+    assert replica["image"] == "registry.example/kvtier/vllm-gpu:1"
+    assert replica["resources"] == {"requests": {"cpu": "8", "nvidia.com/gpu": "2"}, "limits": {}}
+    assert replica["args"][-2:] == ["--tensor-parallel-size", "2"]
+    assert by_kind(objects, "PersistentVolumeClaim", "kvtier-l2")["spec"]["storageClassName"] == (
+        "kvtier-curvine"
+    )
+    assert by_kind(objects, "StorageClass", "kvtier-curvine")["provisioner"] == "curvine"
+    assert env_of(objects)["KVTIER_L2_PROFILE"] == "curvine"
+    router = container(objects, "kvtier-router")
+    assert router["args"][:2] == ["--strategy", "prefixaware"]
+    assert by_kind(objects, "NetworkPolicy", "kvtier-model-download")  # an HF id: downloaded
+
+
+def test_juicefs_fleet_mounts_the_model_claim(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "gpu-juicefs")
+    storage_class = by_kind(objects, "StorageClass", "kvtier-juicefs")
+    assert storage_class["parameters"]["csi.storage.k8s.io/node-publish-secret-namespace"] == (
+        "team-a"
+    )
+    assert env_of(objects)["KVTIER_L2_PROFILE"] == "juicefs"
+    for deployment in ("kvtier-replica", "kvtier-router"):
+        pod = by_kind(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights"}} in pod[
+            "volumes"
+        ]
+    names = {o["metadata"]["name"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert "kvtier-model-download" not in names  # a path: nothing to download
+
+
+def test_existing_claim(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "existing-claim")
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
+    assert pod["volumes"][0] == {"name": "l2", "persistentVolumeClaim": {"claimName": "efs-kv"}}
+    assert env_of(objects)["KVTIER_L2_PROFILE"] == "efs"
+
+
+def test_valkey_inside_gets_a_password_and_its_size(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "valkey-inside")
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+    valkey = by_kind(objects, "StatefulSet", "kvtier-valkey")["spec"]["template"]["spec"]
+    args = valkey["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == str(2 * 1024**3)
+    secret = next(o for o in objects if o["metadata"]["name"].startswith("kvtier-valkey-"))
+    assert secret["kind"] == "Secret" and "password" in secret["data"]
+    replica = container(objects, "kvtier-replica")
+    env = {e["name"]: e for e in replica["env"]}
+    assert env["VALKEY_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == secret["metadata"]["name"]
+    assert env["KVTIER_L2_URL"]["value"] == "redis://:$(VALKEY_PASSWORD)@kvtier-valkey:6379/0"
+    assert "KVTIER_L2_PATH" not in env_of(objects)
+    assert not [m for m in replica.get("volumeMounts", []) if m["name"] == "l2"]
+
+
+def test_valkey_outside(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "valkey-outside")
+    assert env_of(objects)["KVTIER_L2_URL"] == "redis://cache:6380/1"
+    assert not [o for o in objects if o["kind"] == "StatefulSet"]
+    policy = by_kind(objects, "NetworkPolicy", "kvtier-replica-to-l2")
+    assert policy["spec"]["egress"] == [{"ports": [{"protocol": "TCP", "port": 6380}]}]
+
+
+def test_no_cache_at_all(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "no-cache")
+    replica = container(objects, "kvtier-replica")
+    assert "--kv-transfer-config" not in replica["args"]
+    router = container(objects, "kvtier-router")["args"]
+    assert router[:2] == ["--strategy", "roundrobin"] and "--replica-events-port" not in router
+    assert env_of(objects) == {}
+
+
+def test_rerender_keeps_the_secrets(tmp_path: Path) -> None:
+    out = tmp_path / "fleet"
+    spec = parse_spec(FILES["valkey-inside"])
+    render(spec, out)
+    first = {p.name: p.read_text() for p in (out / "secrets").iterdir()}
+    assert (out / "secrets" / "router-api-keys").stat().st_mode & 0o077 == 0
+    render(spec.replaced(replicas=4), out)
+    assert {p.name: p.read_text() for p in (out / "secrets").iterdir()} == first
+    assert by_kind(kustomize(out), "Deployment", "kvtier-replica")["spec"]["replicas"] == 4
+
+
+def test_gpu_needs_a_model(tmp_path: Path) -> None:
+    assert connector_env(parse_spec({}))  # the connector needs none
+    with pytest.raises(ConfigError, match="model: required for GPU replicas"):
+        render(parse_spec({}), tmp_path / "out")
+
+
+def test_kubernetes_keys_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"kubernetes\.l2Volum: unknown setting"):
+        parse_spec({"kubernetes": {"l2Volum": "curvine"}})
+    with pytest.raises(ConfigError, match="kubernetes.l2ClaimName"):
+        parse_spec({"kubernetes": {"l2Volume": "existingClaim"}})
+    with pytest.raises(ConfigError, match="kubernetes.replicaResources.requests.cpu"):
+        parse_spec({"kubernetes": {"replicaResources": {"requests": {"cpu": "lots"}}}})
+
+
+def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "fleet.yaml"
+    config.write_text(yaml.safe_dump(FILES["cpu-claim"]))
+    assert main(["deploy", "render", "--config", str(config), "--out", str(tmp_path / "o")]) == 0
+    assert "kubectl apply -k" in capsys.readouterr().out
+    config.write_text("kubernetes: {devise: cpu}\n")
+    assert main(["deploy", "render", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert "kubernetes.devise: unknown setting" in capsys.readouterr().err

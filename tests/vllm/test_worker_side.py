@@ -1,0 +1,185 @@
+"""The worker side without vLLM's engine: real paged KV tensors, real stores on one L2 directory.
+
+Replica A saves computed blocks (one copy into L1, written through to L2); replica B loads them
+from L2 through its staging buffer into other engine blocks, byte for byte, without promoting
+them, then promotes them by saving them from its own cache. A saver that cannot keep up drops
+saves instead of holding the engine's blocks, and background threads leave the engine's CPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.core.keys import block_hashes, root_hash
+from kvtier.core.store import TieredStore
+from kvtier.core.tiers.base import Tier
+from kvtier.vllm.compat import EngineGeometry
+from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
+from kvtier.vllm.process_store import HashAliases, ProcessStore, model_identity
+from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.stats import ConnectorCounters
+from kvtier.vllm.worker_side import WorkerSide, background_cpus, thread_placer
+
+LAYERS, BLOCKS, TOKENS, HEADS, HEAD = 3, 12, 4, 2, 8
+GEOMETRY = EngineGeometry(
+    platform="cpu",
+    engine_block_tokens=TOKENS,
+    num_layers=LAYERS,
+    kv_heads=HEADS,
+    head_size=HEAD,
+    dtype="float32",
+    tp_size=1,
+)
+CHAIN = tuple(block_hashes(list(range(3 * TOKENS)), TOKENS))
+PARENTS = (root_hash(), *CHAIN[:-1])
+
+
+def _caches(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.attn": torch.randn(BLOCKS, 2, HEADS, TOKENS, HEAD, generator=gen)
+        for i in range(LAYERS)
+    }
+
+
+def _replica(l2: Path, **worker: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    config = ConnectorSettings(l1_bytes=1 << 24, l2_path=str(l2))
+    identity = model_identity(config, GEOMETRY, "model", 0)
+    store = TieredStore(config.store_settings(), identity)
+    shared = ProcessStore(identity.namespace(), store, HashAliases(), None)
+    side = WorkerSide(shared, GEOMETRY, 0, TOKENS, 1, ConnectorCounters(), **worker)  # type: ignore[arg-type]
+    caches = _caches(seed=len(str(l2)) + len(worker))
+    side.register(caches)
+    return side, caches
+
+
+def _save(
+    side: WorkerSide,
+    req: str,
+    ids: tuple[int, ...],
+    promote: frozenset[int] = frozenset(),
+    timeout_s: float = 30.0,
+) -> None:
+    spec = SaveSpec(req, CHAIN, PARENTS, ids, first_index=0, reused_blocks=0, promote=promote)
+    side.submit_saves(KvtierMetadata(saves=[spec]))
+    deadline = time.monotonic() + timeout_s
+    while (side.finished({req})[0] or set()) != {req}:
+        assert time.monotonic() < deadline, "save did not finish"
+        time.sleep(0.01)
+
+
+def _close(side: WorkerSide) -> None:
+    side.close()
+    side._store.close()
+
+
+def test_blocks_saved_on_one_replica_load_byte_for_byte_on_another(tmp_path: Path) -> None:
+    a, a_caches = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path, save_backlog_blocks=64, load_read_threads=2)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        assert a._counters.totals()["save_blocks"] == 3
+        assert a._counters.totals()["save_cpu_seconds"] > 0
+
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        for name in a_caches:
+            assert torch.equal(b_caches[name][1:4], a_caches[name][7:10])
+        assert b.load_errors() == set()
+        totals = b._counters.totals()
+        assert totals["load_blocks_l2"] == 3 and totals["load_failed_blocks"] == 0
+        assert totals["phase_read_seconds"] > 0 and totals["phase_copy_seconds"] > 0
+        assert not any(b._store.has_near(h) for h in CHAIN)  # not promoted on the load
+
+        _save(b, "other", (1, 2, 3))  # not loaded by this request: L2 has them, skipped
+        assert not any(b._store.has_near(h) for h in CHAIN)
+        _save(b, "hit", (1, 2, 3), promote=frozenset({0, 1, 2}))  # loaded: promoted into L1
+        assert all(b._store.has_near(h) for h in CHAIN)
+        assert [blk.tier for blk in b._store.load(CHAIN)] == [Tier.L1] * 3
+        assert b._counters.totals()["save_skipped_blocks"] == 3
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_a_load_that_skips_locally_computed_engine_blocks_keeps_them(tmp_path: Path) -> None:
+    a, a_caches = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path, load_staging=False)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        before = {n: t[4].clone() for n, t in b_caches.items()}
+        # per_block is 1 here, so a skip applies to nothing: load blocks 1..2 only
+        load = LoadSpec("hit", CHAIN[1:], (4, 5), 0, (Tier.L2,) * 2, asynchronous=True)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        deadline = time.monotonic() + 30
+        while (b.finished(set())[1] or set()) != {"hit"}:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for name in a_caches:
+            assert torch.equal(b_caches[name][4:6], a_caches[name][8:10])
+            assert not torch.equal(b_caches[name][4], before[name])
+        assert all(b._store.has_near(h) for h in CHAIN[1:])  # unstaged: promoted at once
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_a_missing_block_fails_the_rest_of_the_load(tmp_path: Path) -> None:
+    b, _ = _replica(tmp_path)
+    try:
+        load = LoadSpec("miss", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        assert b.load_errors() == {1, 2, 3}
+    finally:
+        _close(b)
+
+
+def test_saves_beyond_the_backlog_are_dropped_and_never_hold_the_request(tmp_path: Path) -> None:
+    a, _ = _replica(tmp_path, save_backlog_blocks=2)
+    try:
+        spec = SaveSpec("big", CHAIN, PARENTS, (7, 8, 9), first_index=0, reused_blocks=0)
+        a.submit_saves(KvtierMetadata(saves=[spec]))
+        assert a._counters.totals()["save_dropped_blocks"] == 3
+        assert a.finished({"big"}) == (None, None)  # nothing to wait for: blocks are freed
+        assert not any(a._store.has_near(h) for h in CHAIN)
+    finally:
+        _close(a)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
+def test_background_threads_leave_the_cpus_the_engine_is_bound_to() -> None:
+    cpus = os.cpu_count() or 1
+    seen: dict[str, object] = {}
+
+    def engine_thread() -> None:
+        os.sched_setaffinity(0, {cpus - 1})  # as vLLM binds its worker
+        seen["background"] = background_cpus(None)
+        seen["inherit"] = background_cpus("inherit")
+        seen["explicit"] = background_cpus("0")
+        helper = threading.Thread(target=probe, args=(thread_placer({0}, nice=5),))
+        helper.start()
+        helper.join()
+
+    def probe(place: Callable[[], None] | None) -> None:
+        assert place is not None
+        place()
+        seen["placed"] = os.sched_getaffinity(0)
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen["background"] == set(range(cpus - 1))
+    assert seen["inherit"] is None and seen["explicit"] == {0}
+    assert seen["placed"] == {0}
+    assert isinstance(seen["nice"], int) and seen["nice"] >= 5
+    assert thread_placer(None) is None
