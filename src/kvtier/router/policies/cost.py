@@ -21,7 +21,7 @@ Why the history term multiplies only the new prefill: reading a cached prefix co
 wherever the excess is, and multiplying it too made a long conversation look cheaper to move
 off its replica (a read of its whole prefix from L2) than to extend there, the more so the
 longer it grew; sessions of hundreds of thousands of tokens then hopped between replicas and
-paid those reads (docs/sim.md, "Long agent sessions").
+paid those reads (seen in the simulator on `kvtier sim-trace agents` traces).
 
 The duplicate term (kvaware only) prices recomputing what another replica holds or is
 computing right now (with the events, blocks not yet in the shared pool: the previous turn of a
