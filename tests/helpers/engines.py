@@ -79,7 +79,11 @@ def reset_l0(server: ServerProcess) -> None:
 
 def metric(server: ServerProcess, name: str, labels: Mapping[str, str] | None = None) -> float:
     """Sum of the samples of Prometheus metric `name` (matching `labels`) on /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return metric_in(httpx.get(server.url + "/metrics", timeout=60).text, name, labels)
+
+
+def metric_in(text: str, name: str, labels: Mapping[str, str] | None = None) -> float:
+    """Sum of the samples of metric `name` (matching `labels`) in a /metrics page."""
     total = 0.0
     for line in text.splitlines():
         m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)

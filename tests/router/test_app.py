@@ -240,6 +240,28 @@ def test_no_healthy_replica_is_a_503(tokenizer: Tokenizer) -> None:
     run(scenario())
 
 
+def test_a_late_health_check_keeps_a_replica_until_unhealthy_after_a_refused_one_does_not(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        async with fakes("ok", "ok") as (slow, gone):
+            options = {"health_interval_s": 0.3, "health_timeout_s": 0.2, "unhealthy_after": 3}
+            async with running_router(tokenizer, [slow, gone], **options) as rr:
+                slow.health_delay_s = 0.5  # every check times out
+                replicas = rr.router.replicas
+                await wait_for(lambda: replicas[slow.url].failed_checks == 1, "one late check")
+                assert replicas[slow.url].healthy  # still routed to
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200
+                await wait_for(lambda: not replicas[slow.url].healthy, "down after three")
+                assert replicas[slow.url].failed_checks >= 3
+                await gone.stop()  # nothing listens: the next check takes it out
+                await wait_for(lambda: not replicas[gone.url].healthy, "refused")
+                assert replicas[gone.url].failed_checks < 3
+
+    run(scenario())
+
+
 def test_a_replica_going_down_is_purged_from_the_index_and_comes_back(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:

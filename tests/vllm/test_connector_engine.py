@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvtier.core.events import EventKind
@@ -40,6 +41,7 @@ from tests.helpers.engines import (
     complete,
     kv_transfer_config,
     metric,
+    metric_in,
     reset_l0,
     start,
 )
@@ -172,10 +174,34 @@ def _block_files(l2_dir: Path, tokens: list[int], salt: str | None = None) -> li
     return [ns / h.hex()[0:2] / h.hex()[2:4] / f"{h.hex()}.kvt" for h in hashes]
 
 
-def _wait_for_files(paths: list[Path], timeout_s: float = 60.0) -> None:
+WRITE_PATH_METRICS = (
+    "kvtier_connector_saved_blocks_total",
+    "kvtier_connector_save_skipped_blocks_total",
+    "kvtier_connector_save_rejected_blocks_total",
+    "kvtier_connector_save_failed_blocks_total",
+    "kvtier_connector_save_dropped_blocks_total",
+    "kvtier_connector_l2_dropped_writes_total",
+    "kvtier_connector_l2_queue_depth",
+    "kvtier_connector_l2_unavailable_total",
+    "kvtier_connector_tier_errors_total",
+)
+
+
+def _wait_for_files(
+    paths: list[Path], servers: tuple[ServerProcess, ...] = (), timeout_s: float = 120.0
+) -> None:
+    """Wait until every path is a file; on timeout, fail with the missing ones and the write
+    path's counters of `servers` (why a block never reached L2)."""
     deadline = time.monotonic() + timeout_s
     while not all(p.is_file() for p in paths):
-        assert time.monotonic() < deadline, [p for p in paths if not p.is_file()]
+        if time.monotonic() > deadline:
+            pages = {s.url: httpx.get(s.url + "/metrics", timeout=60).text for s in servers}
+            counters = {
+                url: {m: metric_in(page, m) for m in WRITE_PATH_METRICS}
+                for url, page in pages.items()
+            }
+            missing = [p.name for p in paths if not p.is_file()]
+            pytest.fail(f"{len(missing)} of {len(paths)} blocks not in L2: {missing}; {counters}")
         time.sleep(0.2)
 
 
@@ -276,7 +302,7 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
 
     assert results == {"a": expected["race", 0], "b": expected["race", 0]}
     files = _block_files(l2_dir, tokens)
-    _wait_for_files(files)
+    _wait_for_files(files, (replica_a, replica_b))
     for f in files:
         siblings = sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem))
         assert siblings == [f.name]  # one published file, no temp files left behind

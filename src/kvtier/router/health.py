@@ -1,7 +1,9 @@
 """Active health checks: `GET /health` on every replica every `health_interval_s`.
 
 A replica is down after `unhealthy_after` consecutive failed checks: it leaves the candidate set
-and `on_down(name)` purges what the router knew of its cache (a restart empties it). One good
+and `on_down(name)` purges what the router knew of its cache (a restart empties it). A check
+that is only late (a replica busy on a small machine answers /health slowly) keeps it a
+candidate until then; a refused connection (no process listens) takes it out at once. One good
 check brings it back; its /v1/models is then (re)read for model ids and `max_model_len`, and its
 /metrics for the engine's KV block size (`vllm:cache_config_info`), which the router hashes
 prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no purge) so
@@ -58,19 +60,26 @@ class HealthChecker:
             await self.check_all()
 
     async def _check(self, replica: Replica) -> None:
-        if await self._get(replica, "/health") is not None:
+        refused = False
+        try:
+            ok = await self._get(replica, "/health", pass_refused=True) is not None
+        except ConnectionRefusedError:
+            ok, refused = False, True
+        if ok:
             if not replica.healthy or not replica.models:
                 await self._learn(replica)
             replica.failed_checks = 0
             replica.healthy = True
             return
         replica.failed_checks += 1
-        replica.healthy = False
+        if refused or replica.failed_checks >= self._unhealthy_after:
+            replica.healthy = False
         if replica.failed_checks == self._unhealthy_after:
             self._on_down(replica.name)
 
-    async def _get(self, replica: Replica, path: str) -> bytes | None:
-        """The body of a 200 answer within the timeout, else None."""
+    async def _get(self, replica: Replica, path: str, pass_refused: bool = False) -> bytes | None:
+        """The body of a 200 answer within the timeout, else None (with `pass_refused`, a
+        refused connection raises `ConnectionRefusedError`)."""
         try:
             async with asyncio.timeout(self._timeout_s):
                 resp = await self._pool.get(replica.settings.url, path)
@@ -78,6 +87,10 @@ class HealthChecker:
                     body = await resp.read()
                 finally:
                     resp.close()
+        except ConnectionRefusedError:
+            if pass_refused:
+                raise
+            return None
         except (TimeoutError, OSError):
             return None
         return body if resp.status == 200 else None

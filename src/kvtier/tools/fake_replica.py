@@ -52,6 +52,8 @@ class FakeReplica:
     block_tokens: int = 128
     """Engine block size reported on /metrics (vLLM's on CPU by default)."""
     healthy: bool = True
+    health_delay_s: float = 0.0
+    """Seconds /health takes to answer (a busy replica)."""
     tls: ssl.SSLContext | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -97,6 +99,7 @@ class FakeReplica:
     ) -> bool:
         """Answer one request; False when the connection must end."""
         if method == "GET" and path == "/health":
+            await asyncio.sleep(self.health_delay_s)
             await _respond(writer, 200 if self.healthy else 503, b"ok", b"text/plain")
         elif method == "GET" and path == "/v1/models":
             await _respond_json(

@@ -35,7 +35,7 @@ from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta
 from kvtier.vllm.scheduler_side import SchedulerSide
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
-from kvtier.vllm.worker_side import BACKGROUND_NICE, WorkerSide, background_cpus, thread_placer
+from kvtier.vllm.worker_side import WorkerSide, background_cpus, thread_placer
 
 if TYPE_CHECKING:
     import torch
@@ -101,7 +101,7 @@ class KvtierConnector(KVConnectorBase_V1):
                     self.config,
                     identity,
                     publish=rank == 0,
-                    thread_init=thread_placer(cpus, nice=BACKGROUND_NICE),
+                    thread_init=thread_placer(cpus),
                 )
             ]
             self._worker = WorkerSide(
@@ -116,6 +116,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 save_backlog_blocks=self.config.save_backlog_blocks,
                 load_staging=self.config.load_staging,
                 load_read_threads=self.config.load_read_threads,
+                load_deadline_s=self.config.load_deadline_s,
             )
         self.counters.watch((s.store for s in self._stores), source=role.name.lower())
         log.info(

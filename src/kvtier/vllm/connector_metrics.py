@@ -60,6 +60,11 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
         "Engine blocks that failed to load (vLLM recomputes them).",
     ),
     MetricDef(
+        "kvtier_connector_load_deadline_missed",
+        "counter",
+        "Loads that missed the load deadline; their unwritten blocks are recomputed.",
+    ),
+    MetricDef(
         "kvtier_connector_saved_blocks",
         "counter",
         "Computed blocks the store admitted (copied to L1, queued for L2).",
@@ -249,6 +254,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "load_blocks_l2": ("kvtier_connector_loaded_blocks", ("l2",)),
     "load_bytes": ("kvtier_connector_loaded_bytes", ()),
     "load_failed_blocks": ("kvtier_connector_load_failed_blocks", ()),
+    "load_deadline_missed": ("kvtier_connector_load_deadline_missed", ()),
     "save_blocks": ("kvtier_connector_saved_blocks", ()),
     "save_bytes": ("kvtier_connector_saved_bytes", ()),
     "save_skipped_blocks": ("kvtier_connector_save_skipped_blocks", ()),

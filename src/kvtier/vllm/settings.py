@@ -65,6 +65,11 @@ class ConnectorSettings(StoreSettings):
     """Load hits while the engine keeps stepping (the request waits in WAITING_FOR_REMOTE_KVS);
     off: load them inside the step that computes the rest of the prompt, before its forward pass
     (one step less for the hit, but that step's batch waits for the load)."""
+    load_deadline_s: Annotated[float, Field(gt=0)] = 2.0
+    """Longest wait for one load: past it, the blocks not yet written into vLLM's cache are
+    reported failed and recomputed, and the load's late reads are discarded. It bounds how long
+    a slow or hung L2 (a stalled FUSE mount) stalls an engine step (synchronous loads) or
+    holds a request (asynchronous ones); set it near the time a long prompt takes to compute."""
     load_staging: bool = True
     """Read L2 hits into a staging buffer each loader reuses, then copy them into vLLM's KV
     cache; they reach L1 afterwards, when the request's blocks are saved. Off: read each into a

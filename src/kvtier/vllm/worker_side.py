@@ -6,7 +6,8 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
                                blocks are about to be reused) are dropped if not started yet
                                (counted), and waited for if running.
     start_loads(meta)          queues this step's loads on the loader thread(s) and returns
-                               (synchronous loads, if configured, are waited for here).
+                               (synchronous loads, if configured, are waited for here, at most
+                               `load_deadline_s`).
     submit_saves(meta)         after the forward (`wait_for_save`): queues this step's saves on
                                the saver thread and returns; the forward pass never waits. Past
                                `save_backlog_blocks` waiting blocks, new saves are dropped and
@@ -17,6 +18,12 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
     load_errors()              engine block ids that failed to load (vLLM recomputes them).
     worker_meta()              blocks that entered or left this rank's L1 (the scheduler may
                                run in another process and mirrors L1 from these reports).
+
+Deadline: a load still running `load_deadline_s` after it was queued is settled as it stands:
+the engine blocks it wrote stay, the others are reported failed (and recomputed), and its
+loader thread, maybe still blocked in a read, writes nothing more (a block is written and
+the load settled under one lock, so the two never interleave). Synchronous loads are settled
+when the step's wait ends; asynchronous ones on the next `finished` call past their deadline.
 
 Background threads (owned here, stopped by `close`):
 - loader: `store.load_into`: an L1 hit is copied (`scatter`) from L1 into the request's engine
@@ -31,9 +38,10 @@ Background threads (owned here, stopped by `close`):
 
 Placement: vLLM's CPU worker binds its threads, and so every thread they start, to the engine's
 cores. The saver, the store's L2 writers and asynchronous loaders move to `background_cpus`
-(default: the CPUs the engine is not bound to) and the saver and writers run at a lower
-priority (`BACKGROUND_NICE`), so saving never takes the engine's core; their CPU time is counted
-(`save_cpu_seconds`, the store's `l2_write_cpu_seconds`). Synchronous loaders stay on the
+(default: the CPUs the engine is not bound to), so saving never takes the engine's core; their
+CPU time is counted (`save_cpu_seconds`, the store's `l2_write_cpu_seconds`). They keep the
+engine's priority: vLLM keeps stepping (busy) while a finished request's save is pending, so a
+niced saver starves behind the very engines that wait for it. Synchronous loaders stay on the
 engine's cores: the engine waits for them.
 
 Timing: each load reports its phases (queue: from the scheduler's plan to the loader's start;
@@ -67,9 +75,6 @@ from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 log = logging.getLogger(__name__)
 
 PREEMPT_WAIT_S = 30.0
-BACKGROUND_NICE = 10
-"""Niceness of the saver and L2 writer threads: under CPU contention the engine (and loads)
-go first, and a saver that falls behind drops saves rather than slowing the engine."""
 
 
 def background_cpus(setting: str | None) -> set[int] | None:
@@ -83,18 +88,15 @@ def background_cpus(setting: str | None) -> set[int] | None:
     return others or None
 
 
-def thread_placer(cpus: set[int] | None, *, nice: int = 0) -> Callable[[], None] | None:
-    """A thread initializer moving the calling thread to `cpus` at niceness `nice` (Linux:
-    both apply to the calling thread only); None when there is nothing to change."""
-    if cpus is None and nice == 0:
+def thread_placer(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A thread initializer moving the calling thread to `cpus` (Linux: it applies to the
+    calling thread only); None when there is nothing to change."""
+    if cpus is None:
         return None
 
     def place() -> None:
         try:
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-            if nice:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+            os.sched_setaffinity(0, cpus)
         except OSError as exc:  # e.g. CPUs outside this container's cpuset
             log.warning("kvtier: could not place a background thread on CPUs %s: %s", cpus, exc)
 
@@ -103,6 +105,37 @@ def thread_placer(cpus: set[int] | None, *, nice: int = 0) -> Callable[[], None]
 
 class _LayoutMismatch(Exception):
     """A stored block's layout is not this engine's (stops the load; the rest is recomputed)."""
+
+
+class _Settled(Exception):
+    """The load was settled (its deadline passed): it must not write another block."""
+
+
+class _LoadRun:
+    """One load's progress, shared by its loader thread and the deadline that may settle it."""
+
+    def __init__(self, spec: LoadSpec) -> None:
+        self.spec = spec
+        self.queued_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._written = 0
+        self._settled = False
+
+    def write(self, n_ids: int, scatter: Callable[[], None]) -> None:
+        """Run `scatter` (writing the next `n_ids` engine blocks) unless settled."""
+        with self._lock:
+            if self._settled:
+                raise _Settled
+            scatter()
+            self._written += n_ids
+
+    def settle(self) -> tuple[int, ...] | None:
+        """The engine block ids never written, the first time; None once already settled."""
+        with self._lock:
+            if self._settled:
+                return None
+            self._settled = True
+            return tuple(self.spec.engine_block_ids[self._written :])
 
 
 class WorkerSide:
@@ -120,10 +153,11 @@ class WorkerSide:
         save_backlog_blocks: int = 256,
         load_staging: bool = True,
         load_read_threads: int = 0,
+        load_deadline_s: float = 2.0,
     ) -> None:
         """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
-        there too when `loads_in_background`. `load_staging`, `load_read_threads`: see
-        `ConnectorSettings`."""
+        there too when `loads_in_background`. `load_staging`, `load_read_threads`,
+        `load_deadline_s`: see `ConnectorSettings`."""
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -156,14 +190,16 @@ class WorkerSide:
         self._saver = ThreadPoolExecutor(
             1,
             thread_name_prefix="kvtier-save",
-            initializer=thread_placer(cpus, nice=BACKGROUND_NICE),
+            initializer=thread_placer(cpus),
         )
         self._backlog_limit = save_backlog_blocks
         self._load_staging = load_staging
+        self._deadline_s = load_deadline_s
         self._lock = threading.Lock()
         # All below guarded by _lock.
         self._loads_done: set[str] = set()
         self._load_errors: set[int] = set()
+        self._async_loads: dict[str, _LoadRun] = {}
         self._save_jobs: dict[str, list[Future[None]]] = {}
         self._finishing: set[str] = set()
         self._backlog = 0
@@ -205,15 +241,21 @@ class WorkerSide:
             wait(running, timeout=PREEMPT_WAIT_S)
 
     def start_loads(self, meta: KvtierMetadata) -> None:
-        """Queue asynchronous loads; run synchronous ones to completion (this step's forward
-        pass reads them)."""
-        sync = [
-            self._loader.submit(self._load, spec) for spec in meta.loads if not spec.asynchronous
-        ]
+        """Queue asynchronous loads; run synchronous ones to completion or to their deadline
+        (this step's forward pass reads them)."""
+        sync: dict[Future[None], _LoadRun] = {}
         for spec in meta.loads:
+            run = _LoadRun(spec)
             if spec.asynchronous:
-                self._loader.submit(self._load, spec)
-        wait(sync)
+                with self._lock:
+                    self._async_loads[spec.req_id] = run
+                self._loader.submit(self._load, run)
+            else:
+                sync[self._loader.submit(self._load, run)] = run
+        if sync:
+            _, late = wait(sync, timeout=self._deadline_s)
+            for future in late:
+                self._settle(sync[future], missed_deadline=True)
 
     def submit_saves(self, meta: KvtierMetadata) -> None:
         dropped = 0
@@ -232,6 +274,11 @@ class WorkerSide:
             self._counters.add(save_dropped_blocks=dropped)
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
+        expired = time.monotonic() - self._deadline_s
+        with self._lock:
+            late = [r for r in self._async_loads.values() if r.queued_at < expired]
+        for run in late:
+            self._settle(run, missed_deadline=True)
         with self._lock:
             self._finishing.update(r for r in finished_req_ids if r in self._save_jobs)
             sending = {r for r in self._finishing if all(f.done() for f in self._save_jobs[r])}
@@ -259,8 +306,9 @@ class WorkerSide:
 
     # ---- background threads -------------------------------------------------------------
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load(self, run: _LoadRun) -> None:
         """Loader thread: read the blocks, write them into the request's engine blocks."""
+        spec = run.spec
         start = time.perf_counter()
         queued = 0.0 if spec.planned_at is None else max(0.0, time.monotonic() - spec.planned_at)
         p = self._per_block
@@ -286,7 +334,9 @@ class WorkerSide:
             skip = spec.skip if counts[Tier.L1] + counts[Tier.L2] == 0 else 0
             ids = spec.engine_block_ids[done_ids : done_ids + p - skip]
             t = time.perf_counter()
-            kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
+            run.write(
+                len(ids), lambda: kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
+            )
             copy_s += time.perf_counter() - t
             done_ids += len(ids)
             counts[block.tier] += 1
@@ -298,11 +348,10 @@ class WorkerSide:
             self._store.load_into(
                 spec.hashes, consume, staging=staging, pool=self._readers, times=times
             )
-        except _LayoutMismatch:
+        except (_LayoutMismatch, _Settled):
             pass
         except Exception:
             log.exception("kvtier: load for request %s failed", spec.req_id)
-        failed = spec.engine_block_ids[done_ids:]
         elapsed = time.perf_counter() - start
         self._counters.add(
             load_blocks_l1=counts[Tier.L1],
@@ -310,23 +359,36 @@ class WorkerSide:
             load_bytes=loaded_bytes,
             load_seconds=elapsed,
             load_max_seconds=elapsed,
-            load_failed_blocks=len(failed),
             phase_queue_seconds=queued,
             phase_open_seconds=times.open_s,
             phase_read_seconds=times.read_s,
             phase_checksum_seconds=times.checksum_s,
             phase_copy_seconds=copy_s,
         )
+        self._settle(run, missed_deadline=False)
+
+    def _settle(self, run: _LoadRun, *, missed_deadline: bool) -> None:
+        """Report `run`'s unwritten blocks as failed and, if asynchronous, its completion (once:
+        by its loader when it ends, or by the deadline if that comes first)."""
+        failed = run.settle()
+        if failed is None:
+            return
+        spec = run.spec
+        self._counters.add(
+            load_failed_blocks=len(failed), load_deadline_missed=int(missed_deadline)
+        )
         if failed:
             log.warning(
-                "kvtier: request %s: %d of %d engine blocks failed to load; vLLM recomputes them",
+                "kvtier: request %s: %d of %d engine blocks %s; vLLM recomputes them",
                 spec.req_id,
                 len(failed),
                 len(spec.engine_block_ids),
+                "missed the load deadline" if missed_deadline else "failed to load",
             )
         with self._lock:  # errors and completion become visible together
             self._load_errors.update(failed)
             if spec.asynchronous:
+                self._async_loads.pop(spec.req_id, None)
                 self._loads_done.add(spec.req_id)
 
     def _staging(self, kv: PagedKV) -> list[memoryview]:

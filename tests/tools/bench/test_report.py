@@ -1,7 +1,15 @@
 import json
 from pathlib import Path
 
-from kvtier.tools.bench.report import Run, markdown_table, percentile, plot, summarize, write_json
+from kvtier.tools.bench.report import (
+    Run,
+    errors_note,
+    markdown_table,
+    percentile,
+    plot,
+    summarize,
+    write_json,
+)
 from kvtier.tools.bench.workload import Record
 
 
@@ -37,6 +45,9 @@ def test_summary_counts_served_reusable_tokens_only_up_to_what_was_reusable() ->
     assert row["cached_token_share"] == round(768 / 2100, 4)
     assert row["reusable_token_share_served"] == round((384 + 256) / (384 + 640), 4)
     assert row["l1_hit_tokens"] == 7
+    assert row["errors_seen"] == ["boom"]
+    assert errors_note([row]) == "Failed requests:\n\n- cfg: 1 failed; boom\n\n"
+    assert errors_note([summarize(Run("S2", "clean", (record(0, 1.0, 5, 0, 0),), {}))]) == ""
 
 
 def test_markdown_table_reports_speed_up_against_the_baseline() -> None:

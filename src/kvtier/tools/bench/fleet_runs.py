@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.report import (
     Run,
+    errors_note,
     markdown_table,
     plot,
     plot_tier_series,
@@ -171,6 +172,7 @@ def _cmd(args: argparse.Namespace) -> int:
     shots = sorted(out.glob(f"{args.scenario_name.lower()}_dashboard_*.png"))
     report.write_text(
         f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
+        + errors_note(rows)
         + _dashboard_note(runs)
         + "\n".join(f"![{p.stem}]({p.name})" for p in [*images, *shots])
         + "\n"
@@ -181,6 +183,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.json:
         write_json(rows, Path(args.json))
     print(table)
+    print(errors_note(rows), end="")
     print(f"\nreport: {report}")
     return 0
 

@@ -64,6 +64,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "reusable_token_share_served": round(served / reusable, 4) if reusable else 0.0,
         "requests": len(ok),
         "errors": len(run.records) - len(ok),
+        "errors_seen": sorted({r.error for r in run.records if r.error is not None})[:3],
         "prompt_tokens": prompt,
         "cached_tokens": cached,
         "reusable_tokens": reusable,
@@ -107,6 +108,16 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = Non
             cells.append(f"{base / p50:.2f}x" if base and p50 else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def errors_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The first distinct error texts of each configuration that had failed requests."""
+    lines = [
+        f"- {row['config']}: {row['errors']} failed; " + "; ".join(map(str, row["errors_seen"]))
+        for row in rows
+        if row.get("errors")
+    ]
+    return "Failed requests:\n\n" + "\n".join(lines) + "\n\n" if lines else ""
 
 
 def plot(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[Path]:

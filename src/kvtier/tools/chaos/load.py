@@ -21,7 +21,7 @@ from typing import Any
 from kvtier.net.http_client import HttpPool, Response
 from kvtier.tools.bench.client import JSON
 
-REFERENCE_ATTEMPTS = 3
+REFERENCE_ATTEMPTS = 5
 """Tries of each fault-free reference request before the run gives up."""
 
 __all__ = ["Load", "Record", "RequestKey", "prompts_with_shared_prefixes"]
@@ -168,7 +168,7 @@ class Load:
                         rec = await self.one(pool, key)
                         if rec.ok:
                             break
-                        await asyncio.sleep(1.0 + attempt)
+                        await asyncio.sleep(2.0 * (attempt + 1))
                     else:
                         raise RuntimeError(f"reference request {key} failed: {rec.detail}")
                     found[key] = found[RequestKey(key.prompt, key.chat, True)] = rec.text

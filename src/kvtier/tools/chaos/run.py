@@ -52,6 +52,8 @@ class FaultResult:
     streams_cut_without_error: int = 0
     normal_after_s: float | None = None
     """Seconds from the fault's end until serving was normal (None: not within the run)."""
+    ok_after_end: int = 0
+    """Correct answers to requests started after the fault's end (served again at all)."""
     fault_s: float = 0.0
     """From injection to the end of recovery."""
     max_latency_during_s: float = 0.0
@@ -97,6 +99,9 @@ def _summarize(
     result.failed = dict(sorted(failed.items()))
     during = [r.ended - r.started for r in records if r.ok and r.started >= t_fault]
     result.max_latency_during_s = round(max(during, default=0.0), 2)
+    result.ok_after_end = sum(
+        r.ok and r.text == reference[r.key] for r in records if r.started >= t_end
+    )
     later = sorted((r for r in records if r.started >= t_fault), key=lambda r: r.started)
     bad = [r for r in later if not r.ok or r.ended - r.started > bound]
     if not bad:
