@@ -5,6 +5,7 @@ from kvtier.tools.bench.report import (
     Run,
     errors_note,
     markdown_table,
+    paired_note,
     percentile,
     plot,
     summarize,
@@ -68,3 +69,22 @@ def test_plots_and_json_are_written(tmp_path: Path) -> None:
     write_json([summarize(r) for r in runs], tmp_path / "rows.json")
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["config"] for r in rows] == ["a", "b"]
+
+
+def test_paired_note_compares_each_request_with_itself_under_the_first_config() -> None:
+    def run(label: str, ttfts: list[float], error_at: int | None = None) -> Run:
+        records = tuple(
+            Record("s", i, 0.0, t, t, 100, 0, 0, "boom" if i == error_at else None)
+            for i, t in enumerate(ttfts)
+        )
+        return Run("S2", label, records, {})
+
+    runs = [
+        run("off#1", [100.0, 1000.0, 200.0]),
+        run("on#1", [110.0, 1100.0, 220.0]),  # 10% slower on every request
+        run("off#2", [300.0, 50.0]),
+        run("on#2", [330.0, 55.0], error_at=1),  # a failed request is not paired
+    ]
+    note = paired_note(runs)
+    assert "| on | 4 | 1.100 | 1.100-1.100 |" in note
+    assert paired_note(runs[:1]) == ""

@@ -32,6 +32,7 @@ from kvtier.tools.bench.report import (
     Run,
     errors_note,
     markdown_table,
+    paired_note,
     plot,
     plot_tier_series,
     summarize,
@@ -173,6 +174,7 @@ def _cmd(args: argparse.Namespace) -> int:
     report.write_text(
         f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
         + errors_note(rows)
+        + paired_note(runs)
         + _dashboard_note(runs)
         + "\n".join(f"![{p.stem}]({p.name})" for p in [*images, *shots])
         + "\n"
@@ -183,7 +185,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.json:
         write_json(rows, Path(args.json))
     print(table)
-    print(errors_note(rows), end="")
+    print(errors_note(rows) + paired_note(runs), end="")
     print(f"\nreport: {report}")
     return 0
 

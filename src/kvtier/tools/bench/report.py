@@ -6,6 +6,11 @@ One row per (scenario, configuration), all measured in one run:
 - `reusable_token_share_served` — of the tokens an earlier request had already sent (what a
   perfect fleet-wide cache could serve), the share that was served from cache;
 - `throughput_rps`, `prompt_tokens_per_s` over the span of the run.
+
+`paired_note` compares configurations request by request: every configuration receives the same
+requests, so the TTFT of one (session, round) under a configuration over its TTFT under the
+first configuration of the same repeat is one paired ratio; their median cancels the spread of
+prompt lengths that makes p50s of whole runs noisy.
 """
 
 from __future__ import annotations
@@ -108,6 +113,41 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = Non
             cells.append(f"{base / p50:.2f}x" if base and p50 else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def paired_ratios(run: Run, base: Run) -> list[float]:
+    """TTFT of each request `run` answered over the TTFT `base` had for the same request."""
+    ttft = {(r.session, r.round): r.ttft_ms for r in base.records if r.error is None}
+    return [
+        r.ttft_ms / ttft[r.session, r.round]
+        for r in run.records
+        if r.error is None and ttft.get((r.session, r.round), 0.0) > 0
+    ]
+
+
+def paired_note(runs: Sequence[Run]) -> str:
+    """Per configuration, the median and quartiles of its paired TTFT ratios against the first
+    configuration of each repeat (labels `name#k`), pooled over the repeats."""
+    turns: dict[str, list[Run]] = defaultdict(list)
+    for r in runs:
+        turns[r.config.partition("#")[2]].append(r)
+    pooled: dict[str, list[float]] = defaultdict(list)
+    for turn in turns.values():
+        for r in turn[1:]:
+            pooled[r.config.partition("#")[0]] += paired_ratios(r, turn[0])
+    if not pooled:
+        return ""
+    base = runs[0].config.partition("#")[0]
+    lines = [
+        f"Paired TTFT (each request against the same request under {base}, same repeat):",
+        "",
+        "| config | paired requests | median ratio | quartiles |",
+        "|---|---|---|---|",
+    ]
+    for name, ratios in pooled.items():
+        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        lines.append(f"| {name} | {len(ratios)} | {q2:.3f} | {q1:.3f}-{q3:.3f} |")
+    return "\n".join(lines) + "\n\n"
 
 
 def errors_note(rows: Sequence[Mapping[str, Any]]) -> str:
