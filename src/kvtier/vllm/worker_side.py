@@ -118,7 +118,8 @@ class _LoadRun:
         self.spec = spec
         self.queued_at = time.monotonic()
         self._lock = threading.Lock()
-        self._written = 0
+        self.written = 0
+        """Engine block ids of `spec` written so far (only the loader thread changes it)."""
         self._settled = False
 
     def write(self, n_ids: int, scatter: Callable[[], None]) -> None:
@@ -127,7 +128,7 @@ class _LoadRun:
             if self._settled:
                 raise _Settled
             scatter()
-            self._written += n_ids
+            self.written += n_ids
 
     def settle(self) -> tuple[int, ...] | None:
         """The engine block ids never written, the first time; None once already settled."""
@@ -135,7 +136,7 @@ class _LoadRun:
             if self._settled:
                 return None
             self._settled = True
-            return tuple(self.spec.engine_block_ids[self._written :])
+            return tuple(self.spec.engine_block_ids[self.written :])
 
 
 class WorkerSide:
@@ -313,14 +314,13 @@ class WorkerSide:
         queued = 0.0 if spec.planned_at is None else max(0.0, time.monotonic() - spec.planned_at)
         p = self._per_block
         self._alias(spec.hashes, spec.engine_hashes)
-        done_ids = 0  # engine block ids of spec written so far
         counts = {Tier.L1: 0, Tier.L2: 0}
         loaded_bytes = 0
         times = ReadTimes()
         copy_s = 0.0
 
         def consume(block: LoadedBlock) -> None:
-            nonlocal done_ids, loaded_bytes, copy_s
+            nonlocal loaded_bytes, copy_s
             if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
                 log.warning(
                     "kvtier: block %s has layout %s %s, expected %s %s",
@@ -332,13 +332,12 @@ class WorkerSide:
                 )
                 raise _LayoutMismatch
             skip = spec.skip if counts[Tier.L1] + counts[Tier.L2] == 0 else 0
-            ids = spec.engine_block_ids[done_ids : done_ids + p - skip]
+            ids = spec.engine_block_ids[run.written : run.written + p - skip]
             t = time.perf_counter()
             run.write(
                 len(ids), lambda: kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
             )
             copy_s += time.perf_counter() - t
-            done_ids += len(ids)
             counts[block.tier] += 1
             loaded_bytes += block.payload.nbytes
 
