@@ -30,6 +30,7 @@ BENCH_MODULES = (
     "kvtier.tools.bench.store",
     "kvtier.tools.bench.tiers",
     "kvtier.tools.bench.router",
+    "kvtier.tools.bench.router_saturation",
     "kvtier.tools.bench.fleet_runs",
     "kvtier.tools.bench.chaos",
 )

@@ -314,6 +314,35 @@ def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: T
     run(scenario())
 
 
+def test_a_client_leaving_after_done_got_its_whole_answer(tokenizer: Tokenizer) -> None:
+    """A client may close at `[DONE]`, before the body's end: that answer is served (200),
+    not a hang-up (499)."""
+
+    async def scenario() -> None:
+        async with fakes("slow_end") as (a,), running_router(tokenizer, [a]) as rr:
+            request = rr.client.build_request(
+                "POST", rr.url + "/v1/completions", json=completion(LONG_PROMPT, stream=True)
+            )
+            resp = await rr.client.send(request, stream=True)
+            received = b""
+            async for raw in resp.aiter_raw():
+                received += raw
+                if received.endswith(SSE_CHUNKS[-1]):
+                    break
+            await resp.aclose()
+            await asyncio.sleep(0.2)  # the router sees the hang-up while the replica holds
+            a.release.set()
+            await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
+            text = rr.router.metrics.render().decode()
+            assert (
+                'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0'
+                in text
+            )
+            assert 'status="499"' not in text
+
+    run(scenario())
+
+
 def test_queued_prefill_counts_uncached_prompt_tokens_until_the_first_byte(
     tokenizer: Tokenizer,
 ) -> None:

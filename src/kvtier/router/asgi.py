@@ -89,7 +89,8 @@ class Exchange:
         self.started = False
         """True once the status line is sent: errors can no longer be answered."""
         self.done = False
-        """True once the last body byte is handed to the server."""
+        """True once the answer is complete as the client reads it: its last body byte, or
+        the event that ends a stream (`write(..., complete=True)`), handed to the server."""
         self.client_gone = False
         """True once a disconnect cancelled the work (`cancel_on_disconnect`)."""
         self.tenant: str | None = None
@@ -148,8 +149,11 @@ class Exchange:
             {"type": "http.response.start", "status": status, "headers": list(headers)}
         )
 
-    async def write(self, chunk: bytes) -> None:
+    async def write(self, chunk: bytes, *, complete: bool = False) -> None:
+        """Send a body chunk; `complete`: the client has its whole answer with it (SSE's
+        `[DONE]`), so a hang-up after it is not a lost answer."""
         await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self.done = self.done or complete
 
     async def finish(self) -> None:
         self.done = True

@@ -175,8 +175,8 @@ class Upstream:
         tail = (b"", b"", b"")
         try:
             while chunk:
-                await exchange.write(chunk)
                 tail = (tail[1], tail[2], chunk)
+                await exchange.write(chunk, complete=_ends_stream(tail))
                 try:
                     chunk = await resp.chunk()
                 except OSError as exc:  # the replica died or went silent
@@ -188,6 +188,12 @@ class Upstream:
         except asyncio.CancelledError:  # the client went away (Exchange.cancel_on_disconnect)
             self._metrics.stream_errors.labels("client").inc()
             raise
+
+
+def _ends_stream(tail: tuple[bytes, bytes, bytes]) -> bool:
+    """Whether the last chunks end with SSE's `data: [DONE]` event (a client may hang up
+    right after it, before the body's end)."""
+    return b"".join(tail).rstrip().endswith(b"data: [DONE]")
 
 
 class _Retry(Exception):

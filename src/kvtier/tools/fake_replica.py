@@ -9,6 +9,7 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     hang            read the request, never answer
     die_mid_stream  stream the first SSE event, then reset the connection
     slow_stream     stream the first SSE event, the rest once `release` is set
+    slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
 
 It speaks HTTP/1.1 with keep-alive on a raw asyncio server (httptools parses requests), so it
 controls its sockets down to the reset, and serves TLS when given an `ssl.SSLContext`.
@@ -57,7 +58,7 @@ class FakeReplica:
     tls: ssl.SSLContext | None = None
     received: list[dict[str, Any]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set it to let a `slow_stream` replica send its last events."""
+    """Set it to let a `slow_stream` or `slow_end` replica finish its answer."""
     url: str = ""
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
@@ -167,6 +168,8 @@ class FakeReplica:
             await self.release.wait()
         for event in SSE_CHUNKS[1:]:
             await _chunk(writer, event)
+        if self.mode == "slow_end":
+            await self.release.wait()
         await _chunk(writer, b"")
         return True
 

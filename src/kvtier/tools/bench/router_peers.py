@@ -16,7 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,10 +114,24 @@ def router_command(name: str, replicas: Sequence[Replica], port: int) -> list[st
     raise ValueError(f"unknown router {name!r}")
 
 
-class RouterProcess:
-    """A router under test in its own process group; `stop()` ends the whole group."""
+def pinned_to(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` binding the child to `cpus` (its threads and children inherit it)."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
-    def __init__(self, name: str, replicas: Sequence[Replica], log_dir: Path) -> None:
+
+class RouterProcess:
+    """A router under test in its own process group, on `cpus` when given; `stop()` ends the
+    whole group."""
+
+    def __init__(
+        self,
+        name: str,
+        replicas: Sequence[Replica],
+        log_dir: Path,
+        cpus: set[int] | None = None,
+    ) -> None:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -132,7 +146,12 @@ class RouterProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                preexec_fn=pinned_to(cpus),
             )
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     async def ready(self, timeout_s: float = 120.0) -> None:
         try:
@@ -191,7 +210,9 @@ def _passthrough_main(port: int, upstream: str) -> None:
         runner.run(server(app, "127.0.0.1", port).serve())
 
 
-def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_fake_replica(
+    log_dir: Path, cpus: set[int] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with open(log_dir / f"fake-{port}.log", "wb") as log:
         proc = subprocess.Popen(
@@ -199,6 +220,7 @@ def start_fake_replica(log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=pinned_to(cpus),
         )
     url = f"http://127.0.0.1:{port}"
     wait_ready(url + "/health", 60, exited=proc.poll, what="the fake replica")

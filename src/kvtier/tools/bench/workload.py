@@ -143,7 +143,7 @@ class Runner:
                         len(ids),
                         0,
                         reusable,
-                        error=str(exc)[:300],
+                        error=f"{type(exc).__name__}: {exc}"[:300],
                     )
                 )
                 bar()

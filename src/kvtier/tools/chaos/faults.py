@@ -150,6 +150,8 @@ class Corrupt(Fault):
             path = rng.choice(files)
             try:
                 data = path.read_bytes()
+                if not data:  # truncated to nothing by an earlier rewrite
+                    continue
                 how = rng.choice(["flip", "truncate", "foreign"])
                 if how == "flip":
                     pos = rng.randrange(len(data))
@@ -255,14 +257,14 @@ def _rewrite(path: Path, data: bytes) -> None:
 
 def _foreign(data: bytes) -> bytes:
     """The same block as another model would have written it: a valid block of another
-    namespace (kvtier's file name, another model's content)."""
+    namespace (kvtier's file name, another model's content); reversed bytes when `data` is no
+    longer a valid block."""
+    payload = data[HEADER_BYTES:]
     try:
         header = decode_header(data[:HEADER_BYTES], namespace=_namespace_of(data))
-    except CodecError:
+        return encode_header(Namespace("f" * 16), header.block_hash, header.meta, payload) + payload
+    except CodecError:  # a block this fault truncated before: no valid header to re-sign
         return data[::-1]
-    payload = data[HEADER_BYTES:]
-    other = Namespace("f" * 16)
-    return encode_header(other, header.block_hash, header.meta, payload) + payload
 
 
 def _namespace_of(data: bytes) -> Namespace:
