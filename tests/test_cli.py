@@ -26,6 +26,7 @@ COMMANDS = {
     ("bench", "store"),
     ("bench", "tiers"),
     ("bench", "router"),
+    ("bench", "router-saturation"),
     ("bench", "chat"),
     ("bench", "trace"),
     ("bench", "rag"),
