@@ -97,11 +97,20 @@ def router_command(name: str, replicas: Sequence[Replica], port: int) -> list[st
         "--worker-urls",
         *urls,
     ]
+    # Both log a line per request at their default level (INFO); kvtier logs none: warnings
+    # only, so every router pays for the same logging.
     if name == "sglang-router":
-        return [sys.executable, "-m", "sglang_router.launch_router", *rust_args]
+        return [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            *rust_args,
+            "--log-level",
+            "warn",
+        ]
     if name == "vllm-router":
         exe = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-        return [exe, *rust_args]
+        return [exe, *rust_args, "--log-level", "warning"]
     if name == PASSTHROUGH:
         return [
             sys.executable,
