@@ -288,10 +288,12 @@ async def _soak(
             router = fleet.running.router
             if router is not None:
                 rss, fds = fleet.tree_usage(router.pid)
-                sample.update(router_rss_mib=rss / 2**20, router_fds=fds)
+                if rss:  # not while it is down (a fault, a restart)
+                    sample.update(router_rss_mib=rss / 2**20, router_fds=fds)
             for i, replica in enumerate(fleet.running.replicas):
                 rss, fds = fleet.tree_usage(replica.pid)
-                sample.update({f"replica{i}_rss_mib": rss / 2**20, f"replica{i}_fds": fds})
+                if rss:
+                    sample.update({f"replica{i}_rss_mib": rss / 2**20, f"replica{i}_fds": fds})
             sample["index_blocks"] = await asyncio.to_thread(router_metric, fleet, INDEX_BLOCKS)
             samples.append(sample)
             try:
@@ -317,16 +319,16 @@ async def _soak(
 
 
 def _growth(samples: list[dict[str, float]]) -> dict[str, float]:
-    """Per series: mean of the last quarter minus mean of the first quarter (after warm-up)."""
+    """Per series: mean of the last quarter minus mean of the first quarter, over the samples
+    that have it (a process is not sampled while it is down)."""
     if len(samples) < 8:
         return {}
     q = len(samples) // 4
     first, last = samples[:q], samples[-q:]
     out = {}
-    for key in samples[0]:
-        if key == "t":
-            continue
-        a = statistics.mean(s.get(key, 0.0) for s in first)
-        b = statistics.mean(s.get(key, 0.0) for s in last)
-        out[key] = round(b - a, 1)
-    return out
+    for key in {key for s in samples for key in s} - {"t"}:
+        a = [s[key] for s in first if key in s]
+        b = [s[key] for s in last if key in s]
+        if a and b:
+            out[key] = round(statistics.mean(b) - statistics.mean(a), 1)
+    return dict(sorted(out.items()))
