@@ -335,8 +335,7 @@ def test_a_client_leaving_after_done_got_its_whole_answer(tokenizer: Tokenizer) 
             await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
             text = rr.router.metrics.render().decode()
             assert (
-                'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0'
-                in text
+                'kvtier_router_requests_total{endpoint="/v1/completions",status="200"} 1.0' in text
             )
             assert 'status="499"' not in text
 
