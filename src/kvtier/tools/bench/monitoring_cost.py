@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from transformers import AutoTokenizer
 
 from kvtier.tools.bench.client import new_pool, stream_request
 from kvtier.tools.bench.corpus import Corpus
@@ -87,6 +86,8 @@ def quartiles(values: list[float]) -> str:
 async def ttft_rounds(
     state: dict[str, Any], prometheus: psutil.Process, rounds: int, tokens: int
 ) -> None:
+    from transformers import AutoTokenizer
+
     router = state["router"]
     with urllib.request.urlopen(router + "/v1/models", timeout=10) as resp:
         model = json.loads(resp.read())["data"][0]

@@ -30,6 +30,7 @@ from typing import Any
 
 import psutil
 
+from kvtier.tools.bench.monitoring_cost import cpu_seconds
 from kvtier.tools.bench.router_peers import Replica, RouterProcess, start_fake_replica
 
 __all__ = ["register"]
@@ -45,19 +46,6 @@ def build_prompts(corpus: Any, prefixes: int, prompt_tokens: int, count: int) ->
         f"{documents[i % prefixes]}\n\nQuestion {i}: what does part {i % 97} say about case {i}?"
         for i in range(count)
     ]
-
-
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of process `pid` and its live children."""
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            t = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += t.user + t.system
-    return total
 
 
 async def closed_loop(
@@ -99,13 +87,13 @@ async def one_turn(
     url: str, pid: int | None, prompts: Sequence[str], concurrency: int, seconds: float
 ) -> dict[str, float]:
     await closed_loop(url, prompts, concurrency, 1.0)  # warm-up: connections, caches
-    cpu_before = tree_cpu_seconds(pid) if pid is not None else 0.0
+    cpu_before = cpu_seconds(psutil.Process(pid)) if pid is not None else 0.0
     start = time.perf_counter()
     ok, failed = await closed_loop(url, prompts, concurrency, seconds)
     elapsed = time.perf_counter() - start
     turn = {"rps": ok / elapsed, "failed": float(failed)}
     if pid is not None:
-        turn["cpu_share"] = (tree_cpu_seconds(pid) - cpu_before) / elapsed
+        turn["cpu_share"] = (cpu_seconds(psutil.Process(pid)) - cpu_before) / elapsed
     return turn
 
 
