@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -82,6 +83,23 @@ def test_a_pass_above_high_evicts_the_oldest_blocks_and_reports_it(tmp_path: Pat
     assert [os.path.exists(p) for p in paths] == [False] * 6 + [True] * 4
     assert (report.evicted_blocks, report.blocks_after) == (6, 4)
     assert read_status(str(tmp_path))["evicted_blocks"] == 6  # type: ignore[index]
+
+
+def test_a_status_read_that_races_a_rewrite_reads_it_again(tmp_path: Path) -> None:
+    Janitor(str(tmp_path), config(capacity_bytes=1024 * KIB)).run_once()
+    status = control_dir(str(tmp_path), "status.json")
+    whole = Path(status).read_bytes()
+    Path(status).write_bytes(whole[: len(whole) // 2])  # a reader caught mid-rewrite
+    pauses: list[float] = []
+
+    def rewrite_done(seconds: float) -> None:
+        pauses.append(seconds)
+        Path(status).write_bytes(whole)
+
+    assert read_status(str(tmp_path), pause=rewrite_done) == json.loads(whole)
+    assert len(pauses) == 1
+    Path(status).write_bytes(whole[:10])  # never completed: no report, no endless retry
+    assert read_status(str(tmp_path), pause=lambda _: None) is None
 
 
 def test_a_read_hit_recorded_by_any_replica_protects_the_block(tmp_path: Path) -> None:

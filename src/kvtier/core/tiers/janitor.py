@@ -50,6 +50,9 @@ from kvtier.core.tiers.usage import Entry, control_dir, plan_eviction, scan
 
 log = logging.getLogger(__name__)
 
+STATUS_RETRY_S = 0.01
+"""Pause before reading a status file again that was caught mid-rewrite."""
+
 
 class JanitorSettings(Settings):
     """Capacity of one shared L2 directory and how the janitor enforces it."""
@@ -379,10 +382,22 @@ class Janitor:
         self.lease.release()
 
 
-def read_status(root: str) -> dict[str, object] | None:
-    """The last pass report any janitor wrote, or None."""
-    try:
-        with open(control_dir(root, "status.json"), encoding="utf-8") as f:
-            return json.load(f)  # type: ignore[no-any-return]
-    except (OSError, ValueError):
-        return None
+def read_status(
+    root: str, attempts: int = 3, pause: Callable[[float], None] = time.sleep
+) -> dict[str, object] | None:
+    """The last pass report any janitor wrote, or None.
+
+    A read that races a rewrite sees a JSON prefix; it is read again (`attempts` in all,
+    `STATUS_RETRY_S` apart) so that a reader does not lose the report for a whole interval.
+    """
+    for attempt in range(attempts):
+        if attempt:
+            pause(STATUS_RETRY_S)
+        try:
+            with open(control_dir(root, "status.json"), encoding="utf-8") as f:
+                return json.load(f)  # type: ignore[no-any-return]
+        except OSError:
+            return None
+        except ValueError:
+            continue
+    return None
