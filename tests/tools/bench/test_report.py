@@ -8,6 +8,7 @@ from kvtier.tools.bench.report import (
     paired_note,
     percentile,
     plot,
+    repeats_note,
     summarize,
     write_json,
 )
@@ -88,3 +89,20 @@ def test_paired_note_compares_each_request_with_itself_under_the_first_config() 
     note = paired_note(runs)
     assert "| on | 4 | 1.100 | 1.100-1.100 |" in note
     assert paired_note(runs[:1]) == ""
+
+
+def test_repeats_note_gives_median_and_spread_of_each_repeats_figures() -> None:
+    rows = [
+        {"config": "rr#1", "ttft_p50_ms": 400.0, "reusable_token_share_served": 0.5},
+        {"config": "kv#1", "ttft_p50_ms": 100.0, "reusable_token_share_served": 1.0},
+        {"config": "rr#2", "ttft_p50_ms": 900.0, "reusable_token_share_served": 0.6},
+        {"config": "kv#2", "ttft_p50_ms": 150.0, "reusable_token_share_served": 0.9},
+        {"config": "rr#3", "ttft_p50_ms": 300.0, "reusable_token_share_served": 0.4},
+        {"config": "kv#3", "ttft_p50_ms": 200.0, "reusable_token_share_served": 0.8},
+    ]
+    lines = repeats_note(rows).splitlines()
+    assert lines[0].startswith("Over 3 repeats")
+    # speed-ups are taken within each repeat (4x, 6x, 1.5x), not from the medians' ratio (2.67x)
+    assert lines[4] == "| rr | 400.0 (300.0-900.0) | 1.00x (1.00x-1.00x) | 0.500 (0.400-0.600) |"
+    assert lines[5] == "| kv | 150.0 (100.0-200.0) | 4.00x (1.50x-6.00x) | 0.900 (0.800-1.000) |"
+    assert repeats_note([{"config": "rr", "ttft_p50_ms": 1.0}]) == ""

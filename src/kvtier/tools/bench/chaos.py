@@ -39,7 +39,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     timing = Timing(5.0, 10.0) if args.quick else Timing(pre_s=args.pre, post_s=args.post)
     if args.soak:
-        faults = [FAULTS[n] for n in names if FAULTS[n].phase == "juicefs"]
+        faults = [FAULTS[n] for n in names if FAULTS[n].phase == "juicefs" and n != "control"]
         report = soak(out / "work", options, faults, args.soak, args.soak_interval, timing)
         (out / "soak.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report["growth"], indent=2))

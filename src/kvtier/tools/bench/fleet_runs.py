@@ -35,6 +35,7 @@ from kvtier.tools.bench.report import (
     paired_note,
     plot,
     plot_tier_series,
+    repeats_note,
     summarize,
     write_json,
 )
@@ -173,6 +174,7 @@ def _cmd(args: argparse.Namespace) -> int:
     shots = sorted(out.glob(f"{args.scenario_name.lower()}_dashboard_*.png"))
     report.write_text(
         f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
+        + repeats_note(rows)
         + errors_note(rows)
         + paired_note(runs)
         + _dashboard_note(runs)
@@ -185,7 +187,7 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.json:
         write_json(rows, Path(args.json))
     print(table)
-    print(errors_note(rows) + paired_note(runs), end="")
+    print(repeats_note(rows) + errors_note(rows) + paired_note(runs), end="")
     print(f"\nreport: {report}")
     return 0
 

@@ -150,6 +150,48 @@ def paired_note(runs: Sequence[Run]) -> str:
     return "\n".join(lines) + "\n\n"
 
 
+def repeats_note(rows: Sequence[Mapping[str, Any]]) -> str:
+    """With `--repeat` (labels `name#k`): per configuration, the median and min-max over the
+    repeats of its TTFT p50, of its p50 speed-up against the first configuration of the same
+    repeat, and of the reusable tokens it served. Empty for a single run."""
+    turns: dict[str, dict[str, Mapping[str, Any]]] = defaultdict(dict)
+    for row in rows:
+        name, _, repeat = str(row["config"]).partition("#")
+        if not repeat:
+            return ""
+        turns[repeat][name] = row
+    by_config: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for turn in turns.values():
+        base = next(iter(turn.values())).get("ttft_p50_ms")
+        for name, row in turn.items():
+            figures = by_config[name]
+            if row.get("ttft_p50_ms"):
+                figures["p50"].append(row["ttft_p50_ms"])
+                if base:
+                    figures["speed-up"].append(base / row["ttft_p50_ms"])
+            figures["served"].append(row.get("reusable_token_share_served", 0.0))
+    lines = [
+        f"Over {len(turns)} repeats: median (min-max) of each repeat's figure:",
+        "",
+        "| config | TTFT p50 ms | p50 speed-up | reusable served |",
+        "|---|---|---|---|",
+    ]
+    for name, figures in by_config.items():
+        lines.append(
+            f"| {name} | {_spread(figures['p50'], '{:.1f}')} "
+            f"| {_spread(figures['speed-up'], '{:.2f}x')} "
+            f"| {_spread(figures['served'], '{:.3f}')} |"
+        )
+    return "\n".join(lines) + "\n\n"
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    low, mid, high = min(values), statistics.median(values), max(values)
+    return f"{fmt.format(mid)} ({fmt.format(low)}-{fmt.format(high)})"
+
+
 def errors_note(rows: Sequence[Mapping[str, Any]]) -> str:
     """The first distinct error texts of each configuration that had failed requests."""
     lines = [

@@ -54,6 +54,16 @@ class Fault:
         return set()
 
 
+class Control(Fault):
+    """No fault: the same windows of load, to show the noise floor of every figure."""
+
+    def inject(self, fleet: ChaosFleet) -> None:
+        """Nothing."""
+
+    def recover(self, fleet: ChaosFleet) -> None:
+        """Nothing."""
+
+
 class ReplicaKill(Fault):
     def inject(self, fleet: ChaosFleet) -> None:
         fleet.kill_replica(0)
@@ -274,6 +284,7 @@ def _namespace_of(data: bytes) -> Namespace:
 FAULTS: dict[str, Fault] = {
     f.name: f
     for f in [
+        Control("control", "juicefs", "no fault (the noise floor)", 5.0),
         ReplicaKill("replica-sigkill", "juicefs", "a replica SIGKILLed, then restarted", 3.0),
         ReplicaFreeze(
             "replica-sigstop", "juicefs", "a replica SIGSTOPped past the health timeout", 6.0

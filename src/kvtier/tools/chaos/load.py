@@ -44,6 +44,8 @@ class Record:
     """ok | http_error | stream_error_event | stream_cut | hang | connect_error"""
     text: str = ""
     detail: str = ""
+    replica: str = ""
+    """The replica that answered (the router's `x-kvtier-replica` header), if it did."""
 
     @property
     def ok(self) -> bool:
@@ -106,9 +108,10 @@ class Load:
     async def one(self, pool: HttpPool, key: RequestKey) -> Record:
         path, body = self.body(key)
         started = time.monotonic()
+        replica = ""
 
         def record(outcome: str, text: str = "", detail: str = "") -> Record:
-            return Record(key, started, time.monotonic(), outcome, text, detail[:300])
+            return Record(key, started, time.monotonic(), outcome, text, detail[:300], replica)
 
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -116,6 +119,7 @@ class Load:
                     resp = await pool.post(self.url, path, body, JSON)
                 except OSError as exc:
                     return record("connect_error", detail=str(exc))
+                replica = _header(resp.headers, b"x-kvtier-replica")
                 try:
                     if resp.status != 200:
                         raw = await resp.read()
@@ -195,6 +199,10 @@ class Load:
         finally:
             pool.close()
         return records
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
+    return next((v.decode("latin-1") for k, v in headers if k.lower() == name), "")
 
 
 def _text(doc: dict[str, Any]) -> str:
