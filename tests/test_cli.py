@@ -1,11 +1,15 @@
 import argparse
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import kvtier
+import kvtier.cli
 from kvtier.cli import build_parser, main
 
 COMMANDS = {
@@ -110,3 +114,26 @@ def test_public_surface_is_pinned() -> None:
         "root_hash",
     }
     assert all(getattr(kvtier, name) is not None for name in kvtier.__all__)
+
+
+def test_sigterm_stops_what_the_command_started_and_exits_143(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cleaned: list[bool] = []
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)  # `kill PID`, a CI timeout, a pod stopping
+            time.sleep(30)
+            return 0
+        finally:
+            cleaned.append(True)  # where a fleet, a mount or a namespace is stopped
+
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=command)
+    monkeypatch.setattr(kvtier.cli, "build_parser", lambda: parser)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main([]) == 143
+    assert cleaned == [True]
+    assert "terminated" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+from typing import Any
 
 from kvtier.core.errors import KvtierError
 
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         return _missing(exc)
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args.func(args) or 0)
+    except Terminated:
+        print("kvtier: terminated; stopped what it had started", file=sys.stderr)
+        return 143
     except KvtierError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
@@ -92,6 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is so that its `finally` blocks and context managers
+    stop the servers, mounts and namespaces it started (as Ctrl-C does)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated
 
 
 def _missing(exc: ModuleNotFoundError) -> int:

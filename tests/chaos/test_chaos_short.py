@@ -28,12 +28,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.juicefs]
 
 SHORT = {
     "juicefs": [
+        "l2-corrupt",  # first: the faults after it check that no bad block was saved back
         "replica-sigkill",
         "replica-sigstop",
         "router-kill",
         "l2-unmount",
         "juicefs-meta-kill",
-        "l2-corrupt",
     ],
     "faultfs": ["l2-eio", "l2-full", "l2-slow"],
 }

@@ -27,9 +27,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
+from kvtier.core.codec import HEADER_BYTES, decode_header
 from kvtier.core.events import EventKind
-from kvtier.core.keys import block_hashes, extra_key
+from kvtier.core.keys import Namespace, block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
 from kvtier.core.tiers.usage import CONTROL_DIR
 from kvtier.net.kv_events import EventSubscriber
@@ -262,7 +264,8 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files)
     bad = files[2]
-    data = bytearray(bad.read_bytes())
+    good = bad.read_bytes()
+    data = bytearray(good)
     data[-100:] = bytes(100)  # zero the payload's tail: the checksum no longer matches
     bad.write_bytes(bytes(data))
     failed_before = metric(replica_b, "kvtier_connector_load_failed_blocks_total")
@@ -273,9 +276,21 @@ def test_corrupt_l2_file_is_removed_counted_and_recomputed(
     assert metric(replica_b, "kvtier_connector_load_failed_blocks_total") - failed_before >= 1
     assert metric(replica_b, LOADED, L2) >= 2  # the blocks before it
     assert metric(replica_b, EXTERNAL_HITS) > external_before
-    # the bad file was removed, and the recompute saved a good one under the same name
+    # the bad file was removed, and the recompute saved a good one under the same name: the
+    # block's KV as computed after a 2-block hit, within rounding of replica A's (the save of
+    # the step whose load failed would copy engine memory that still held stale KV)
     _wait_for_files([bad])
     assert bad.read_bytes() != bytes(data)
+    original, resaved = (_kv_values(raw) for raw in (good, bad.read_bytes()))
+    assert (resaved - original).abs().mean() < 0.05 * original.abs().mean()
+
+
+def _kv_values(block_file: bytes) -> torch.Tensor:
+    """A stored block's KV payload as floats, in the dtype its header names."""
+    namespace = Namespace(block_file[16:48].rstrip(b"\0").decode("ascii"))
+    header = decode_header(block_file[:HEADER_BYTES], namespace=namespace)
+    payload = bytearray(block_file[HEADER_BYTES:])
+    return torch.frombuffer(payload, dtype=getattr(torch, header.meta.dtype)).float()
 
 
 def test_two_replicas_computing_one_prefix_together_write_each_block_once(

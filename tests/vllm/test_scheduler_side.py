@@ -291,3 +291,33 @@ def test_blocks_planned_from_l2_are_marked_for_promotion_in_the_save_plan(
     finally:
         side.close()
         process_store.release(reader)
+
+
+def test_blocks_vllm_recomputes_after_a_failed_load_are_offered_again(
+    rt: process_store.ProcessStore,
+) -> None:
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 4)
+    side = _side(rt, {"r": list(range(10))})
+    try:
+        request = FakeRequest("r", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        assert _answer(side, request, 0) == (1024, True)
+        side.after_alloc(request, FakeBlocks(list(range(10))), 1024)  # type: ignore[arg-type]
+        request.num_computed_tokens = 1024
+        meta = side.build_meta(FakeSchedulerOutput({"r": 76}))  # type: ignore[arg-type]
+        (save,) = meta.saves  # the step that loads: its worker drops what failed to load
+        hashes = block_hashes(tokens, BLOCK)
+        assert save.hashes == tuple(hashes[:4])
+        # block 2 failed to load: vLLM goes back to it and recomputes from there
+        request.num_computed_tokens = 512
+        meta = side.build_meta(FakeSchedulerOutput({"r": 588}))  # type: ignore[arg-type]
+        (save,) = meta.saves
+        assert save.hashes == tuple(hashes[2:4])
+        assert save.parents == (hashes[1], hashes[2])
+        assert save.engine_block_ids == (4, 5, 6, 7)
+        assert save.reused_blocks == 2  # the recomputed blocks are no hits
+        request.num_computed_tokens = 1100
+        assert side.build_meta(FakeSchedulerOutput({"r": 1})).saves == []  # type: ignore[arg-type]
+    finally:
+        side.close()

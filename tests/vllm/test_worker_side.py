@@ -143,6 +143,35 @@ def test_a_missing_block_fails_the_rest_of_the_load(tmp_path: Path) -> None:
         _close(b)
 
 
+def test_a_step_never_saves_the_blocks_its_load_left_unwritten(tmp_path: Path) -> None:
+    """Block 1 of 3 is gone from L2: this step's save (which vLLM plans over every block of
+    the prompt) must not copy blocks 1-2, whose engine blocks hold stale KV until vLLM
+    recomputes them; the next step's save, after the recompute, does."""
+    a, _ = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        os.unlink(a._store._l2.path(CHAIN[1]))  # a corrupt file the loader removed, say
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _save(b, "hit", (1, 2, 3))  # the same step: before vLLM has seen the load errors
+        assert b.load_errors() == {2, 3}
+        assert b._store.flush(30)
+        assert [b._store.contains(h) is not None for h in CHAIN] == [True, False, True]
+        for name in b_caches:  # vLLM recomputes blocks 1-2 into engine blocks 2-3
+            b_caches[name][2:4] = 0.5
+        _save(b, "hit", (1, 2, 3))  # a later step: computed now
+        assert b._store.flush(30)
+        (stored,) = b._store.load([CHAIN[0], CHAIN[1]])[1:]
+        assert stored is not None and bytes(stored.payload) == bytes(
+            torch.stack([b_caches[n][2] for n in b_caches]).numpy().tobytes()
+        )
+    finally:
+        _close(a)
+        _close(b)
+
+
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
     tmp_path: Path, asynchronous: bool

@@ -10,7 +10,7 @@ request until the worker reports the transfer finished.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.base import Tier
@@ -57,6 +57,17 @@ class SaveSpec:
     promote: frozenset[int] = frozenset()
     """Positions in `hashes` of blocks this request loaded from L2: saved into L1 although L2
     holds them (the promotion the load left out of its critical path)."""
+
+    def head(self, n: int, per_block: int) -> SaveSpec:
+        """The same offer for its first `n` blocks only."""
+        return replace(
+            self,
+            hashes=self.hashes[:n],
+            parents=self.parents[:n],
+            engine_block_ids=self.engine_block_ids[: n * per_block],
+            engine_hashes=self.engine_hashes[: n * per_block],
+            promote=frozenset(i for i in self.promote if i < n),
+        )
 
 
 @dataclass(slots=True)

@@ -202,9 +202,9 @@ class SchedulerSide:
         self._counters.add(
             hit_tokens_l1=hit_tokens.get(Tier.L1, 0), hit_tokens_l2=hit_tokens.get(Tier.L2, 0)
         )
-        # Loaded blocks stay unhandled: the save plan offers them again once computed, and the
-        # saver skips those the store holds, so a block whose load failed is saved after vLLM
-        # recomputes it.
+        # The save plan offers loaded blocks too (the saver skips those the store holds); one
+        # whose load fails is left out of that step's saves by the worker, and offered again
+        # once vLLM has recomputed it (`_plan_save` sees vLLM go back).
         tracked.hit_blocks = max(tracked.hit_blocks, last)
         tracked.lookup = None
 
@@ -331,7 +331,13 @@ class SchedulerSide:
         tokens = compat.request_token_ids(tracked.request)
         if tokens is None:
             return None
-        computed = tracked.request.num_computed_tokens + n_scheduled
+        done = tracked.request.num_computed_tokens
+        if done < tracked.handled_blocks * self._block:
+            # vLLM went back (a failed load, a preemption): it recomputes from `done`, and the
+            # blocks from there on are offered again once computed (the saver skips held ones).
+            tracked.handled_blocks = done // self._block
+            tracked.hit_blocks = min(tracked.hit_blocks, tracked.handled_blocks)
+        computed = done + n_scheduled
         full = min(computed, len(tokens)) // self._block
         if full <= tracked.handled_blocks:
             return None

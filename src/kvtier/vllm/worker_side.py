@@ -200,6 +200,9 @@ class WorkerSide:
         # All below guarded by _lock.
         self._loads_done: set[str] = set()
         self._load_errors: set[int] = set()
+        self._unwritten: set[int] = set()
+        """Engine blocks this step's synchronous loads left unwritten: vLLM recomputes them
+        in a later step, so this step's saves must not copy them (nor what follows them)."""
         self._async_loads: dict[str, _LoadRun] = {}
         self._save_jobs: dict[str, list[Future[None]]] = {}
         self._finishing: set[str] = set()
@@ -259,9 +262,15 @@ class WorkerSide:
                 self._settle(sync[future], missed_deadline=True)
 
     def submit_saves(self, meta: KvtierMetadata) -> None:
+        with self._lock:
+            unwritten, self._unwritten = self._unwritten, set()
         dropped = 0
         for spec in meta.saves:
+            if unwritten:
+                spec = spec.head(self._written_blocks(spec, unwritten), self._per_block)
             n = len(spec.hashes)
+            if n == 0:
+                continue
             with self._lock:
                 if self._backlog + n > self._backlog_limit:
                     dropped += n
@@ -273,6 +282,15 @@ class WorkerSide:
                 self._save_jobs.setdefault(spec.req_id, []).append(future)
         if dropped:
             self._counters.add(save_dropped_blocks=dropped)
+
+    def _written_blocks(self, spec: SaveSpec, unwritten: set[int]) -> int:
+        """How many leading blocks of `spec` hold computed KV: a block this step failed to
+        load holds stale KV, and this step's forward pass computed what follows it from that."""
+        p = self._per_block
+        for i in range(len(spec.hashes)):
+            if not unwritten.isdisjoint(spec.engine_block_ids[i * p : (i + 1) * p]):
+                return i
+        return len(spec.hashes)
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str] | None, set[str] | None]:
         expired = time.monotonic() - self._deadline_s
@@ -386,6 +404,8 @@ class WorkerSide:
             )
         with self._lock:  # errors and completion become visible together
             self._load_errors.update(failed)
+            if not spec.asynchronous:
+                self._unwritten.update(failed)
             if spec.asynchronous:
                 self._async_loads.pop(spec.req_id, None)
                 self._loads_done.add(spec.req_id)

@@ -285,6 +285,8 @@ FAULTS: dict[str, Fault] = {
     f.name: f
     for f in [
         Control("control", "juicefs", "no fault (the noise floor)", 5.0),
+        # early, so that every later fault of the phase checks no bad block was saved back
+        Corrupt("l2-corrupt", "juicefs", "L2 blocks flipped, truncated, another model's", 10.0),
         ReplicaKill("replica-sigkill", "juicefs", "a replica SIGKILLed, then restarted", 3.0),
         ReplicaFreeze(
             "replica-sigstop", "juicefs", "a replica SIGSTOPped past the health timeout", 6.0
@@ -293,7 +295,6 @@ FAULTS: dict[str, Fault] = {
         RouterKill("router-kill", "juicefs", "the router SIGKILLed, then restarted", 2.0),
         JuiceFSUnmount("l2-unmount", "juicefs", "the JuiceFS mount detached (umount -z)", 8.0),
         MetaKill("juicefs-meta-kill", "juicefs", "JuiceFS's metadata server SIGKILLed", 5.0),
-        Corrupt("l2-corrupt", "juicefs", "L2 blocks flipped, truncated, another model's", 10.0),
         FaultMode("l2-eio", "faultfs", "every L2 block read and write fails with EIO", 8.0),
         SlowL2("l2-slow", "faultfs", "every L2 block open waits 3 s", 10.0),
         DiskFull("l2-full", "faultfs", "the L2 file system full (ENOSPC)", 8.0),

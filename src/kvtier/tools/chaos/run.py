@@ -73,7 +73,8 @@ class FaultResult:
     leaked_mounts: list[str] = field(default_factory=list)
     notes: dict[str, object] = field(default_factory=dict)
     timeline: list[tuple[float, float, str, str]] = field(default_factory=list)
-    """Every request: (start in seconds from the injection, latency, outcome, replica)."""
+    """Every request: (start in seconds from the injection, latency, outcome or "wrong",
+    replica)."""
 
     def failed_count(self, stream: bool | None = None) -> int:
         return sum(
@@ -116,7 +117,12 @@ def _summarize(
     result.normal_after_s = normal_after(records, t_fault, t_end, bound, WINDOW)
     result.last_outlier_after_s = normal_after(records, t_fault, t_end, bound, 1)
     result.timeline = [
-        (round(r.started - t_fault, 2), round(r.ended - r.started, 2), r.outcome, r.replica)
+        (
+            round(r.started - t_fault, 2),
+            round(r.ended - r.started, 2),
+            _verdict(r, reference),
+            r.replica,
+        )
         for r in sorted(records, key=lambda r: r.started)
     ]
     result.notes = dict(fault.notes)
@@ -124,6 +130,13 @@ def _summarize(
     if details:
         result.notes["errors seen"] = details[:3]
     return result
+
+
+def _verdict(record: Record, reference: dict[RequestKey, str]) -> str:
+    """The outcome, with "wrong" for an answer that differs from the reference."""
+    if record.ok and record.text != reference[record.key]:
+        return "wrong"
+    return record.outcome
 
 
 def normal_after(
