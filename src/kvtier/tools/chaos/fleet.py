@@ -14,6 +14,7 @@ the L2 pieces it starts; `stop()` ends everything, whatever state a fault left i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -25,6 +26,7 @@ from typing import Any, Literal, Self, cast
 
 import psutil
 
+from kvtier.core.errors import TierError
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import Strategy
@@ -80,6 +82,12 @@ class ChaosFleet:
     # ----- start and stop -----
 
     def start(self, progress: bool = False) -> Self:
+        """Start the phase's L2 (empty: what an earlier run left there is removed), the
+        replicas and the router."""
+        if left := mounted_under(str(self.work_dir)):
+            raise TierError(f"{self.work_dir}: still mounted from an earlier run: {left}")
+        for stale in ("jfs", "meta", "valkey", "fleet"):
+            shutil.rmtree(self.work_dir / stale, ignore_errors=True)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         try:
             l2 = self._start_l2()
