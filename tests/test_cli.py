@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,3 +138,16 @@ def test_sigterm_stops_what_the_command_started_and_exits_143(
     assert cleaned == [True]
     assert "terminated" in capsys.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_main_runs_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvtier status` and others are called from worker threads (asyncio.to_thread), where
+    no signal handler can be installed."""
+    parser = argparse.ArgumentParser()
+    parser.set_defaults(func=lambda args: 7)
+    monkeypatch.setattr(kvtier.cli, "build_parser", lambda: parser)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(main([])))
+    thread.start()
+    thread.join(30)
+    assert result == [7]

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import signal
 import sys
+import threading
 from typing import Any
 
 from kvtier.core.errors import KvtierError
@@ -84,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         return _missing(exc)
     args = parser.parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    # Signal handlers belong to the main thread (tests call `main` from others).
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
     try:
         return int(args.func(args) or 0)
     except Terminated:
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 class Terminated(KeyboardInterrupt):

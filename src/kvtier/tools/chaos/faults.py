@@ -73,7 +73,7 @@ class ReplicaKill(Fault):
 
     def restore(self, fleet: ChaosFleet) -> None:
         started = time.monotonic()
-        fleet.restart_replica(0)
+        fleet.restart_replica(0, timeout_s=300, attempts=2)  # no load now: 35-90 s here
         self.notes["restart_s"] = round(time.monotonic() - started, 1)
 
 

@@ -26,7 +26,7 @@ from typing import Any, Literal, Self, cast
 
 import psutil
 
-from kvtier.core.errors import TierError
+from kvtier.core.errors import KvtierError, TierError
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import Strategy
@@ -197,12 +197,21 @@ class ChaosFleet:
     def kill_replica(self, i: int) -> None:
         self.replica(i).kill()
 
-    def restart_replica(self, i: int, timeout_s: float = 600) -> None:
+    def restart_replica(self, i: int, timeout_s: float = 600, attempts: int = 1) -> None:
+        """Stop replica `i` and start it again, waiting `timeout_s` per attempt. A start that
+        hangs (a vLLM worker that never logs, seen on this 2-core machine) is stopped and
+        started once more when `attempts` allows."""
         old = self.replica(i)
         old.stop()
-        new = ServerProcess(old.spec)
-        self.running.replicas[i] = new
-        new.wait_healthy(timeout_s)
+        for attempt in range(1, attempts + 1):
+            new = ServerProcess(old.spec)
+            self.running.replicas[i] = new
+            try:
+                new.wait_healthy(timeout_s)  # stops the server when it does not come up
+                return
+            except KvtierError:
+                if attempt == attempts:
+                    raise
 
     def kill_router(self) -> None:
         router = self.running.router
