@@ -268,9 +268,7 @@ class WorkerSide:
         for spec in meta.saves:
             if unwritten:
                 spec = spec.head(self._written_blocks(spec, unwritten), self._per_block)
-            n = len(spec.hashes)
-            if n == 0:
-                continue
+            n = len(spec.hashes)  # even 0: the request must still be reported finished
             with self._lock:
                 if self._backlog + n > self._backlog_limit:
                     dropped += n
