@@ -13,19 +13,14 @@ from kvtier.core.errors import KvtierError
 from kvtier.tools.cluster.spec import load_spec
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _cmd_up(args: argparse.Namespace) -> int:
     from kvtier.tools.cluster.local_fleet import LocalFleet
 
     spec = load_spec(Path(args.config) if args.config else None)
     if args.replicas is not None:
         spec = spec.replaced(replicas=args.replicas)
-    # `kvtier down` sends SIGTERM: treat it as Ctrl-C so start-up and serving both unwind
-    # through LocalFleet.stop() and leave nothing running.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # `kvtier down` sends SIGTERM, which `kvtier.cli.main` raises as a KeyboardInterrupt
+    # (`Terminated`): start-up and serving both unwind through LocalFleet.stop().
     try:
         with LocalFleet(spec, monitor=args.monitor) as cluster:
             print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
