@@ -50,7 +50,8 @@ EVENTS_PORT = 5557
 SERVICE = "kvtier-replicas"
 PROMPT_TOKENS = 1024
 DROP_LIMIT_S = 5.0
-"""Link down -> out of the routing set: one failed health check (interval 0.5 s, timeout 1 s)."""
+"""Link down -> out of the routing set: the check under way, then one failed check (interval
+0.5 s, timeout 1 s, `--unhealthy-after 1`); about 2.5 s, the rest is slack for a loaded host."""
 DISCOVERY_LIMIT_S = 5.0
 """Name updated -> routable: one resolution (1 s) + the health probe + the check after it."""
 
@@ -260,6 +261,7 @@ def _fleet(
          "--port", str(PORT), "--model", model_dir, "--strategy", "kvaware",
          "--replicas-dns", f"{SERVICE}:{PORT}", "--replica-events-port", str(EVENTS_PORT),
          "--discovery-interval-s", "1", "--health-interval-s", "0.5", "--health-timeout-s", "1",
+         "--unhealthy-after", "1",
          "--connect-timeout-s", "1", "--read-timeout-s", "15", "--consistent-ties"],
         log=log("router"),
         hosts=True,

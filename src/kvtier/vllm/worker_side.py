@@ -75,6 +75,9 @@ from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 log = logging.getLogger(__name__)
 
 PREEMPT_WAIT_S = 30.0
+_NOTHING_TO_SAVE: Future[None] = Future()
+"""The job of a dropped save: already done."""
+_NOTHING_TO_SAVE.set_result(None)
 
 
 def background_cpus(setting: str | None) -> set[int] | None:
@@ -268,14 +271,19 @@ class WorkerSide:
         for spec in meta.saves:
             if unwritten:
                 spec = spec.head(self._written_blocks(spec, unwritten), self._per_block)
-            n = len(spec.hashes)  # even 0: the request must still be reported finished
+            n = len(spec.hashes)
             with self._lock:
-                if self._backlog + n > self._backlog_limit:
-                    dropped += n
-                    continue
-                self._backlog += n
-            future = self._saver.submit(self._save, spec)
-            future.add_done_callback(functools.partial(self._save_done, n_blocks=n))
+                accepted = self._backlog + n <= self._backlog_limit
+                if accepted:
+                    self._backlog += n
+            if accepted:
+                future = self._saver.submit(self._save, spec)
+                future.add_done_callback(functools.partial(self._save_done, n_blocks=n))
+            else:
+                dropped += n
+                future = _NOTHING_TO_SAVE
+            # every request with a save spec (even an empty or dropped one) gets a job: vLLM
+            # frees its blocks only once it is reported finished
             with self._lock:
                 self._save_jobs.setdefault(spec.req_id, []).append(future)
         if dropped:
