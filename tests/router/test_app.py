@@ -262,6 +262,52 @@ def test_a_late_health_check_keeps_a_replica_until_unhealthy_after_a_refused_one
     run(scenario())
 
 
+@pytest.mark.parametrize("stall_after_s", [0.5, 0.0])
+def test_a_replica_whose_requests_hang_while_health_is_green_is_taken_out_and_failed_over(
+    tokenizer: Tokenizer, stall_after_s: float
+) -> None:
+    """A gray failure: /health answers, completions never do. With stall detection the
+    unanswered requests fail over and a probe keeps the replica out until it answers; off,
+    they hang."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("hang", "ok") as (stuck, good),
+            running_router(
+                tokenizer, [stuck, good], strategy="roundrobin", stall_after_s=stall_after_s
+            ) as rr,
+        ):
+            sent = [
+                rr.client.post(rr.url + "/v1/completions", json=completion(stream=i % 2 == 1))
+                for i in range(4)
+            ]
+            replica = rr.router.replicas[stuck.url]
+            if not stall_after_s:
+                done, hung = await asyncio.wait(map(asyncio.ensure_future, sent), timeout=3)
+                assert len(hung) == 2 and replica.healthy and not replica.stalled
+                for task in hung:
+                    task.cancel()
+                return
+            answers = await asyncio.wait_for(asyncio.gather(*sent), 10)
+            assert [a.status_code for a in answers] == [200] * 4
+            assert {a.headers["x-kvtier-replica"] for a in answers} == {good.url}
+            assert replica.stalled and not replica.healthy
+            assert in_flight(rr) == {stuck.url: 0, good.url: 0}
+            text = rr.router.metrics.render().decode()
+            assert metric(text, f'kvtier_router_replica_stalls_total{{replica="{stuck.url}"}}') == 1
+            assert metric(text, f'kvtier_router_failovers_total{{replica="{stuck.url}"}}') == 2
+            await asyncio.sleep(1.0)  # more checks: /health is green, the probes still hang
+            assert replica.stalled and not replica.healthy
+            seen = len(stuck.received)
+            stuck.mode = "ok"
+            await wait_for(lambda: replica.healthy, "an answered probe brings it back")
+            assert not replica.stalled
+            probes = stuck.received[seen:]
+            assert probes and probes[0]["max_tokens"] == 1 and probes[0]["model"] == MODEL
+
+    run(scenario())
+
+
 def test_a_replica_going_down_is_purged_from_the_index_and_comes_back(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:

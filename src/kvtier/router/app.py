@@ -134,6 +134,8 @@ class Router:
             self.config.health_timeout_s,
             self.config.unhealthy_after,
             lambda name: self.forget(name, "down"),
+            self.config.stall_after_s,
+            lambda name: self.metrics.stalls.labels(name).inc(),
         )
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))

@@ -9,6 +9,14 @@ check brings it back; its /v1/models is then (re)read for model ids and `max_mod
 prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no purge) so
 concurrent requests avoid it until the next good check.
 
+Gray failures: a replica whose /health answers while its engine hangs. With `stall_after_s`
+set, a replica holding requests that got no byte from it for that long is sent a probe (a
+1-token completion, in its own task so the checks of the others go on). No answer within
+`stall_after_s` (a timeout, a refused or cut connection, a 5xx): it is stalled (out of rotation,
+`on_stall(name)`, its unanswered requests failed over; its cache is kept, no purge), and is
+probed again every check until a probe is answered. A 4xx answer cannot tell (a replica that
+wants credentials the probe lacks): the replica is kept.
+
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
 through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
 """
@@ -17,13 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
+import time
 from collections.abc import Callable
 
 from kvtier.net.http_client import HttpPool
 from kvtier.router.replicas import Replica, ReplicaSet
 
 __all__ = ["HealthChecker", "engine_block_tokens"]
+
+log = logging.getLogger(__name__)
 
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 
@@ -43,6 +55,8 @@ class HealthChecker:
         timeout_s: float,
         unhealthy_after: int,
         on_down: Callable[[str], None],
+        stall_after_s: float = 0.0,
+        on_stall: Callable[[str], None] = lambda name: None,
     ) -> None:
         self._pool = pool
         self._replicas = replicas
@@ -50,14 +64,21 @@ class HealthChecker:
         self._timeout_s = timeout_s
         self._unhealthy_after = unhealthy_after
         self._on_down = on_down
+        self._stall_after_s = stall_after_s
+        self._on_stall = on_stall
+        self._probes: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(r) for r in self._replicas))
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval_s)
-            await self.check_all()
+        try:
+            while True:
+                await asyncio.sleep(self._interval_s)
+                await self.check_all()
+        finally:
+            for probe in self._probes.values():
+                probe.cancel()
 
     async def _check(self, replica: Replica) -> None:
         refused = False
@@ -65,6 +86,11 @@ class HealthChecker:
             ok = await self._get(replica, "/health", pass_refused=True) is not None
         except ConnectionRefusedError:
             ok, refused = False, True
+        if ok and self._suspect_stall(replica):
+            self._probes[replica.name] = asyncio.create_task(self._probe(replica))
+        if ok and replica.stalled:
+            replica.failed_checks = 0
+            return
         if ok:
             if not replica.healthy or not replica.models:
                 await self._learn(replica)
@@ -76,6 +102,52 @@ class HealthChecker:
             replica.healthy = False
         if replica.failed_checks == self._unhealthy_after:
             self._on_down(replica.name)
+
+    def _suspect_stall(self, replica: Replica) -> bool:
+        """Whether to probe it now: stalled, or holding requests without progress for long."""
+        if not self._stall_after_s or not replica.models or replica.name in self._probes:
+            return False
+        return replica.stalled or replica.no_progress_s(time.monotonic()) > self._stall_after_s
+
+    async def _probe(self, replica: Replica) -> None:
+        """One 1-token completion: answered, the replica makes progress; not, it stalled."""
+        body = json.dumps({"model": replica.models[0], "prompt": "ping", "max_tokens": 1})
+        status = None
+        try:
+            async with asyncio.timeout(self._stall_after_s):
+                resp = await self._pool.post(
+                    replica.settings.url,
+                    "/v1/completions",
+                    body.encode(),
+                    [("Content-Type", "application/json")],
+                )
+                try:
+                    await resp.read()
+                finally:
+                    resp.close()
+                status = resp.status
+        except (TimeoutError, OSError):
+            pass
+        finally:
+            self._probes.pop(replica.name, None)
+        if status is not None and status < 500:
+            replica.last_progress = time.monotonic()
+            if replica.stalled:
+                log.warning("replica %s answers again: back in rotation", replica.name)
+            replica.stalled = False
+            return
+        if not replica.stalled:
+            abandoned = replica.abandon_unanswered()
+            log.warning(
+                "replica %s stalled: no answer for %.0f s while /health answers; out of "
+                "rotation, %d unanswered requests failed over",
+                replica.name,
+                replica.no_progress_s(time.monotonic()),
+                abandoned,
+            )
+            self._on_stall(replica.name)
+        replica.stalled = True
+        replica.healthy = False
 
     async def _get(self, replica: Replica, path: str, pass_refused: bool = False) -> bytes | None:
         """The body of a 200 answer within the timeout, else None (with `pass_refused`, a

@@ -168,6 +168,13 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         _REPLICAS,
     ),
     MetricDef(
+        "kvtier_router_replica_stalls",
+        "counter",
+        "Times a replica was found stalled: requests without progress, a probe unanswered.",
+        _REPLICA,
+        _REPLICAS,
+    ),
+    MetricDef(
         "kvtier_router_failovers",
         "counter",
         "Attempts that failed before the first byte and moved off a replica.",
@@ -311,6 +318,7 @@ class RouterMetrics:
         self.healthy = self._gauge("kvtier_router_replica_healthy")
         self.index_blocks = self._gauge("kvtier_router_index_blocks")
         self.failovers = self._counter("kvtier_router_failovers")
+        self.stalls = self._counter("kvtier_router_replica_stalls")
         self.stream_errors = self._counter("kvtier_router_stream_errors")
         self.events = self._counter("kvtier_router_events")
         self.purges = self._counter("kvtier_router_index_purges")

@@ -6,13 +6,20 @@ response; the claim counts it in `in_flight` and its uncached prompt tokens in
 manager, so the counters are released on every path: success, upstream error, failover, client
 disconnect, cancellation.
 
+Progress: `last_progress` is when the replica last sent a byte of any answer (or when a request
+found it idle), so `no_progress_s` is how long the requests it holds have waited for anything: a
+replica whose engine hangs while its HTTP server answers /health (a gray failure) shows it
+growing. A stalled replica's unanswered claims are `abandon`ed: their requests fail over.
+
 Owned by the router's event loop (single-threaded: no locks).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Self
 
 from kvtier.router.policies import ReplicaView
@@ -36,10 +43,26 @@ class Replica:
     """The engine's KV block size, read from its /metrics (learned by the health checker)."""
     draining: bool = False
     """Gone from discovery: no new requests; dropped once idle (`kvtier.router.discovery`)."""
+    stalled: bool = False
+    """Its requests made no progress and a probe request got no answer: out of rotation until a
+    probe is answered (`kvtier.router.health`)."""
+    last_progress: float = 0.0
+    """`time.monotonic()` of its last byte of an answer, or of a request that found it idle."""
+    claims: set[LoadClaim] = field(default_factory=set)
+    """The requests it holds."""
 
     @property
     def name(self) -> str:
         return self.settings.name
+
+    def no_progress_s(self, now: float) -> float:
+        """Seconds the requests it holds have waited for any byte from it (0 when idle)."""
+        return now - self.last_progress if self.in_flight else 0.0
+
+    def abandon_unanswered(self) -> int:
+        """Fail over every request it holds that has no byte of its answer yet (it stalled);
+        returns how many."""
+        return sum(claim.abandon() for claim in list(self.claims))
 
     def view(self, excluded: bool = False) -> ReplicaView:
         return ReplicaView(
@@ -51,27 +74,55 @@ class Replica:
 
 
 class LoadClaim:
-    """One request's claim on a replica's load counters; `release` is idempotent."""
+    """One request's claim on a replica's load counters; `release` is idempotent. `task` is
+    the task forwarding the request (cancelled by `abandon`)."""
 
-    __slots__ = ("_done", "_prefill", "replica")
+    __slots__ = ("_done", "_prefill", "abandoned", "answered", "replica", "task")
 
-    def __init__(self, replica: Replica, prefill_tokens: int) -> None:
+    def __init__(
+        self, replica: Replica, prefill_tokens: int, task: asyncio.Task[object] | None = None
+    ) -> None:
         self.replica = replica
+        self.task = task
         self._prefill = max(0, prefill_tokens)
         self._done = False
+        self.answered = False
+        self.abandoned = False
+        """`abandon` cancelled the task: the forward fails the request over."""
+        if not replica.in_flight:
+            replica.last_progress = time.monotonic()
         replica.in_flight += 1
         replica.queued_prefill_tokens += self._prefill
+        replica.claims.add(self)
 
     def first_byte(self) -> None:
         """The replica answered: its prefill of this prompt is no longer queued."""
+        self.answered = True
+        self.progress()
+        self._unqueue()
+
+    def progress(self) -> None:
+        """Another byte of the answer came."""
+        self.replica.last_progress = time.monotonic()
+
+    def abandon(self) -> bool:
+        """Cancel the forwarding task if the replica has not answered yet; whether it did."""
+        if self.answered or self._done or self.task is None:
+            return False
+        self.abandoned = True
+        self.task.cancel()
+        return True
+
+    def _unqueue(self) -> None:
         self.replica.queued_prefill_tokens -= self._prefill
         self._prefill = 0
 
     def release(self) -> None:
         if self._done:
             return
-        self.first_byte()
+        self._unqueue()
         self.replica.in_flight -= 1
+        self.replica.claims.discard(self)
         self._done = True
 
     def __enter__(self) -> Self:
@@ -121,6 +172,8 @@ class ReplicaSet:
         sizes = [r.block_tokens for r in self.replicas.values() if r.block_tokens]
         return max(set(sizes), key=sizes.count) if sizes else None
 
-    def claim(self, replica: Replica, prefill_tokens: int) -> LoadClaim:
+    def claim(
+        self, replica: Replica, prefill_tokens: int, task: asyncio.Task[object] | None = None
+    ) -> LoadClaim:
         """Use as `with replicas.claim(...) as claim:` (released on leaving the block)."""
-        return LoadClaim(replica, prefill_tokens)
+        return LoadClaim(replica, prefill_tokens, task)

@@ -6,7 +6,9 @@ holds the replica's load counters, and the original body is POSTed. An attempt f
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
 before the first body byte: nothing has reached the client yet, so another replica can serve it.
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
-its next good health check); one that answered 5xx is only excluded for this request.
+its next good health check); one that answered 5xx is only excluded for this request. A request
+whose replica the health checker found stalled is abandoned (its task cancelled, the claim
+marked) before its first byte, and fails over the same way.
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
@@ -117,7 +119,8 @@ class Upstream:
             replica = self._replicas[decision.replica]
             self._metrics.routed.inc(replica.name)
             work = work_tokens(fwd.route, decision)
-            with self._replicas.claim(replica, work) as claim:
+            task = asyncio.current_task()
+            with self._replicas.claim(replica, work, task) as claim:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
                 try:
                     return await self._attempt(
@@ -127,6 +130,11 @@ class Upstream:
                     last_error = f"{replica.name}: {retry}"
                     if retry.unreachable:
                         replica.healthy = False  # suspect until its next good health check
+                except asyncio.CancelledError:
+                    # abandoned on a stalled replica, and not also cancelled for another reason
+                    if not claim.abandoned or (task is not None and task.uncancel()):
+                        raise
+                    last_error = f"{replica.name}: stalled (no answer)"
             log.warning("failing over off %s", last_error)
             excluded.add(replica.name)
             self._metrics.failovers.labels(replica.name).inc()
@@ -160,7 +168,7 @@ class Upstream:
             else:
                 self._metrics.observe_ttft(now - fwd.arrived, fwd.endpoint, now)
                 await exchange.start(resp.status, headers)
-                tail = await self._relay(exchange, resp, first)
+                tail = await self._relay(exchange, resp, first, claim)
             usage = reported_usage(tail) if resp.status == 200 else None
             if usage is not None:
                 self._metrics.observe_usage(replica.name, predicted, *usage)
@@ -168,7 +176,9 @@ class Upstream:
         finally:
             resp.close()
 
-    async def _relay(self, exchange: Exchange, resp: Response, first: bytes) -> bytes:
+    async def _relay(
+        self, exchange: Exchange, resp: Response, first: bytes, claim: LoadClaim
+    ) -> bytes:
         """Copy the SSE body chunk by chunk; committed: no exception escapes as a retry.
         Returns the last three chunks (the usage event, split or not, and `[DONE]`)."""
         chunk = first
@@ -179,6 +189,7 @@ class Upstream:
                 await exchange.write(chunk, complete=_ends_stream(tail))
                 try:
                     chunk = await resp.chunk()
+                    claim.progress()
                 except OSError as exc:  # the replica died or went silent
                     self._metrics.stream_errors.labels("upstream").inc()
                     await exchange.write(sse_error(f"replica failed mid-stream: {exc}", 502))

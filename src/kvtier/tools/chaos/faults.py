@@ -30,6 +30,8 @@ __all__ = ["FAULTS", "INDEX_BLOCKS", "Fault", "router_metric"]
 
 INDEX_BLOCKS = 'kvtier_router_index_blocks{index="events"}'
 """The router's event-fed index size, on its /metrics."""
+STALLS = "kvtier_router_replica_stalls_total"
+"""Replicas the router found stalled (summed over replicas)."""
 
 
 @dataclass
@@ -83,6 +85,18 @@ class ReplicaFreeze(Fault):
 
     def recover(self, fleet: ChaosFleet) -> None:
         fleet.freeze(1, False)
+
+
+class EngineFreeze(Fault):
+    def inject(self, fleet: ChaosFleet) -> None:
+        self.notes["stalls_before"] = router_metric(fleet, STALLS)
+        self.notes["engine_processes"] = fleet.freeze_engine(1, True)
+
+    def recover(self, fleet: ChaosFleet) -> None:
+        fleet.freeze_engine(1, False)
+        self.notes["stalls"] = router_metric(fleet, STALLS) - float(
+            str(self.notes.pop("stalls_before"))
+        )
 
 
 class ReplicaRestart(Fault):
@@ -290,6 +304,9 @@ FAULTS: dict[str, Fault] = {
         ReplicaKill("replica-sigkill", "juicefs", "a replica SIGKILLed, then restarted", 3.0),
         ReplicaFreeze(
             "replica-sigstop", "juicefs", "a replica SIGSTOPped past the health timeout", 6.0
+        ),
+        EngineFreeze(
+            "engine-sigstop", "juicefs", "a replica's engine SIGSTOPped, its API server not", 20.0
         ),
         ReplicaRestart("replica-restart", "juicefs", "a replica stopped and started again", 0.0),
         RouterKill("router-kill", "juicefs", "the router SIGKILLed, then restarted", 2.0),

@@ -13,6 +13,7 @@ the L2 pieces it starts; `stop()` ends everything, whatever state a fault left i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -42,6 +43,9 @@ __all__ = ["ChaosFleet", "FleetOptions", "PhaseName"]
 PhaseName = Literal["juicefs", "faultfs", "valkey"]
 TMPFS_BYTES = 400 * 1024 * 1024
 """Size of the faultfs phase's tmpfs: ~65 blocks of the embedded model (the load stores ~30)."""
+
+ROUTER = {"health_interval_s": 0.5, "health_timeout_s": 1.0, "stall_after_s": 5.0}
+"""The router's checks, tight: a replica lost or stalled leaves rotation within seconds."""
 
 
 class PersistentValkey(ValkeyServer):
@@ -103,7 +107,7 @@ class ChaosFleet:
                     engine_kv_cache_blocks=opts.engine_blocks,
                     work_dir=str(self.work_dir / "fleet"),
                     connector=dict(opts.connector),
-                    router={"health_interval_s": 0.5, "health_timeout_s": 1.0},
+                    router=ROUTER,
                 ),
             )
             self.fleet = LocalFleet(spec, progress=progress).start()
@@ -193,6 +197,18 @@ class ChaosFleet:
 
     def freeze(self, i: int, frozen: bool) -> None:
         _signal_group(self.replica(i).pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def freeze_engine(self, i: int, frozen: bool) -> int:
+        """SIGSTOP (SIGCONT) replica `i`'s engine processes, not its API server: /health stays
+        green while its requests hang (a gray failure). Returns how many processes."""
+        try:
+            engine = psutil.Process(self.replica(i).pid).children(recursive=True)
+        except psutil.Error:
+            return 0
+        for proc in engine:
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGSTOP if frozen else signal.SIGCONT)
+        return len(engine)
 
     def kill_replica(self, i: int) -> None:
         self.replica(i).kill()
