@@ -1,11 +1,12 @@
 """A short chaos run (`kvtier bench chaos --quick`): one fault of each kind on a 3-replica fleet
 under load, with the acceptance targets of docs/reliability.md asserted per fault.
 
-Kinds: a replica killed (SIGKILL) and one frozen past the health timeout (SIGSTOP), the router
-killed, the JuiceFS mount pulled, the JuiceFS metadata server killed, L2 blocks corrupted while
-read (on JuiceFS); L2 reads failing with EIO, the L2 disk full, the L2 slow (faultfs over
-tmpfs). The full list (replica restart, faultfs unmount, the Valkey L2 killed) and longer
-windows are the documented `kvtier bench chaos` run (docs/reliability.md).
+Kinds: a replica killed (SIGKILL) and one frozen past the health timeout (SIGSTOP), a replica's
+engine frozen while its API server answers /health (a gray failure), the router killed, the
+JuiceFS mount pulled, the JuiceFS metadata server killed, L2 blocks corrupted while read (on
+JuiceFS); L2 reads failing with EIO, the L2 disk full, the L2 slow (faultfs over tmpfs). The
+full list (replica restart, faultfs unmount, the Valkey L2 killed) and longer windows are the
+documented `kvtier bench chaos` run (docs/reliability.md).
 
 The targets asserted are behaviour: right answers, failover, error events, no loss, no leak,
 and serving again after each fault. How fast serving is normal again (the 10 s target) is a
@@ -31,6 +32,7 @@ SHORT = {
         "l2-corrupt",  # first: the faults after it check that no bad block was saved back
         "replica-sigkill",
         "replica-sigstop",
+        "engine-sigstop",
         "router-kill",
         "l2-unmount",
         "juicefs-meta-kill",
@@ -53,6 +55,8 @@ def check_targets(r: FaultResult) -> None:
         assert all("stream_error_event" in k for k in r.failed), r  # cut streams say so
     if r.fault in ("l2-unmount",):
         assert r.notes.get("files_on_bare_dir") == 0, r
+    if r.fault == "engine-sigstop":  # seen stalled (/health stayed green), its requests moved
+        assert float(str(r.notes.get("stalls", 0))) >= 1, r
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")

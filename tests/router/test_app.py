@@ -308,6 +308,31 @@ def test_a_replica_whose_requests_hang_while_health_is_green_is_taken_out_and_fa
     run(scenario())
 
 
+def test_a_stream_under_way_on_a_stalled_replica_ends_with_an_error_event(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        async with (
+            fakes("slow_stream") as (stuck,),
+            running_router(tokenizer, [stuck], stall_after_s=0.5) as rr,
+        ):
+            sent = asyncio.ensure_future(
+                rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
+            )
+            await wait_for(lambda: len(stuck.received) == 1, "the stream started")
+            stuck.mode = "hang"  # the engine hangs from now: the probe gets no answer
+            resp = await asyncio.wait_for(sent, 10)
+            assert resp.status_code == 200
+            body = resp.content
+            assert body.startswith(SSE_CHUNKS[0])
+            event = json.loads(body[len(SSE_CHUNKS[0]) :].removeprefix(b"data: "))
+            assert event["error"]["code"] == 504 and "stalled" in event["error"]["message"]
+            assert in_flight(rr) == {stuck.url: 0}
+            stuck.release.set()
+
+    run(scenario())
+
+
 def test_a_replica_going_down_is_purged_from_the_index_and_comes_back(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:

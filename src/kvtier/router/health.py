@@ -13,9 +13,9 @@ Gray failures: a replica whose /health answers while its engine hangs. With `sta
 set, a replica holding requests that got no byte from it for that long is sent a probe (a
 1-token completion, in its own task so the checks of the others go on). No answer within
 `stall_after_s` (a timeout, a refused or cut connection, a 5xx): it is stalled (out of rotation,
-`on_stall(name)`, its unanswered requests failed over; its cache is kept, no purge), and is
-probed again every check until a probe is answered. A 4xx answer cannot tell (a replica that
-wants credentials the probe lacks): the replica is kept.
+`on_stall(name)`, its requests abandoned: see `Replica.abandon_requests`; its cache is kept, no
+purge), and is probed again every check until a probe is answered. A 4xx answer cannot tell (a
+replica that wants credentials the probe lacks): the replica is kept.
 
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
 through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
@@ -137,10 +137,10 @@ class HealthChecker:
             replica.stalled = False
             return
         if not replica.stalled:
-            abandoned = replica.abandon_unanswered()
+            abandoned = replica.abandon_requests()
             log.warning(
                 "replica %s stalled: no answer for %.0f s while /health answers; out of "
-                "rotation, %d unanswered requests failed over",
+                "rotation, %d of its requests failed over or cut",
                 replica.name,
                 replica.no_progress_s(time.monotonic()),
                 abandoned,

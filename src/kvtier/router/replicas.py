@@ -9,7 +9,8 @@ disconnect, cancellation.
 Progress: `last_progress` is when the replica last sent a byte of any answer (or when a request
 found it idle), so `no_progress_s` is how long the requests it holds have waited for anything: a
 replica whose engine hangs while its HTTP server answers /health (a gray failure) shows it
-growing. A stalled replica's unanswered claims are `abandon`ed: their requests fail over.
+growing. A stalled replica's claims are `abandon`ed: requests without an answer yet fail over,
+streams under way end with an error event.
 
 Owned by the router's event loop (single-threaded: no locks).
 """
@@ -59,9 +60,9 @@ class Replica:
         """Seconds the requests it holds have waited for any byte from it (0 when idle)."""
         return now - self.last_progress if self.in_flight else 0.0
 
-    def abandon_unanswered(self) -> int:
-        """Fail over every request it holds that has no byte of its answer yet (it stalled);
-        returns how many."""
+    def abandon_requests(self) -> int:
+        """It stalled: fail over every request it holds that has no byte of its answer yet, and
+        end its streams under way with an error event; returns how many."""
         return sum(claim.abandon() for claim in list(self.claims))
 
     def view(self, excluded: bool = False) -> ReplicaView:
@@ -77,7 +78,7 @@ class LoadClaim:
     """One request's claim on a replica's load counters; `release` is idempotent. `task` is
     the task forwarding the request (cancelled by `abandon`)."""
 
-    __slots__ = ("_done", "_prefill", "abandoned", "answered", "replica", "task")
+    __slots__ = ("_done", "_prefill", "abandoned", "answered", "relaying", "replica", "task")
 
     def __init__(
         self, replica: Replica, prefill_tokens: int, task: asyncio.Task[object] | None = None
@@ -87,6 +88,8 @@ class LoadClaim:
         self._prefill = max(0, prefill_tokens)
         self._done = False
         self.answered = False
+        self.relaying = False
+        """A stream is being relayed to the client (committed: cut, not retried)."""
         self.abandoned = False
         """`abandon` cancelled the task: the forward fails the request over."""
         if not replica.in_flight:
@@ -106,8 +109,9 @@ class LoadClaim:
         self.replica.last_progress = time.monotonic()
 
     def abandon(self) -> bool:
-        """Cancel the forwarding task if the replica has not answered yet; whether it did."""
-        if self.answered or self._done or self.task is None:
+        """Cancel the forwarding task, before the answer or while relaying a stream (not while
+        a whole answer is being sent); whether it did."""
+        if self._done or self.task is None or (self.answered and not self.relaying):
             return False
         self.abandoned = True
         self.task.cancel()

@@ -8,7 +8,8 @@ before the first body byte: nothing has reached the client yet, so another repli
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
 its next good health check); one that answered 5xx is only excluded for this request. A request
 whose replica the health checker found stalled is abandoned (its task cancelled, the claim
-marked) before its first byte, and fails over the same way.
+marked): before its first byte it fails over the same way; a stream under way ends with an
+error event.
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
@@ -183,6 +184,7 @@ class Upstream:
         Returns the last three chunks (the usage event, split or not, and `[DONE]`)."""
         chunk = first
         tail = (b"", b"", b"")
+        claim.relaying = True
         try:
             while chunk:
                 tail = (tail[1], tail[2], chunk)
@@ -196,9 +198,15 @@ class Upstream:
                     break
             await exchange.finish()
             return b"".join(tail)
-        except asyncio.CancelledError:  # the client went away (Exchange.cancel_on_disconnect)
-            self._metrics.stream_errors.labels("client").inc()
-            raise
+        except asyncio.CancelledError:  # the client went away, or the replica stalled
+            task = asyncio.current_task()
+            if not claim.abandoned or (task is not None and task.uncancel()):
+                self._metrics.stream_errors.labels("client").inc()
+                raise
+            self._metrics.stream_errors.labels("upstream").inc()
+            await exchange.write(sse_error("replica stalled: no progress", 504))
+            await exchange.finish()
+            return b"".join(tail)
 
 
 def _ends_stream(tail: tuple[bytes, bytes, bytes]) -> bool:
