@@ -20,7 +20,11 @@ FILES: dict[str, dict[str, Any]] = {
     "cpu-claim": {
         "replicas": 3,
         "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "posix", "l2CacheSizeGiB": 4}},
-        "kvtier": {"router": {"health_interval_s": 0.5}, "connector": {"admission": "reused"}},
+        "kvtier": {
+            "router": {"health_interval_s": 0.5},
+            "connector": {"admission": "reused"},
+            "engineDtype": "float32",
+        },
         "kubernetes": {"device": "cpu", "namespace": "demo", "serviceMonitor": True},
     },
     "gpu-curvine": {
@@ -97,6 +101,8 @@ def test_cpu_fleet(tmp_path: Path) -> None:
     assert replica["image"] == "kvtier/vllm-cpu:0.2.0"
     assert "nvidia.com/gpu" not in replica["resources"].get("limits", {})
     assert "--health-interval-s" in container(objects, "kvtier-router")["args"]
+    args = replica["args"]
+    assert args[args.index("--dtype") + 1] == "float32"
     env = env_of(objects)
     assert env["KVTIER_ADMISSION"] == "reused"
     assert env["KVTIER_L2_CAPACITY_BYTES"] == str(4 * 1024**3)

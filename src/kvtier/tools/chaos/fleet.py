@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self, cast
+from typing import Any, Final, Literal, Self, cast
 
 import psutil
 
@@ -44,6 +44,11 @@ PhaseName = Literal["juicefs", "faultfs", "valkey"]
 TMPFS_BYTES = 400 * 1024 * 1024
 """Size of the faultfs phase's tmpfs: ~65 blocks of the embedded model (the load stores ~30)."""
 
+ENGINE_DTYPE: Final = "float32"
+"""Every answer is compared with one reference, but how much of a prompt comes from a cache (L0
+or a kvtier tier, at its own block size) changes how its prefill is split, and so the logits'
+last digits: in bfloat16 (vLLM's choice on a CPU with native bf16) that flips near-tied greedy
+tokens; float32 keeps the comparison about the cache's correctness (docs/reliability.md)."""
 ROUTER = {"health_interval_s": 0.5, "health_timeout_s": 1.0, "stall_after_s": 5.0}
 """The router's checks, tight: a replica lost or stalled leaves rotation within seconds."""
 
@@ -105,6 +110,7 @@ class ChaosFleet:
                     router_port=free_port(),
                     replica_base_port=free_port_range(opts.replicas),
                     engine_kv_cache_blocks=opts.engine_blocks,
+                    engine_dtype=ENGINE_DTYPE,
                     work_dir=str(self.work_dir / "fleet"),
                     connector=dict(opts.connector),
                     router=ROUTER,

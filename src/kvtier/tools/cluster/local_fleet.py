@@ -133,6 +133,7 @@ class LocalFleet:
                     kv_transfer_config=self.connector_config(i, endpoint),
                     kv_cache_gib=self.spec.local.engine_kv_cache_gib,
                     threads=threads,
+                    dtype=self.spec.local.engine_dtype,
                     cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
                     max_model_len=self._max_model_len(),
                     extra_args=self._engine_args(),

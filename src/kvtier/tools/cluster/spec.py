@@ -25,6 +25,7 @@ connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
       engineKvCacheGiB: 1          # each engine's own cache (L0) ...
       engineKvCacheBlocks: null    # ... or exactly this many engine blocks (small-HBM setups)
       threadsPerReplica: 1
+      engineDtype: auto            # auto (bfloat16 where the CPU has it natively) | float32 | ...
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
       connector: {}                # e.g. {block_tokens: 256, admission: reused}
       router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
@@ -158,6 +159,10 @@ class LocalSpec(Section):
         None, alias="engineKvCacheBlocks"
     )
     """... or exactly this many engine blocks (small-HBM setups)."""
+    engine_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", alias="engineDtype"
+    )
+    """Engine dtype; auto: bfloat16 where the CPU computes it natively, else float32."""
     threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
     """Engine threads per replica (vLLM on CPU), pinned to their own cores."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")

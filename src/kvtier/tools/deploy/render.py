@@ -86,6 +86,8 @@ def replica_args(spec: FleetSpec) -> list[str]:
         args += CPU_ARGS
     if spec.local.engine_kv_cache_blocks is not None:
         args += ["--num-gpu-blocks-override", str(spec.local.engine_kv_cache_blocks)]
+    if spec.local.engine_dtype != "auto":
+        args += ["--dtype", spec.local.engine_dtype]
     return args + list(spec.kubernetes.vllm_args)
 
 
