@@ -248,6 +248,8 @@ def _fleet(
             kv_transfer_config=kv_transfer_config(connector),
             max_model_len=4096,
             cpu_ids=str(i % 2),
+            dtype="float32",  # the hit's greedy answer is compared with the cold one (see
+            # kvtier.tools.chaos.fleet.ENGINE_DTYPE)
             extra_args=["--enable-prompt-tokens-details"],
         )
         cmd = spec.command()
