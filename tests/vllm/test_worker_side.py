@@ -234,6 +234,39 @@ def test_saves_beyond_the_backlog_are_dropped_and_never_hold_the_request(tmp_pat
         _close(a)
 
 
+def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Path) -> None:
+    """The saver is stuck in a store lookup (an L2 that answers in seconds): preempting the
+    request returns at once, and no block of it is read from the engine afterwards (vLLM hands
+    its blocks to other requests)."""
+    a, caches = _replica(tmp_path)
+    entered, release = threading.Event(), threading.Event()
+    contains = a._store.contains
+
+    def slow_contains(block_hash: bytes) -> object:
+        entered.set()
+        release.wait(30)
+        return contains(block_hash)  # type: ignore[arg-type]
+
+    a._store.contains = slow_contains  # type: ignore[method-assign,assignment]
+    try:
+        spec = SaveSpec("slow", CHAIN, PARENTS, (7, 8, 9), first_index=0, reused_blocks=0)
+        a.submit_saves(KvtierMetadata(saves=[spec]))
+        assert entered.wait(10)
+        started = time.monotonic()
+        a.handle_preemptions(KvtierMetadata(preempted=frozenset({"slow"})))
+        assert time.monotonic() - started < 1.0  # did not wait for the store
+        for name in caches:
+            caches[name][7:10] = 0.25  # vLLM reuses the blocks at once
+        release.set()
+        a._saver.shutdown(wait=True)
+        assert a._counters.totals()["save_dropped_blocks"] == 3
+        assert a._counters.totals()["save_blocks"] == 0
+        assert not any(a._store.has_near(h) for h in CHAIN)
+    finally:
+        release.set()
+        _close(a)
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
 def test_background_threads_leave_the_cpus_the_engine_is_bound_to() -> None:
     cpus = os.cpu_count() or 1

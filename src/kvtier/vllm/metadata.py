@@ -75,7 +75,8 @@ class KvtierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: frozenset[str] = frozenset()
-    """Requests preempted this step: their blocks are freed, pending saves must finish first."""
+    """Requests preempted this step: their blocks are freed, so their saves must stop reading
+    them first."""
 
 
 @dataclass(slots=True)

@@ -2,9 +2,10 @@
 
 Runs in each worker (one per TP rank). vLLM calls, on the worker's execute thread, per step:
 
-    handle_preemptions(meta)   before the step: pending saves of preempted requests (their
-                               blocks are about to be reused) are dropped if not started yet
-                               (counted), and waited for if running.
+    handle_preemptions(meta)   before the step: saves of preempted requests (their blocks are
+                               about to be reused) read no engine block after it returns (the
+                               rest is dropped and counted); it waits only for a block being
+                               copied out, never for the store (a slow L2 cannot stall it).
     start_loads(meta)          queues this step's loads on the loader thread(s) and returns
                                (synchronous loads, if configured, are waited for here, at most
                                `load_deadline_s`).
@@ -74,9 +75,8 @@ from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
 log = logging.getLogger(__name__)
 
-PREEMPT_WAIT_S = 30.0
 _NOTHING_TO_SAVE: Future[None] = Future()
-"""The job of a dropped save: already done."""
+"""The job of a save dropped past the backlog: already done."""
 _NOTHING_TO_SAVE.set_result(None)
 
 
@@ -140,6 +140,30 @@ class _LoadRun:
                 return None
             self._settled = True
             return tuple(self.spec.engine_block_ids[self.written :])
+
+
+class _SaveRun:
+    """One save: its job on the saver thread, and the preemption that may stop its reads of
+    engine blocks."""
+
+    def __init__(self, spec: SaveSpec, job: Future[None] = _NOTHING_TO_SAVE) -> None:
+        self.spec = spec
+        self.job = job
+        self._lock = threading.Lock()
+        self._dropped = False
+
+    def gather(self, read: Callable[[], None]) -> bool:
+        """Run `read` (copying engine blocks out) unless dropped; whether it ran."""
+        with self._lock:
+            if self._dropped:
+                return False
+            read()
+            return True
+
+    def drop(self) -> None:
+        """No engine block is read after this returns (a read under way finishes first)."""
+        with self._lock:
+            self._dropped = True
 
 
 class WorkerSide:
@@ -207,7 +231,7 @@ class WorkerSide:
         """Engine blocks this step's synchronous loads left unwritten: vLLM recomputes them
         in a later step, so this step's saves must not copy them (nor what follows them)."""
         self._async_loads: dict[str, _LoadRun] = {}
-        self._save_jobs: dict[str, list[Future[None]]] = {}
+        self._save_runs: dict[str, list[_SaveRun]] = {}
         self._finishing: set[str] = set()
         self._backlog = 0
         """Blocks of the save jobs queued or running."""
@@ -242,10 +266,9 @@ class WorkerSide:
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
         with self._lock:
-            jobs = [f for r in meta.preempted for f in self._save_jobs.get(r, ())]
-        running = [f for f in jobs if not f.cancel()]  # not started: dropped (counted)
-        if running:
-            wait(running, timeout=PREEMPT_WAIT_S)
+            runs = [run for r in meta.preempted for run in self._save_runs.get(r, ())]
+        for run in runs:
+            run.drop()
 
     def start_loads(self, meta: KvtierMetadata) -> None:
         """Queue asynchronous loads; run synchronous ones to completion or to their deadline
@@ -276,16 +299,16 @@ class WorkerSide:
                 accepted = self._backlog + n <= self._backlog_limit
                 if accepted:
                     self._backlog += n
+            run = _SaveRun(spec)
             if accepted:
-                future = self._saver.submit(self._save, spec)
-                future.add_done_callback(functools.partial(self._save_done, n_blocks=n))
+                run.job = self._saver.submit(self._save, run)
+                run.job.add_done_callback(functools.partial(self._save_done, n_blocks=n))
             else:
                 dropped += n
-                future = _NOTHING_TO_SAVE
             # every request with a save spec (even an empty or dropped one) gets a job: vLLM
             # frees its blocks only once it is reported finished
             with self._lock:
-                self._save_jobs.setdefault(spec.req_id, []).append(future)
+                self._save_runs.setdefault(spec.req_id, []).append(run)
         if dropped:
             self._counters.add(save_dropped_blocks=dropped)
 
@@ -305,11 +328,13 @@ class WorkerSide:
         for run in late:
             self._settle(run, missed_deadline=True)
         with self._lock:
-            self._finishing.update(r for r in finished_req_ids if r in self._save_jobs)
-            sending = {r for r in self._finishing if all(f.done() for f in self._save_jobs[r])}
+            self._finishing.update(r for r in finished_req_ids if r in self._save_runs)
+            sending = {
+                r for r in self._finishing if all(run.job.done() for run in self._save_runs[r])
+            }
             for r in sending:
                 self._finishing.discard(r)
-                del self._save_jobs[r]
+                del self._save_runs[r]
             recving, self._loads_done = self._loads_done, set()
         return sending or None, recving or None
 
@@ -425,12 +450,14 @@ class WorkerSide:
             buffers = self._local.staging = [kv.new_host_buffer() for _ in range(n)]
         return [host_bytes(b) for b in buffers]
 
-    def _save(self, spec: SaveSpec) -> None:
-        """Saver thread: copy out and offer every block of `spec` the store does not hold."""
+    def _save(self, run: _SaveRun) -> None:
+        """Saver thread: copy out and offer every block of the save the store does not hold,
+        until the request is preempted."""
         start, cpu = time.perf_counter(), time.thread_time()
+        spec = run.spec
         p = self._per_block
         self._alias(spec.hashes, spec.engine_hashes)
-        saved = skipped = rejected = failed = 0
+        saved = skipped = rejected = failed = dropped = 0
         try:
             kv = self._require_kv()
             # On CPU each block gets a fresh buffer that L1 adopts (one copy, not two); pinned
@@ -449,7 +476,10 @@ class WorkerSide:
                     continue
                 index = spec.first_index + i
                 buffer = kv.new_host_buffer() if adopt else self._pinned_buffer(kv)
-                kv.gather(spec.engine_block_ids[i * p : (i + 1) * p], buffer)
+                ids = spec.engine_block_ids[i * p : (i + 1) * p]
+                if not run.gather(functools.partial(kv.gather, ids, buffer)):
+                    dropped = len(spec.hashes) - i  # preempted: its blocks are reused now
+                    break
                 meta = BlockMeta(
                     num_tokens=self._block,
                     dtype=kv.layout.dtype_name,
@@ -468,7 +498,7 @@ class WorkerSide:
                 else:
                     rejected += 1
         except Exception:
-            failed = len(spec.hashes) - saved - skipped - rejected
+            failed = len(spec.hashes) - saved - skipped - rejected - dropped
             log.exception("kvtier: save for request %s failed", spec.req_id)
         nbytes = saved * (self._kv.layout.payload_bytes if self._kv is not None else 0)
         self._counters.add(
@@ -479,13 +509,12 @@ class WorkerSide:
             save_skipped_blocks=skipped,
             save_rejected_blocks=rejected,
             save_failed_blocks=failed,
+            save_dropped_blocks=dropped,
         )
 
     def _save_done(self, future: Future[None], *, n_blocks: int) -> None:
         with self._lock:
             self._backlog -= n_blocks
-        if future.cancelled():
-            self._counters.add(save_dropped_blocks=n_blocks)
 
     def _pinned_buffer(self, kv: PagedKV) -> torch.Tensor:
         if self._pinned_save_buffer is None:
