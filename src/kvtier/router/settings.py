@@ -102,11 +102,12 @@ class RouterSettings(Settings):
     """Timeout of one health check."""
     unhealthy_after: Annotated[int, Field(gt=0)] = 2
     """Consecutive failed checks before a replica is down (and its index entries purged)."""
-    stall_after_s: Annotated[float, Field(ge=0)] = 30.0
+    stall_after_s: Annotated[float, Field(ge=0)] = 60.0
     """A replica holding requests that got no byte from it for this long is probed with a
     1-token completion; no answer within this long again: stalled (its engine hangs while
     /health is green), out of rotation and its unanswered requests failed over, until a probe
-    is answered. 0: off."""
+    is answered. Keep it above the longest prefill a replica may run with every other request
+    queued behind it (the probe waits too). 0: off."""
     connect_timeout_s: Annotated[float, Field(gt=0)] = 3.0
     """Connecting to a replica; a timeout fails over to another replica."""
     read_timeout_s: Annotated[float, Field(gt=0)] = 600.0
