@@ -83,9 +83,11 @@ def test_a_monitored_fleet_has_every_target_up_and_every_rule_and_panel_returns_
         pytest.skip(str(exc))
     spec = FleetSpec(
         replicas=2,
-        # 128-token blocks of 5.6 MiB: L1 holds 18 per replica, L2 27 (evicts above 24)
+        # 128-token blocks of 5.6 MiB (float32, whatever the CPU: in bfloat16 they are half
+        # that and nothing is evicted): L1 holds 18 per replica, L2 27 (evicts above 24)
         cache=CacheSpec(l1_gib=0.1, l2=L2Spec(size_gib=0.15)),
         local=LocalSpec(
+            engine_dtype="float32",
             engine_kv_cache_blocks=16,  # L0: 2,048 tokens, two documents
             router_port=free_port(),
             replica_base_port=free_port_range(2),
