@@ -37,6 +37,8 @@ __all__ = ["HealthChecker", "engine_block_tokens"]
 
 log = logging.getLogger(__name__)
 
+_JSON_REQUEST = (("Content-Type", "application/json"),)
+
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 
 
@@ -112,20 +114,11 @@ class HealthChecker:
     async def _probe(self, replica: Replica) -> None:
         """One 1-token completion: answered, the replica makes progress; not, it stalled."""
         body = json.dumps({"model": replica.models[0], "prompt": "ping", "max_tokens": 1})
-        status = None
+        status: int | None = None
         try:
-            async with asyncio.timeout(self._stall_after_s):
-                resp = await self._pool.post(
-                    replica.settings.url,
-                    "/v1/completions",
-                    body.encode(),
-                    [("Content-Type", "application/json")],
-                )
-                try:
-                    await resp.read()
-                finally:
-                    resp.close()
-                status = resp.status
+            status, _ = await self._request(
+                replica, "/v1/completions", self._stall_after_s, body.encode()
+            )
         except (TimeoutError, OSError):
             pass
         finally:
@@ -153,19 +146,30 @@ class HealthChecker:
         """The body of a 200 answer within the timeout, else None (with `pass_refused`, a
         refused connection raises `ConnectionRefusedError`)."""
         try:
-            async with asyncio.timeout(self._timeout_s):
-                resp = await self._pool.get(replica.settings.url, path)
-                try:
-                    body = await resp.read()
-                finally:
-                    resp.close()
+            status, body = await self._request(replica, path, self._timeout_s)
         except ConnectionRefusedError:
             if pass_refused:
                 raise
             return None
         except (TimeoutError, OSError):
             return None
-        return body if resp.status == 200 else None
+        return body if status == 200 else None
+
+    async def _request(
+        self, replica: Replica, path: str, timeout_s: float, json_body: bytes | None = None
+    ) -> tuple[int, bytes]:
+        """(status, body) of a GET of `path`, or of a POST of `json_body`, answered whole
+        within `timeout_s`; raises `TimeoutError` or an `OSError` otherwise."""
+        url = replica.settings.url
+        async with asyncio.timeout(timeout_s):
+            if json_body is None:
+                resp = await self._pool.get(url, path)
+            else:
+                resp = await self._pool.post(url, path, json_body, _JSON_REQUEST)
+            try:
+                return resp.status, await resp.read()
+            finally:
+                resp.close()
 
     async def _learn(self, replica: Replica) -> None:
         """Model ids and lengths from /v1/models, the engine block size from /metrics."""

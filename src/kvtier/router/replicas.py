@@ -35,7 +35,6 @@ class Replica:
     healthy: bool = True
     """False while down (health checks) or suspect (a forward just failed)."""
     failed_checks: int = 0
-    in_flight: int = 0
     queued_prefill_tokens: int = 0
     models: tuple[str, ...] = ()
     """Model ids its /v1/models lists (learned by the health checker)."""
@@ -55,6 +54,11 @@ class Replica:
     @property
     def name(self) -> str:
         return self.settings.name
+
+    @property
+    def in_flight(self) -> int:
+        """Requests it holds, from routing to the end of their response."""
+        return len(self.claims)
 
     def no_progress_s(self, now: float) -> float:
         """Seconds the requests it holds have waited for any byte from it (0 when idle)."""
@@ -94,9 +98,8 @@ class LoadClaim:
         """`abandon` cancelled the task: the forward fails the request over."""
         if not replica.in_flight:
             replica.last_progress = time.monotonic()
-        replica.in_flight += 1
-        replica.queued_prefill_tokens += self._prefill
         replica.claims.add(self)
+        replica.queued_prefill_tokens += self._prefill
 
     def first_byte(self) -> None:
         """The replica answered: its prefill of this prompt is no longer queued."""
@@ -125,7 +128,6 @@ class LoadClaim:
         if self._done:
             return
         self._unqueue()
-        self.replica.in_flight -= 1
         self.replica.claims.discard(self)
         self._done = True
 
