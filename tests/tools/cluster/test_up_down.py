@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.net.ports import free_port
+from kvtier.net.ports import free_port, free_port_range
 from kvtier.tools.embedded_model import resolve_model
 
 pytestmark = pytest.mark.engine
@@ -31,9 +31,7 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
 
 
 def test_up_serves_through_the_router_and_down_stops_everything(tmp_path: Path) -> None:
-    router_port, base_port = free_port(), free_port()
-    while port_open(base_port + 1) or base_port + 1 == router_port:
-        base_port = free_port()
+    router_port, base_port = free_port(), free_port_range(2)
     config = tmp_path / "fleet.yaml"
     config.write_text(f"""
 replicas: 2
