@@ -313,8 +313,10 @@ def test_a_stream_under_way_on_a_stalled_replica_ends_with_an_error_event(
 ) -> None:
     async def scenario() -> None:
         async with (
-            fakes("slow_stream") as (stuck,),
-            running_router(tokenizer, [stuck], stall_after_s=0.5) as rr,
+            fakes("slow_stream", "ok") as (stuck, good),
+            running_router(
+                tokenizer, [stuck, good], strategy="roundrobin", stall_after_s=0.5
+            ) as rr,
         ):
             sent = asyncio.ensure_future(
                 rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
@@ -327,8 +329,37 @@ def test_a_stream_under_way_on_a_stalled_replica_ends_with_an_error_event(
             assert body.startswith(SSE_CHUNKS[0])
             event = json.loads(body[len(SSE_CHUNKS[0]) :].removeprefix(b"data: "))
             assert event["error"]["code"] == 504 and "stalled" in event["error"]["message"]
-            assert in_flight(rr) == {stuck.url: 0}
+            assert in_flight(rr) == {stuck.url: 0, good.url: 0}
             stuck.release.set()
+
+    run(scenario())
+
+
+def test_the_last_replica_in_rotation_is_never_stalled_out(tokenizer: Tokenizer) -> None:
+    """Every replica stalls at once (the host paused): its stream waits and completes, it is
+    not cut, and the replica stays in rotation."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("slow_stream") as (paused,),
+            running_router(tokenizer, [paused], stall_after_s=0.3) as rr,
+        ):
+            sent = asyncio.ensure_future(
+                rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
+            )
+            await wait_for(lambda: len(paused.received) == 1, "the stream started")
+            paused.mode = "hang"
+            await wait_for(lambda: len(paused.received) >= 2, "a probe was sent")
+            await asyncio.sleep(1.0)  # the probe timed out at 0.3 s; more checks came
+            replica = rr.router.replicas[paused.url]
+            assert not replica.stalled and replica.healthy and not sent.done()
+            paused.release.set()
+            resp = await asyncio.wait_for(sent, 10)
+            assert resp.status_code == 200 and resp.content == b"".join(SSE_CHUNKS)
+            text = rr.router.metrics.render().decode()
+            assert (
+                metric(text, f'kvtier_router_replica_stalls_total{{replica="{paused.url}"}}') == 0
+            )
 
     run(scenario())
 

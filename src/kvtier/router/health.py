@@ -15,7 +15,9 @@ set, a replica holding requests that got no byte from it for that long is sent a
 `stall_after_s` (a timeout, a refused or cut connection, a 5xx): it is stalled (out of rotation,
 `on_stall(name)`, its requests abandoned: see `Replica.abandon_requests`; its cache is kept, no
 purge), and is probed again every check until a probe is answered. A 4xx answer cannot tell (a
-replica that wants credentials the probe lacks): the replica is kept.
+replica that wants credentials the probe lacks): the replica is kept. The last replica in
+rotation is never stalled out: when every replica stalls at once, the host or the router is the
+likelier cause, and failing every request over to nothing would turn a pause into errors.
 
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
 through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
@@ -129,6 +131,14 @@ class HealthChecker:
                 log.warning("replica %s answers again: back in rotation", replica.name)
             replica.stalled = False
             return
+        if not replica.stalled and not self._others_in_rotation(replica):
+            log.warning(
+                "replica %s: no answer for %.0f s, but no other replica is in rotation: kept "
+                "(a stall of the whole fleet points at the host or the router, not one replica)",
+                replica.name,
+                replica.no_progress_s(time.monotonic()),
+            )
+            return
         if not replica.stalled:
             abandoned = replica.abandon_requests()
             log.warning(
@@ -141,6 +151,12 @@ class HealthChecker:
             self._on_stall(replica.name)
         replica.stalled = True
         replica.healthy = False
+
+    def _others_in_rotation(self, replica: Replica) -> bool:
+        return any(
+            other is not replica and other.healthy and not other.stalled and not other.draining
+            for other in self._replicas
+        )
 
     async def _get(self, replica: Replica, path: str, pass_refused: bool = False) -> bytes | None:
         """The body of a 200 answer within the timeout, else None (with `pass_refused`, a
