@@ -313,15 +313,15 @@ def test_a_stream_under_way_on_a_stalled_replica_ends_with_an_error_event(
 ) -> None:
     async def scenario() -> None:
         async with (
-            fakes("slow_stream", "ok") as (stuck, good),
-            running_router(
-                tokenizer, [stuck, good], strategy="roundrobin", stall_after_s=0.5
-            ) as rr,
+            fakes("slow_stream", "slow_stream") as pair,
+            running_router(tokenizer, list(pair), stall_after_s=0.5) as rr,
         ):
             sent = asyncio.ensure_future(
                 rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
             )
-            await wait_for(lambda: len(stuck.received) == 1, "the stream started")
+            await wait_for(lambda: any(f.received for f in pair), "the stream started")
+            stuck, good = pair if pair[0].received else pair[::-1]
+            good.mode = "ok"
             stuck.mode = "hang"  # the engine hangs from now: the probe gets no answer
             resp = await asyncio.wait_for(sent, 10)
             assert resp.status_code == 200
