@@ -31,6 +31,7 @@ STORE_VALUES: dict[str, Any] = {
     "l2_password_file": "/run/secrets/valkey",
     "l2_tls_ca_file": "/etc/ssl/valkey-ca.pem",
     "l2_file_mode": 0o640,
+    "l2_direct_reads": False,
 }
 ENV_TEXT = {"l2_file_mode": "0o640"}
 """Environment spellings where `str(value)` is not one (permissions are octal)."""

@@ -224,6 +224,9 @@ class StoreSettings(Settings):
     l2_profile: L2ProfileName = "local"
     """File system under `l2_path`: sets the janitor's tolerance for stale attributes and
     whether evictions wait out a grace period (see docs/l2.md)."""
+    l2_direct_reads: bool | None = None
+    """Read `l2_path` block files with O_DIRECT (no kernel page cache); unset: the profile's
+    choice (on for juicefs and curvine, off elsewhere)."""
     l2_capacity_bytes: ByteSize | None = None
     """Bytes the `l2_path` directory may hold, all replicas and models together; set, this
     replica may run the capacity janitor (one acts at a time cluster-wide: set the same value on

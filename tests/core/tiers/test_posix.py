@@ -299,3 +299,45 @@ def test_a_read_hit_refreshes_a_stale_access_record_and_a_bad_read_does_not(tmp_
     assert os.stat(tier.path(good)).st_mtime > 1000.0 and recorder.touches == 1
     assert tier.get(good) is not None and recorder.touches == 1  # fresh now: no second touch
     assert tier.get(bad) is None and recorder.touches == 1
+
+
+@pytest.mark.parametrize("refused_at", ["open", "read"])
+def test_a_file_system_refusing_direct_reads_falls_back_to_the_page_cache(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    refused_at: str,
+) -> None:
+    """EINVAL for O_DIRECT (at open, or at a read into an unaligned buffer) turns direct reads
+    off for the tier, with one warning; at open the read still hits, at a read it misses once."""
+    writer = tier_in(tmp_path)
+    a, b = put(writer, "a"), put(writer, "b")
+    reader = PosixTier(str(tmp_path), NAMESPACE, MANIFEST, exists_ttl_s=0, direct_reads=True)
+    real_open, real_readv = os.open, os.readv
+    direct_fds: set[int] = set()
+
+    def open_(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT and refused_at == "open":
+            raise OSError(errno.EINVAL, "no O_DIRECT here")
+        fd = real_open(path, flags & ~os.O_DIRECT, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def readv(fd: int, buffers: list[memoryview]) -> int:
+        if fd in direct_fds:
+            direct_fds.discard(fd)  # the tier closes it; its number is reused
+            raise OSError(errno.EINVAL, "unaligned")
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr("kvtier.core.tiers.posix.os.open", open_)
+    monkeypatch.setattr("kvtier.core.tiers.posix.os.readv", readv)
+    with caplog.at_level(logging.WARNING):
+        first = reader.get(a)
+        second = reader.get(b)
+    assert (first is not None) == (refused_at == "open")
+    assert second is not None and bytes(second.payload) == bytes(payload_for(b, NBYTES))
+    assert [r.message for r in caplog.records].count(
+        f"kvtier: L2 {tmp_path / NAMESPACE} refuses O_DIRECT reads: reading through the page cache"
+    ) == 1
+    assert reader.stats().errors == 0

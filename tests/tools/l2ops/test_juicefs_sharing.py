@@ -91,3 +91,33 @@ def test_the_fixture_mounts_are_real_fuse_mounts(
     a, b = two_mounts
     assert mounted_under(a.path) == [a.path] and mounted_under(b.path) == [b.path]
     assert os.stat(a.path).st_dev != os.stat(b.path).st_dev
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_direct_reads_through_the_other_mount_return_the_bytes(
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+    monkeypatch: pytest.MonkeyPatch,
+    offset: int,
+) -> None:
+    """The juicefs profile's O_DIRECT reads (no page cache) into any buffer, aligned or not."""
+    a, b = two_mounts
+    seed = 20 + offset
+    run_worker("write", f"posix:{a.path}", "--seed", str(seed), "--count", "2", "--bytes", "300000")
+    flags: list[int] = []
+    real_open = os.open
+
+    def spy(path: str, how: int, *args: int) -> int:
+        flags.append(how)
+        return real_open(path, how, *args)
+
+    reader = PosixTier(b.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0, direct_reads=True)
+    monkeypatch.setattr("kvtier.core.tiers.posix.os.open", spy)
+    h, meta, payload = make_block(seed, 0, 300000)
+    assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
+    got = reader.get(h)
+    assert got is not None and bytes(got.payload) == payload and got.meta == meta
+    h, meta, payload = make_block(seed, 1, 300000)
+    out = memoryview(bytearray(300000 + offset))[offset:]
+    assert reader.read_into(h, out) == meta and bytes(out) == payload
+    assert flags and all(f & os.O_DIRECT for f in flags)
+    assert reader.stats().errors == 0

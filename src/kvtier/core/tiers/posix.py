@@ -269,10 +269,13 @@ class PosixTier:
         access: AccessRecorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         file_mode: int = 0o600,
+        direct_reads: bool = False,
     ) -> None:
         """`access` records read hits in the shared access record the capacity janitor evicts
         by (`kvtier.core.tiers.janitor`); None records nothing. `file_mode`: permissions of
-        the files created (directories get search permission where it grants read)."""
+        the files created (directories get search permission where it grants read).
+        `direct_reads`: open files to read with O_DIRECT; a file system that refuses it (EINVAL)
+        turns it off for this tier, with a warning."""
         if not _HEX.fullmatch(namespace):
             raise TierError(f"namespace: {namespace!r} is not a hex digest")
         if not os.path.isdir(root):
@@ -292,6 +295,7 @@ class PosixTier:
         self._logged: set[str] = set()
         self._counters = TierCounters()
         self._file_mode = file_mode
+        self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct_reads else 0)
         self._dir_mode = _dir_mode(file_mode)
         try:
             self._volume = _Volume(root, file_mode, clock)
@@ -413,7 +417,7 @@ class PosixTier:
             return None
         path = self.path(block_hash)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_to_read(path)
         except FileNotFoundError:
             self._remember(block_hash, False)
             self._counters.add(misses=1)
@@ -458,7 +462,8 @@ class PosixTier:
             self._counters.add(misses=1, corrupt_removed=1)
             return None
         except OSError as exc:
-            self._fault("read", exc)
+            if not self._direct_refused(exc):
+                self._fault("read", exc)
             self._counters.add(misses=1)
             return None
         finally:
@@ -466,6 +471,25 @@ class PosixTier:
         self._remember(block_hash, True)
         self._counters.add(hits=1, bytes_read=payload.nbytes)
         return header.meta, payload
+
+    def _open_to_read(self, path: str) -> int:
+        try:
+            return os.open(path, self._read_flags)
+        except OSError as exc:
+            if not self._direct_refused(exc):
+                raise
+        return os.open(path, self._read_flags)
+
+    def _direct_refused(self, exc: OSError) -> bool:
+        """Whether `exc` is the file system refusing O_DIRECT (at open, or at a read whose buffer
+        it wants aligned); if so, reads go through the page cache from now on."""
+        if exc.errno != errno.EINVAL or not self._read_flags & os.O_DIRECT:
+            return False
+        self._read_flags &= ~os.O_DIRECT
+        log.warning(
+            "kvtier: L2 %s refuses O_DIRECT reads: reading through the page cache", self._dir
+        )
+        return True
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
         return [self.get(h) for h in hashes]

@@ -41,6 +41,10 @@ class L2Profile:
     """O_DIRECT opens work at all."""
     o_direct_aligned: bool
     """O_DIRECT needs buffer/offset/length aligned to the block size (EINVAL otherwise)."""
+    direct_reads: bool
+    """L2 reads open block files with O_DIRECT by default: through a FUSE client that needs no
+    alignment this skips the kernel page cache and its copy (docs/bench_tiers.md); what was read
+    stays in kvtier's L1 instead."""
     unlink_safe_across_nodes: bool
     """A reader on another node that has the file open keeps reading after an unlink."""
     cluster_wide_flock: bool
@@ -64,6 +68,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             hard_links=True,
             o_direct=True,
             o_direct_aligned=True,
+            direct_reads=False,
             unlink_safe_across_nodes=True,
             cluster_wide_flock=True,
             recommended_object_bytes=1 * MIB,
@@ -79,6 +84,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             hard_links=True,
             o_direct=True,
             o_direct_aligned=False,
+            direct_reads=True,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -97,6 +103,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             hard_links=True,
             o_direct=True,
             o_direct_aligned=False,
+            direct_reads=True,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -118,6 +125,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             hard_links=True,
             o_direct=True,
             o_direct_aligned=False,
+            direct_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -138,6 +146,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             hard_links=True,
             o_direct=True,
             o_direct_aligned=False,
+            direct_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=8 * MIB,

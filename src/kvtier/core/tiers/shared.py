@@ -89,6 +89,11 @@ def open_shared_l2(
         access=access,
         clock=clock,
         file_mode=config.l2_file_mode,
+        direct_reads=(
+            get_profile(config.l2_profile).direct_reads
+            if config.l2_direct_reads is None
+            else config.l2_direct_reads
+        ),
     )
     settings = janitor_settings(config)
     janitor = None
