@@ -1,6 +1,7 @@
 """S1 `kvtier bench tiers`: TTFT of a prompt served cold, from L0, from L1 and from another
 replica's L2 (a local directory and JuiceFS mounts), for kvtier and plain vLLM, side by side in
-one run, with the spread of the runs and, with `--breakdown`, where an L2 hit's time goes.
+one run, with the spread of the runs and, with `--breakdown`, where an L1 and an L2 hit's time
+goes.
 
     kvtier bench tiers --lengths 512,1024,2500,4000 --runs 5 --juicefs --breakdown --json s1.json
 
@@ -10,12 +11,13 @@ measured frozen (SIGSTOP of its process group: an idle engine still polls and wo
 core of the one being measured):
 - `kvtier` A: the connector with L2 in a directory; serves cold, L0 and L1;
 - `kvtier` B: a second replica on the same directory that never computes a prompt (L2 hits);
-- `kvtier-juicefs`: a replica reading L2 through the second mount of a JuiceFS volume (metadata
-  in a Valkey server, objects in a local directory) whose first mount received A's blocks
-  (copied file by file: the same bytes A wrote), so every hit crosses FUSE, JuiceFS's client
-  and its object store, as on another node;
+- `kvtier-juicefs`: a replica reading L2 through a mount of its own of a JuiceFS volume
+  (metadata in a Valkey server, objects in a local directory) whose first mount received A's
+  blocks (copied file by file: the same bytes A wrote), so every hit crosses FUSE, JuiceFS's
+  client and its object store, as on another node;
 - `kvtier-NAME` for each `--variant NAME:key=value,...`: another L2 reader with those connector
-  settings (e.g. the data path before this release, to compare in the same run);
+  settings (e.g. the data path before this release, to compare in the same run); with
+  `l2=juicefs`, on a JuiceFS mount of its own;
 - `vllm-prefix`: plain vLLM (its prefix cache is the L0 baseline).
 Peers (vLLM's native offloading, LMCache) are tried afterwards, one at a time, and recorded with
 the exact error when they cannot run here.
@@ -383,9 +385,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 class _S1:
     """The side-by-side run (see the module docstring)."""
 
-    def __init__(self, bench: Bench, jfs_dirs: tuple[Path, Path] | None) -> None:
+    def __init__(self, bench: Bench, jfs_mount: Callable[[], Path] | None) -> None:
+        """`jfs_mount` mounts the JuiceFS volume once more: the first mount is A's (its blocks
+        are copied in there), every reader gets one of its own, as on a node of its own (two
+        readers on one mount would share its page cache and JuiceFS's block cache)."""
         self.bench = bench
-        self.jfs = jfs_dirs
+        self.jfs_mount = jfs_mount
+        self.jfs_writer = jfs_mount() if jfs_mount is not None else None
         self.readers: dict[str, str] = {"kvtier": "kvtier-b"}
         """L2-reading system -> its server label."""
         self.block_tokens = bench.args.block_tokens
@@ -398,16 +404,16 @@ class _S1:
             with b.use("kvtier-a") as url:
                 self.block_tokens = engine_block_tokens(call(url, "/metrics")[1]) or 0
         b.start("kvtier-b", _transfer(b, b.l2_dir))
-        if self.jfs is not None:
-            b.start("kvtier-juicefs", _transfer(b, self.jfs[1]))
+        if self.jfs_mount is not None:
+            b.start("kvtier-juicefs", _transfer(b, self.jfs_mount()))
             self.readers["kvtier-juicefs"] = "kvtier-juicefs"
         for name, variant in b.args.variant or ():
             settings = dict(variant)
             on_juicefs = settings.pop("l2", "dir") == "juicefs"
-            if on_juicefs and self.jfs is None:
+            if on_juicefs and self.jfs_mount is None:
                 raise KvtierError(f"variant {name}: l2=juicefs needs --juicefs")
             label = f"kvtier-{name}"
-            l2 = self.jfs[1] if on_juicefs and self.jfs is not None else b.l2_dir
+            l2 = self.jfs_mount() if on_juicefs and self.jfs_mount is not None else b.l2_dir
             b.start(label, _transfer(b, l2, **settings))
             self.readers[label] = label
 
@@ -444,21 +450,27 @@ class _S1:
                 b.record(system, n, "l0", ttft_ms(url, b.name, tokens))
         with b.use("kvtier-a") as url:  # L1
             reset_l0(url)
-            b.record("kvtier", n, "l1", ttft_ms(url, b.name, tokens))
-        if self.jfs is not None:
-            copy_blocks(b.l2_dir, self.jfs[0], files)
+            self.hit(url, "kvtier", n, "l1", tokens)
+        if self.jfs_writer is not None:
+            copy_blocks(b.l2_dir, self.jfs_writer, files)
             time.sleep(1.2)  # the other mount's attribute and entry caches (1 s)
         readers = list(self.readers.items())
         for system, label in readers[r % len(readers) :] + readers[: r % len(readers)]:
             with b.use(label) as url:
-                before = scrape(url) if b.args.breakdown else None
-                ms = ttft_ms(url, b.name, tokens)
-                b.record(system, n, "l2_cross", ms)
-                if before is not None:
-                    b.breakdowns.append(Breakdown.measure(system, n, ms, url, before))
+                self.hit(url, system, n, "l2_cross", tokens)
                 # the replica copies the loaded blocks into its L1 in the background: let it
                 # finish before it is frozen, so it never runs during another measurement
                 time.sleep(0.3 + 0.01 * len(files))
+
+    def hit(self, url: str, system: str, n: int, scenario: str, tokens: list[int]) -> None:
+        """Time one cache hit; with `--breakdown`, split it (an L1 hit as system "X L1")."""
+        b = self.bench
+        before = scrape(url) if b.args.breakdown else None
+        ms = ttft_ms(url, b.name, tokens)
+        b.record(system, n, scenario, ms)
+        if before is not None:
+            label = f"{system} L1" if scenario == "l1" else system
+            b.breakdowns.append(Breakdown.measure(label, n, ms, url, before))
 
 
 def _kvtier(bench: Bench) -> list[str]:
@@ -479,9 +491,8 @@ def _kvtier(bench: Bench) -> list[str]:
             JuiceFSVolumeSpec(root=str(bench.work / "juicefs"), meta_url=server.url + "/1")
         ) as volume,
     ):
-        first, second = volume.mount(), volume.mount()
         try:
-            s1 = _S1(bench, (Path(first.path), Path(second.path)))
+            s1 = _S1(bench, lambda: Path(volume.mount().path))
             s1.start()
             s1.run()
             return list(s1.readers)
@@ -586,7 +597,7 @@ def _run(args: argparse.Namespace) -> int:
     if bench.save_cpu:
         print(f"replica A's saves, off the engine's cores: {bench.save_cpu}")
     if breakdown:
-        print("\nwhere an L2 hit's time goes (median ms over runs):")
+        print("\nwhere a hit's time goes (median ms over runs; 'X L1': an L1 hit):")
         print(breakdown_table(breakdown))
     if args.chart and breakdown:
         write_chart(breakdown, Path(args.chart))
@@ -648,8 +659,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--breakdown",
         action="store_true",
-        help="read each L2 reader's connector metrics around every hit and print where the "
-        f"time goes ({', '.join(PHASES)})",
+        help="read the connector metrics around every L1 hit and every L2 reader's hit and print "
+        f"where the time goes ({', '.join(PHASES)})",
     )
     p.add_argument("--chart", help="with --breakdown: draw the breakdown as a PNG here")
     p.add_argument("--skip-peers", action="store_true", help="measure only kvtier and plain vLLM")
