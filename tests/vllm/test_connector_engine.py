@@ -318,9 +318,18 @@ def test_two_replicas_computing_one_prefix_together_write_each_block_once(
     assert results == {"a": expected["race", 0], "b": expected["race", 0]}
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files, (replica_a, replica_b))
-    for f in files:
-        siblings = sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem))
-        assert siblings == [f.name]  # one published file, no temp files left behind
+
+    def siblings() -> list[list[str]]:
+        return [
+            sorted(p.name for p in f.parent.iterdir() if p.name.startswith(f.stem)) for f in files
+        ]
+
+    # One published file each, no temp file left behind once the slower writer, whose link()
+    # lost, has removed its own (a bounded wait: it may still be writing it).
+    deadline = time.monotonic() + 30
+    while siblings() != [[f.name] for f in files] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert siblings() == [[f.name] for f in files]
     # and the block a third party reads back is intact: replica A reloads it after eviction
     for evictor in evictors:
         complete(replica_a, evictor, max_tokens=1)

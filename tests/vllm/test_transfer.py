@@ -97,3 +97,26 @@ def test_layers_of_different_shapes_are_refused() -> None:
     caches["model.layers.0.attn"] = torch.zeros(BLOCKS, HEADS, TOKENS, DIM2 + 2)
     with pytest.raises(ConfigError, match="layer"):
         PagedKV(caches, per_block=2)
+
+
+def test_strided_engine_layers_round_trip() -> None:
+    """Engine tensors need not be contiguous (a backend may lay blocks out inside a larger
+    allocation): only the last dimension must be dense."""
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+
+    def strided() -> dict[str, torch.Tensor]:
+        return {
+            n: torch.randn(HEADS, BLOCKS, TOKENS, DIM2).to(torch.bfloat16).transpose(0, 1)
+            for n in names
+        }
+
+    source = PagedKV(strided(), per_block=2)
+    assert not source.layers[0].is_contiguous()
+    buffer = source.new_host_buffer()
+    source.gather([7, 2], buffer)
+    target = PagedKV({n: torch.zeros_like(t) for n, t in strided().items()}, per_block=2)
+    target.scatter(payload_view(host_bytes(buffer), target.layout), [1, 3])
+    for layer, t in enumerate(target.layers):
+        assert torch.equal(t[1], source.layers[layer][7])
+        assert torch.equal(t[3], source.layers[layer][2])
+        assert not t[[b for b in range(BLOCKS) if b not in (1, 3)]].any()

@@ -9,7 +9,8 @@ so no layout is interpreted or converted, and a block written by one replica is 
 what another replica with the same namespace (same backend, geometry, dtype) reads.
 
 Called only from the worker side's background threads (`worker_side`): `gather` by the saver,
-`scatter` by the loader. On CPU both are plain `index_select` / `index_copy_`. On CUDA, `gather`
+`scatter` by the loader. On CPU both copy block by block through numpy byte views of the
+tensors. On CUDA, `gather`
 copies device blocks into a pinned host buffer and `scatter` stages the payload in a pinned
 buffer, each on a side stream with a non-blocking copy, synchronising only that stream; the
 forward pass on the default stream is never blocked. (CI has no GPU: the CUDA path is not run.)
@@ -84,6 +85,9 @@ class PagedKV:
             dtype=first.dtype,
         )
         self._cuda = _CudaStaging(self.layout) if self.device.type == "cuda" else None
+        self._host = [_bytes_array(t) for t in self.layers] if self._cuda is None else []
+        """The layers as numpy byte arrays: a block copied by slice assignment costs a
+        fraction of torch's per-call dispatch of `index_copy_` (docs/bench_tiers.md)."""
 
     @property
     def num_engine_blocks(self) -> int:
@@ -101,9 +105,10 @@ class PagedKV:
         if self._cuda is not None:
             self._cuda.gather(self.layers, engine_block_ids, out)
             return
-        idx = torch.tensor(engine_block_ids, dtype=torch.long)
-        for layer, t in enumerate(self.layers):
-            torch.index_select(t, 0, idx, out=out[layer])
+        dst = _bytes_array(out)
+        for j, block in enumerate(engine_block_ids):
+            for layer, cache in enumerate(self._host):
+                dst[layer, j] = cache[block]
 
     def scatter(self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0) -> None:
         """Write engine blocks `skip`, `skip + 1`, ... of a payload into `engine_block_ids`.
@@ -123,9 +128,10 @@ class PagedKV:
         if self._cuda is not None:
             self._cuda.scatter(self.layers, src[:, skip:end], engine_block_ids)
             return
-        idx = torch.tensor(engine_block_ids, dtype=torch.long)
-        for layer, t in enumerate(self.layers):
-            t.index_copy_(0, idx, src[layer, skip:end])
+        payload = _bytes_array(src)
+        for j, block in enumerate(engine_block_ids, start=skip):
+            for layer, cache in enumerate(self._host):
+                cache[block] = payload[layer, j]
 
     def _check_ids(self, ids: Sequence[int], expected: int) -> None:
         if len(ids) != expected:
@@ -133,6 +139,12 @@ class PagedKV:
         n = self.num_engine_blocks
         if any(not 0 <= i < n for i in ids):
             raise ValueError(f"engine block id outside 0..{n - 1}: {list(ids)}")
+
+
+def _bytes_array(t: torch.Tensor) -> Any:
+    """A numpy uint8 array over a host tensor's memory (its strides kept; numpy has no
+    bfloat16, bytes copy the same)."""
+    return t.view(torch.uint8).numpy()
 
 
 def payload_view(payload: memoryview, layout: BlockLayout) -> torch.Tensor:
