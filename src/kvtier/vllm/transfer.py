@@ -10,10 +10,10 @@ what another replica with the same namespace (same backend, geometry, dtype) rea
 
 Called only from the worker side's background threads (`worker_side`): `gather` by the saver,
 `scatter` by the loader. On CPU both copy block by block through numpy byte views of the
-tensors. On CUDA, `gather`
-copies device blocks into a pinned host buffer and `scatter` stages the payload in a pinned
-buffer, each on a side stream with a non-blocking copy, synchronising only that stream; the
-forward pass on the default stream is never blocked. (CI has no GPU: the CUDA path is not run.)
+tensors. On CUDA, `gather` copies device blocks into a pinned host buffer and `scatter` stages
+the payload in a pinned buffer, each on a side stream with a non-blocking copy, synchronising
+only that stream; the forward pass on the default stream is never blocked. (CI has no GPU: the
+CUDA path is not run.)
 """
 
 from __future__ import annotations
