@@ -9,11 +9,11 @@ so no layout is interpreted or converted, and a block written by one replica is 
 what another replica with the same namespace (same backend, geometry, dtype) reads.
 
 Called only from the worker side's background threads (`worker_side`): `gather` by the saver,
-`scatter` by the loader. On CPU both copy block by block through numpy byte views of the
-tensors. On CUDA, `gather` copies device blocks into a pinned host buffer and `scatter` stages
-the payload in a pinned buffer, each on a side stream with a non-blocking copy, synchronising
-only that stream; the forward pass on the default stream is never blocked. (CI has no GPU: the
-CUDA path is not run.)
+`scatter` by the loader. On CPU `gather` is `index_select` per layer, and `scatter` copies
+block by block through numpy byte views of the tensors. On CUDA, `gather` copies device blocks
+into a pinned host buffer and `scatter` stages the payload in a pinned buffer, each on a side
+stream with a non-blocking copy, synchronising only that stream; the forward pass on the
+default stream is never blocked. (CI has no GPU: the CUDA path is not run.)
 """
 
 from __future__ import annotations
@@ -105,10 +105,9 @@ class PagedKV:
         if self._cuda is not None:
             self._cuda.gather(self.layers, engine_block_ids, out)
             return
-        dst = _bytes_array(out)
-        for j, block in enumerate(engine_block_ids):
-            for layer, cache in enumerate(self._host):
-                dst[layer, j] = cache[block]
+        idx = torch.tensor(engine_block_ids, dtype=torch.long)
+        for layer, t in enumerate(self.layers):
+            torch.index_select(t, 0, idx, out=out[layer])
 
     def scatter(self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0) -> None:
         """Write engine blocks `skip`, `skip + 1`, ... of a payload into `engine_block_ids`.
