@@ -52,7 +52,7 @@ def _pick_range() -> tuple[int, int]:
         first, last = (int(v) for v in _EPHEMERAL_RANGE.read_text().split())
     except (OSError, ValueError):
         first, last = 32768, 60999
-    below, above = (max(_LOWEST, 1024), first), (last + 1, 65536)
+    below, above = (_LOWEST, first), (last + 1, 65536)
     return max(below, above, key=lambda span: span[1] - span[0])
 
 

@@ -153,10 +153,8 @@ class HealthChecker:
         replica.healthy = False
 
     def _others_in_rotation(self, replica: Replica) -> bool:
-        return any(
-            other is not replica and other.healthy and not other.stalled and not other.draining
-            for other in self._replicas
-        )
+        """A stalled replica is unhealthy until a check after an answered probe."""
+        return any(other is not replica for other in self._replicas.healthy())
 
     async def _get(self, replica: Replica, path: str, pass_refused: bool = False) -> bytes | None:
         """The body of a 200 answer within the timeout, else None (with `pass_refused`, a

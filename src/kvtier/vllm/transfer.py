@@ -158,8 +158,7 @@ def payload_view(payload: memoryview, layout: BlockLayout) -> torch.Tensor:
 
 def host_bytes(buffer: torch.Tensor) -> memoryview:
     """The bytes of a contiguous host tensor, as the store's `save` takes them."""
-    array: Any = buffer.view(torch.uint8).numpy()
-    return memoryview(array).cast("B")
+    return memoryview(_bytes_array(buffer)).cast("B")
 
 
 class _CudaStaging:
