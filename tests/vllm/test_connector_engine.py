@@ -193,9 +193,9 @@ def _wait_for_files(
     paths: list[Path], servers: tuple[ServerProcess, ...] = (), timeout_s: float = 300.0
 ) -> None:
     """Wait until every path is a file; on timeout, fail with the missing ones and the write
-    path's counters of `servers` (why a block never reached L2). The bound is long: on these
-    2-core VMs a save has been seen to take 115-211 s after the race below (an open problem,
-    docs/connector.md), and this test is about what gets written, not how fast."""
+    path's counters of `servers` (why a block never reached L2). The bound is long: saves after
+    the race below have been seen to take minutes (an open problem, docs/connector.md), and
+    this test is about what gets written, not how fast."""
     deadline = time.monotonic() + timeout_s
     while not all(p.is_file() for p in paths):
         if time.monotonic() > deadline:
