@@ -32,6 +32,7 @@ COMMAND_MODULES = (
 BENCH_MODULES = (
     "kvtier.tools.bench.store",
     "kvtier.tools.bench.tiers",
+    "kvtier.tools.bench.tiers_chart",
     "kvtier.tools.bench.router",
     "kvtier.tools.bench.router_saturation",
     "kvtier.tools.bench.fleet_runs",

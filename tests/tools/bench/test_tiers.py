@@ -4,10 +4,13 @@ from connector metrics (the engine runs themselves are the benchmark, not a test
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 
+from kvtier.cli import main
+from kvtier.core.errors import KvtierError
 from kvtier.tools.bench.tiers import PLAIN, Row, copy_blocks, paired_ratios, parse_variant
 from kvtier.tools.bench.tiers_breakdown import (
     PHASES,
@@ -17,6 +20,7 @@ from kvtier.tools.bench.tiers_breakdown import (
     parse_samples,
     write_chart,
 )
+from kvtier.tools.bench.tiers_chart import paired_breakdowns
 
 METRICS = """\
 # HELP kvtier_connector_hit_phase_seconds_total Seconds cache hits spent per phase.
@@ -102,3 +106,48 @@ def test_blocks_are_copied_to_another_mount_under_the_same_names(tmp_path: Path)
     copy_blocks(src, dst, [rel])  # already there: left alone
     assert (dst / rel).read_bytes() == b"block"
     assert [p.name for p in (dst / rel).parent.iterdir()] == ["abcd.kvt"]
+
+
+def _run_json(path: Path, ttfts: dict[tuple[int, str], float]) -> str:
+    rows: list[dict[str, object]] = [{"meta": "kvtier bench tiers"}]
+    for (tokens, system), ttft in ttfts.items():
+        (row,) = breakdown_rows([_hit(ttft, 50.0, read=20.0)])
+        rows.append({**row, "breakdown": system, "tokens": tokens})
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def test_the_before_and_after_chart_pairs_what_both_runs_measured(tmp_path: Path) -> None:
+    before = _run_json(
+        tmp_path / "a.json",
+        {(512, "kvtier"): 300.0, (512, "kvtier-juicefs"): 900.0, (4000, "kvtier"): 400.0},
+    )
+    after = _run_json(tmp_path / "b.json", {(512, "kvtier-juicefs"): 200.0, (512, "kvtier"): 250.0})
+    rows = paired_breakdowns(before, after)
+    assert [(r["tokens"], r["breakdown"], r["ttft_ms"]) for r in rows] == [
+        (512, "kvtier (before)", 300.0),
+        (512, "kvtier (after)", 250.0),
+        (512, "kvtier-juicefs (before)", 900.0),
+        (512, "kvtier-juicefs (after)", 200.0),
+    ]  # 4000 tokens: measured before only, left out
+    only = paired_breakdowns(before, after, {"kvtier-juicefs"})
+    assert {r["breakdown"] for r in only} == {"kvtier-juicefs (before)", "kvtier-juicefs (after)"}
+    chart = tmp_path / "c.png"
+    assert (
+        main(["bench", "tiers-chart", "--before", before, "--after", after, "--chart", str(chart)])
+        == 0
+    )
+    assert chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_chart_refuses_runs_without_breakdowns_or_in_common(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps([{"meta": "kvtier bench tiers"}]))
+    other = _run_json(tmp_path / "o.json", {(1024, "kvtier"): 100.0})
+    one = _run_json(tmp_path / "one.json", {(512, "kvtier"): 100.0})
+    with pytest.raises(KvtierError, match="no breakdown rows"):
+        paired_breakdowns(str(plain), one)
+    with pytest.raises(KvtierError, match="in common"):
+        paired_breakdowns(one, other)
+    with pytest.raises(KvtierError, match="not a readable"):
+        paired_breakdowns(str(tmp_path / "missing.json"), one)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -99,7 +100,8 @@ def test_direct_reads_through_the_other_mount_return_the_bytes(
     monkeypatch: pytest.MonkeyPatch,
     offset: int,
 ) -> None:
-    """The juicefs profile's O_DIRECT reads (no page cache) into any buffer, aligned or not."""
+    """The juicefs profile's O_DIRECT reads (no page cache) into any buffer, aligned or not; the
+    payload in one read call (fewer round trips through the FUSE daemon)."""
     a, b = two_mounts
     seed = 20 + offset
     run_worker("write", f"posix:{a.path}", "--seed", str(seed), "--count", "2", "--bytes", "300000")
@@ -110,14 +112,42 @@ def test_direct_reads_through_the_other_mount_return_the_bytes(
         flags.append(how)
         return real_open(path, how, *args)
 
+    reads: list[int] = []
+    real_readv = os.readv
+
+    def count(fd: int, buffers: list[memoryview]) -> int:
+        reads.append(sum(len(b) for b in buffers))
+        return real_readv(fd, buffers)
+
     reader = PosixTier(b.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0, direct_reads=True)
     monkeypatch.setattr("kvtier.core.tiers.posix.os.open", spy)
+    monkeypatch.setattr("kvtier.core.tiers.posix.os.readv", count)
     h, meta, payload = make_block(seed, 0, 300000)
     assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
     got = reader.get(h)
     assert got is not None and bytes(got.payload) == payload and got.meta == meta
     h, meta, payload = make_block(seed, 1, 300000)
     out = memoryview(bytearray(300000 + offset))[offset:]
+    reads.clear()
     assert reader.read_into(h, out) == meta and bytes(out) == payload
+    assert reads[1:] == [300000]  # after the header: the payload in one call
     assert flags and all(f & os.O_DIRECT for f in flags)
     assert reader.stats().errors == 0
+
+
+def test_a_mount_keeps_no_block_cache_of_its_own(
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
+    """The volume's mounts run with no local block cache (`block_cache_mib` 0): a block read
+    across mounts is not written again into the reading mount's cache directory."""
+    a, b = two_mounts
+    run_worker("write", f"posix:{a.path}", "--seed", "40", "--count", "1", "--bytes", "300000")
+    reader = PosixTier(b.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0)
+    h, _, payload = make_block(40, 0, 300000)
+    assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
+    got = reader.get(h)
+    assert got is not None and bytes(got.payload) == payload
+    time.sleep(1.0)  # JuiceFS writes its cache in the background
+    cache_dir = os.path.join(os.path.dirname(b.path), "cache1")
+    cached = [f for _, _, files in os.walk(cache_dir) for f in files]
+    assert not cached, cached

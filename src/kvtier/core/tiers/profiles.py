@@ -94,6 +94,11 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
                 "metadata in Redis/Valkey or TiKV for many nodes; SQLite for one",
                 "--attr-cache 1 --entry-cache 1 --dir-entry-cache 1 (the defaults)",
                 "--cache-dir on local NVMe; objects >= the 4 MiB JuiceFS block",
+                (
+                    "--cache-size 0 where the object store is as close as the cache disk: "
+                    "else a reading node writes every block it fetches into its cache "
+                    "(docs/l2.md: the cost); kvtier's L1 keeps what a replica read"
+                ),
             ),
         ),
         L2Profile(

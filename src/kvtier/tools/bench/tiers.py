@@ -14,10 +14,12 @@ core of the one being measured):
 - `kvtier-juicefs`: a replica reading L2 through a mount of its own of a JuiceFS volume
   (metadata in a Valkey server, objects in a local directory) whose first mount received A's
   blocks (copied file by file: the same bytes A wrote), so every hit crosses FUSE, JuiceFS's
-  client and its object store, as on another node;
+  client and its object store, as on another node; it runs the `juicefs` L2 profile, as a
+  user on JuiceFS would;
 - `kvtier-NAME` for each `--variant NAME:key=value,...`: another L2 reader with those connector
   settings (e.g. the data path before this release, to compare in the same run); with
-  `l2=juicefs`, on a JuiceFS mount of its own;
+  `l2=juicefs`, on a JuiceFS mount of its own, with the `juicefs` profile unless the variant
+  names another;
 - `vllm-prefix`: plain vLLM (its prefix cache is the L0 baseline).
 Peers (vLLM's native offloading, LMCache) are tried afterwards, one at a time, and recorded with
 the exact error when they cannot run here.
@@ -405,7 +407,7 @@ class _S1:
                 self.block_tokens = engine_block_tokens(call(url, "/metrics")[1]) or 0
         b.start("kvtier-b", _transfer(b, b.l2_dir))
         if self.jfs_mount is not None:
-            b.start("kvtier-juicefs", _transfer(b, self.jfs_mount()))
+            b.start("kvtier-juicefs", _transfer(b, self.jfs_mount(), l2_profile="juicefs"))
             self.readers["kvtier-juicefs"] = "kvtier-juicefs"
         for name, variant in b.args.variant or ():
             settings = dict(variant)
@@ -413,7 +415,11 @@ class _S1:
             if on_juicefs and self.jfs_mount is None:
                 raise KvtierError(f"variant {name}: l2=juicefs needs --juicefs")
             label = f"kvtier-{name}"
-            l2 = self.jfs_mount() if on_juicefs and self.jfs_mount is not None else b.l2_dir
+            if on_juicefs and self.jfs_mount is not None:
+                l2 = self.jfs_mount()
+                settings.setdefault("l2_profile", "juicefs")
+            else:
+                l2 = b.l2_dir
             b.start(label, _transfer(b, l2, **settings))
             self.readers[label] = label
 

@@ -120,6 +120,10 @@ class JuiceFSVolumeSpec:
     """Kernel dentry cache timeout of each mount."""
     mount_timeout_s: float = 30.0
     """How long a mount may take to become ready."""
+    block_cache_mib: int = 0
+    """Each mount's local block cache (`--cache-size`). 0, the default: none. The objects
+    already live on this machine's disk, and a block fetched by a reading mount would be
+    written to its cache directory on every cross-mount read (docs/l2.md: the cost)."""
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -128,6 +132,8 @@ class JuiceFSVolumeSpec:
             raise ConfigError(f"name: 3..63 letters, digits or '-', got {self.name!r}")
         if self.attr_cache_s < 0 or self.entry_cache_s < 0:
             raise ConfigError("attr_cache_s/entry_cache_s: must be >= 0")
+        if self.block_cache_mib < 0:
+            raise ConfigError(f"block_cache_mib: must be >= 0, got {self.block_cache_mib}")
         if self.mount_timeout_s <= 0:
             raise ConfigError(f"mount_timeout_s: must be positive, got {self.mount_timeout_s}")
 
@@ -237,6 +243,8 @@ class JuiceFSVolume:
             f"127.0.0.1:{free_port()}",
             "--cache-dir",
             str(root / f"cache{index}"),
+            "--cache-size",
+            str(self.spec.block_cache_mib),
             "--attr-cache",
             f"{self.spec.attr_cache_s}s",
             "--entry-cache",
