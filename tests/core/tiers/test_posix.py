@@ -10,6 +10,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from kvtier.core.errors import TierError
 from kvtier.core.keys import BlockHash, Namespace
 from kvtier.core.tiers import posix
 from kvtier.core.tiers.janitor import AccessRecorder
+from kvtier.core.tiers.noreplace import rename_noreplace
 from kvtier.core.tiers.posix import PosixTier
 from tests.helpers.tiers import NAMESPACE, hash_of, meta_for, payload_for, variant_payload
 
@@ -95,7 +97,12 @@ def test_publish_falls_back_to_rename_without_hard_links(
     def no_link(src: str, dst: str) -> None:
         raise OSError(errno.EPERM, "hard links not supported")
 
+    def no_noreplace(src: str, dst: str) -> None:
+        raise OSError(errno.EINVAL, "RENAME_NOREPLACE not supported", dst)
+
     monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(posix, "rename_noreplace", no_noreplace)
+    monkeypatch.setattr(posix, "_NO_NOREPLACE", set())
     target = tmp_path / "blk.kvt"
     assert posix.publish(str(target), [memoryview(b"abc"), memoryview(b"def")]) is True
     assert target.read_bytes() == b"abcdef"
@@ -341,3 +348,60 @@ def test_a_file_system_refusing_direct_reads_falls_back_to_the_page_cache(
         f"kvtier: L2 {tmp_path / NAMESPACE} refuses O_DIRECT reads: reading through the page cache"
     ) == 1
     assert reader.stats().errors == 0
+
+
+def test_publish_renames_into_place_in_one_operation_where_supported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No hard link and no unlink of the temp name when RENAME_NOREPLACE works (ext4/tmpfs)."""
+    calls: list[str] = []
+
+    def recorded(name: str) -> Callable[..., None]:
+        real = getattr(os, name)
+
+        def call(*args: str) -> None:
+            calls.append(name)
+            real(*args)
+
+        return call
+
+    for name in ("link", "unlink"):
+        monkeypatch.setattr(os, name, recorded(name))
+    target = tmp_path / "blk.kvt"
+    assert posix.publish(str(target), [memoryview(b"abc")]) is True
+    assert posix.publish(str(target), [memoryview(b"xyz")]) is False  # taken: the temp goes
+    assert target.read_bytes() == b"abc" and list(tmp_path.iterdir()) == [target]
+    assert calls == ["unlink"]
+
+
+def test_publish_links_where_rename_noreplace_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused: list[str] = []
+
+    def refuse(src: str, dst: str) -> None:
+        refused.append(dst)
+        raise OSError(errno.EINVAL, "RENAME_NOREPLACE not supported", dst)
+
+    monkeypatch.setattr(posix, "rename_noreplace", refuse)
+    monkeypatch.setattr(posix, "_NO_NOREPLACE", set())
+    device = os.stat(tmp_path).st_dev
+    first, second = tmp_path / "a.kvt", tmp_path / "b.kvt"
+    assert posix.publish(str(first), [memoryview(b"abc")], device=device) is True
+    assert posix.publish(str(first), [memoryview(b"xyz")], device=device) is False
+    assert posix.publish(str(second), [memoryview(b"def")], device=device) is True
+    assert first.read_bytes() == b"abc" and second.read_bytes() == b"def"
+    assert sorted(tmp_path.iterdir()) == [first, second]
+    assert refused == [str(first)]  # refused once: that device links from then on
+
+
+def test_rename_noreplace_never_replaces(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(b"new")
+    dst.write_bytes(b"old")
+    with pytest.raises(FileExistsError):
+        rename_noreplace(str(src), str(dst))
+    assert dst.read_bytes() == b"old" and src.exists()
+    dst.unlink()
+    rename_noreplace(str(src), str(dst))
+    assert dst.read_bytes() == b"new" and not src.exists()

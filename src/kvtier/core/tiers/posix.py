@@ -7,9 +7,11 @@ Layout, derived only from the key so every replica (and a restarted one) finds e
 
 Publishing is atomic and multi-writer safe: the block is written to a uniquely named temp file
 (`<h>.kvt.<random>.tmp`, opened with O_EXCL, never a fixed name) in the final directory, then
-hard-linked to its final name. EEXIST means another replica published the same block first:
-that is success. Where hard links are unsupported the temp file is renamed into place instead
-(the content is a pure function of the key, so replacing an identical file is harmless).
+renamed to its final name only if that name is free (`renameat2` with RENAME_NOREPLACE, one
+metadata operation), or, where the file system refuses that, hard-linked to it and unlinked.
+EEXIST means another replica published the same block first: that is success. Where hard links
+are unsupported too, the temp file is renamed into place (the content is a pure function of
+the key, so replacing an identical file is harmless).
 Readers therefore only ever see complete files; a file that still fails validation (bit rot,
 a foreign writer, another format version) is a miss, is deleted and is counted.
 
@@ -83,6 +85,7 @@ from kvtier.core.tiers.base import (
     TierCounters,
     TierStats,
 )
+from kvtier.core.tiers.noreplace import UNSUPPORTED, rename_noreplace
 from kvtier.core.tiers.usage import control_dir
 
 if TYPE_CHECKING:
@@ -109,6 +112,8 @@ _VOLUME_RECHECK_ID_S = 30.0
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 # link() errors meaning "this filesystem cannot hard-link", not "the write failed".
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
+_NO_NOREPLACE: set[int | None] = set()
+"""Devices (None: publishes that named none) where `rename_noreplace` was refused: they link."""
 
 
 def _write_all(fd: int, views: list[memoryview]) -> None:
@@ -160,6 +165,7 @@ def publish(
     """
     tmp = f"{path}.{uuid.uuid4().hex}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    moved = False  # the temp name is gone (renamed): nothing to unlink
     try:
         try:
             if device is not None and os.fstat(fd).st_dev != device:
@@ -167,6 +173,17 @@ def publish(
             _write_all(fd, list(views))
         finally:
             os.close(fd)
+        if device not in _NO_NOREPLACE:
+            try:
+                rename_noreplace(tmp, path)  # one metadata operation where link + unlink are two
+                moved = True
+                return True
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                if exc.errno not in UNSUPPORTED:
+                    raise
+                _NO_NOREPLACE.add(device)
         try:
             os.link(tmp, path)
             return True
@@ -178,12 +195,14 @@ def publish(
         if os.path.exists(path):
             return False
         os.replace(tmp, path)
+        moved = True
         return True
     finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        if not moved:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
 
 
 class _Volume:
