@@ -5,7 +5,10 @@ Linux's `renameat2(..., RENAME_NOREPLACE)` (glibc 2.28+, called through ctypes: 
 only if absent, the same guarantee as `link` + `unlink` of the temp name in one metadata
 operation instead of two (on a FUSE file system each is a round trip to its daemon and often to
 a metadata server). Supported by ext4, xfs, btrfs, tmpfs and FUSE file systems that implement
-it (JuiceFS does); others answer EINVAL, which callers treat as "use link instead".
+it (JuiceFS checks it inside its metadata transaction); others answer EINVAL, which callers
+treat as "use link instead". The kernel itself refuses the rename when the target name is in
+its view, so a FUSE daemon that drops the flag (mfusepy's does; kvtier's faultfs passes it on)
+could only replace a block another node published in the same instant, with identical bytes.
 """
 
 from __future__ import annotations

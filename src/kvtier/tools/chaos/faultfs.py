@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvtier.core.errors import TierError
+from kvtier.core.tiers.noreplace import rename_noreplace
 from kvtier.tools.l2ops.juicefs import force_unmount, mounted_under
 
 __all__ = ["FaultFS"]
 
 _CONTROL_CHECK_S = 0.1
+_RENAME_NOREPLACE = 1
 
 
 def _is_block(path: str) -> bool:
@@ -144,8 +146,11 @@ def _operations(root: str, control: _Control) -> Any:
             self._call(os.close, fh)
             return 0
 
-        def rename(self, old: str, new: str) -> int:
-            self._call(os.rename, self._real(old), self._real(new))
+        def rename(self, old: str, new: str, flags: int = 0) -> int:
+            if flags & ~_RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT: not mirrored
+                raise FuseOSError(errno.EINVAL)
+            move = rename_noreplace if flags else os.rename
+            self._call(move, self._real(old), self._real(new))
             return 0
 
         def rmdir(self, path: str) -> int:
@@ -238,11 +243,23 @@ class FaultFS:
         self.process = None
 
 
-def main() -> None:
+def _fuse_class() -> Any:
     from mfusepy import FUSE
 
+    class FlagsFUSE(FUSE):  # type: ignore[misc]
+        """mfusepy's FUSE passing rename's flags on: its own drops them, so a rename asked
+        not to replace (kvtier's L2 publish) would silently replace the target."""
+
+        def rename_fuse_3(self, old: bytes, new: bytes, flags: int) -> int:
+            decode = (self.encoding, self.errors)
+            return int(self.operations.rename(old.decode(*decode), new.decode(*decode), flags))
+
+    return FlagsFUSE
+
+
+def main() -> None:
     backing, mountpoint, control = sys.argv[1:4]
-    FUSE(
+    _fuse_class()(
         _operations(os.path.realpath(backing), _Control(control)),
         mountpoint,
         foreground=True,

@@ -1,0 +1,76 @@
+"""faultfs, the chaos suite's fault-injecting FUSE passthrough, on a real mount."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.core.tiers import posix
+from kvtier.core.tiers.noreplace import rename_noreplace
+from kvtier.tools.chaos.faultfs import FaultFS, _Control, _fuse_class, _operations
+from kvtier.tools.l2ops.juicefs import fuse_available
+
+RENAME_NOREPLACE = 1
+
+
+@pytest.fixture
+def mount(tmp_path: Path) -> Iterator[Path]:
+    if not fuse_available():
+        pytest.skip("FUSE mounts need root + /dev/fuse")
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    fs = FaultFS(str(backing), str(tmp_path / "mnt"), str(tmp_path / "faultfs.log"))
+    fs.mount()
+    try:
+        yield Path(fs.mountpoint)
+    finally:
+        fs.unmount()
+
+
+def test_a_rename_asked_not_to_replace_never_replaces(mount: Path) -> None:
+    """mfusepy drops rename's flags; faultfs passes them on, so L2 publish-if-absent holds."""
+    block = mount / "blk.kvt"
+    assert posix.publish(str(block), [memoryview(b"first")]) is True
+    assert posix.publish(str(block), [memoryview(b"second")]) is False
+    assert block.read_bytes() == b"first"
+    assert [p.name for p in mount.iterdir()] == ["blk.kvt"]  # no temp file left
+    other = mount / "other"
+    other.write_bytes(b"other")
+    with pytest.raises(FileExistsError):
+        rename_noreplace(str(other), str(block))
+    assert block.read_bytes() == b"first"
+    other.replace(block)  # a plain rename still replaces
+    assert block.read_bytes() == b"other"
+
+
+def test_the_passthrough_keeps_rename_flags(tmp_path: Path) -> None:
+    """On one mount the kernel refuses a no-replace rename onto a name it sees; between two
+    nodes only the daemon can (the other node's file is not in this one's dentries). mfusepy's
+    own FUSE drops the flags: faultfs's passes them to its operations, which honour them."""
+    from mfusepy import FuseOSError
+
+    (tmp_path / "a").write_bytes(b"a")
+    (tmp_path / "b").write_bytes(b"b")
+    ops = _operations(str(tmp_path), _Control(str(tmp_path / "control.json")))
+    with pytest.raises(FuseOSError) as refused:
+        ops.rename("/a", "/b", RENAME_NOREPLACE)
+    assert refused.value.errno == errno.EEXIST and (tmp_path / "b").read_bytes() == b"b"
+    with pytest.raises(FuseOSError):
+        ops.rename("/a", "/b", 2)  # RENAME_EXCHANGE: not mirrored
+    seen: list[tuple[str, str, int]] = []
+
+    def rename(old: str, new: str, flags: int) -> int:
+        seen.append((old, new, flags))
+        return 0
+
+    host = SimpleNamespace(
+        operations=SimpleNamespace(rename=rename),
+        encoding="utf-8",
+        errors="strict",
+    )
+    assert _fuse_class().rename_fuse_3(host, b"/x", b"/y", RENAME_NOREPLACE) == 0
+    assert seen == [("/x", "/y", RENAME_NOREPLACE)]
