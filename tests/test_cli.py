@@ -30,6 +30,7 @@ COMMANDS = {
     ("l2", "verify"),
     ("bench", "store"),
     ("bench", "tiers"),
+    ("bench", "tiers-chart"),
     ("bench", "router"),
     ("bench", "router-saturation"),
     ("bench", "chat"),
