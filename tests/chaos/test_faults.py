@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
 from kvtier.core.codec import HEADER_BYTES, decode_header, encode_header
@@ -41,3 +45,25 @@ def test_soak_growth_skips_the_samples_of_a_process_that_was_down() -> None:
     samples[-1]["replica0_rss_mib"] = 3100.0
     samples[-1]["router_rss_mib"] = 110.0
     assert _growth(samples) == {"replica0_rss_mib": 50.0, "router_rss_mib": 5.0}
+
+
+def test_the_corruption_fault_leaves_no_rewritten_block_behind(tmp_path: Path) -> None:
+    """Blocks it rewrote are removed at restore (the faults after it must not meet them); the
+    blocks it did not touch stay."""
+    from kvtier.tools.chaos.faults import Corrupt
+
+    files = [tmp_path / f"{name}.kvt" for name in ("a", "b", "c")]
+    for f in files:
+        f.write_bytes(_block())
+    fleet = SimpleNamespace(block_files=lambda: sorted(tmp_path.glob("*.kvt")))
+    fault = Corrupt("l2-corrupt", "juicefs", "test", 1.0)
+    fault.inject(fleet)  # type: ignore[arg-type]
+    deadline = time.monotonic() + 10
+    while len(fault._touched) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    fault.recover(fleet)  # type: ignore[arg-type]
+    touched = set(fault._touched)
+    assert touched
+    fault.restore(fleet)  # type: ignore[arg-type]
+    assert {f.name for f in fleet.block_files()} == {f.name for f in files} - touched
+    assert fault.failed_part(fleet, {f.name for f in files}) == touched  # type: ignore[arg-type]

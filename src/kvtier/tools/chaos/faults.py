@@ -194,6 +194,14 @@ class Corrupt(Fault):
         self._thread.join(10)
         self.notes["blocks_corrupted"] = len(self._touched)
 
+    def restore(self, fleet: ChaosFleet) -> None:
+        """Remove the files it rewrote that are still there: a later fault starts from an L2
+        without known-bad blocks (a replica discarding one then would count as a block lost to
+        that fault). A replica recomputes and saves them again when a prompt needs them."""
+        for path in fleet.block_files():
+            if path.name in self._touched:
+                path.unlink(missing_ok=True)
+
     def failed_part(self, fleet: ChaosFleet, before: set[str]) -> set[str]:
         return set(self._touched)
 
