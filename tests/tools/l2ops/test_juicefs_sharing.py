@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.posix import PosixTier
-from kvtier.tools.l2ops.juicefs import JuiceFSMount, mounted_under
+from kvtier.tools.l2ops.juicefs import JuiceFSMount, JuiceFSVolumeSpec, mounted_under
 from tests.helpers.l2 import (
     IDENTITY,
     NAMESPACE,
@@ -151,3 +152,8 @@ def test_a_mount_keeps_no_block_cache_of_its_own(
     cache_dir = os.path.join(os.path.dirname(b.path), "cache1")
     cached = [f for _, _, files in os.walk(cache_dir) for f in files]
     assert not cached, cached
+
+
+def test_a_negative_block_cache_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="block_cache_mib: must be >= 0, got -1"):
+        JuiceFSVolumeSpec(root="/srv/jfs", block_cache_mib=-1)
