@@ -10,11 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.core.tiers import posix
-from kvtier.core.tiers.noreplace import rename_noreplace
+from kvtier.core.tiers.noreplace import RENAME_NOREPLACE, rename_noreplace
 from kvtier.tools.chaos.faultfs import FaultFS, _Control, _fuse_class, _operations
 from kvtier.tools.l2ops.juicefs import fuse_available
-
-RENAME_NOREPLACE = 1
 
 
 @pytest.fixture

@@ -18,12 +18,13 @@ import errno
 import os
 from collections.abc import Callable
 
-__all__ = ["UNSUPPORTED", "rename_noreplace"]
+__all__ = ["RENAME_NOREPLACE", "UNSUPPORTED", "rename_noreplace"]
 
 UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP})
 """Errors meaning "this system or file system cannot rename without replacing"."""
 _AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
+RENAME_NOREPLACE = 1
+"""renameat2's flag: fail with EEXIST rather than replace the target."""
 
 
 def _load() -> Callable[..., int] | None:
@@ -44,7 +45,7 @@ def rename_noreplace(src: str, dst: str) -> None:
     OSError with an errno in `UNSUPPORTED` where the system or file system cannot do this."""
     if _renameat2 is None:
         raise OSError(errno.ENOSYS, "renameat2 is not available", dst)
-    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE):
+    if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE):
         code = ctypes.get_errno()
         if code == errno.EEXIST:
             raise FileExistsError(code, os.strerror(code), dst)

@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any, Self
 
 from kvtier.core.errors import TierError
-from kvtier.core.tiers.noreplace import rename_noreplace
+from kvtier.core.tiers.noreplace import RENAME_NOREPLACE, rename_noreplace
 from kvtier.tools.l2ops.juicefs import force_unmount, mounted_under
 
 __all__ = ["FaultFS"]
 
 _CONTROL_CHECK_S = 0.1
-_RENAME_NOREPLACE = 1
 
 
 def _is_block(path: str) -> bool:
@@ -147,7 +146,7 @@ def _operations(root: str, control: _Control) -> Any:
             return 0
 
         def rename(self, old: str, new: str, flags: int = 0) -> int:
-            if flags & ~_RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT: not mirrored
+            if flags & ~RENAME_NOREPLACE:  # RENAME_EXCHANGE, RENAME_WHITEOUT: not mirrored
                 raise FuseOSError(errno.EINVAL)
             move = rename_noreplace if flags else os.rename
             self._call(move, self._real(old), self._real(new))
