@@ -84,7 +84,8 @@ class ConnectorSettings(StoreSettings):
     and asynchronous loads (synchronous loads run where the engine waits for them). Unset: the
     CPUs the engine's own threads are not bound to (vLLM's CPU worker binds its threads, and
     so every thread started after, to its cores), or, with none left, the engine's; "inherit":
-    always the engine's."""
+    always the engine's. Replicas sharing a machine's cores want "inherit" (or spare cores):
+    a saver on another replica's busy core starves there (docs/connector.md)."""
     save_backlog_blocks: Annotated[int, Field(gt=0)] = 256
     """Blocks waiting to be copied out of the engine's cache beyond which a step's new saves
     are dropped (and counted): a finished request keeps its KV blocks until its saves are

@@ -117,24 +117,41 @@ class LocalFleet:
             replica_id=f"http://127.0.0.1:{self.spec.local.replica_base_port + index}",
             events_endpoint=events_endpoint,
             l2_location=self.l2_locations[index] if self.l2_locations else None,
+            defaults={"background_cpus": self.background_cpus()},
         )
         return None if settings is None else kv_transfer_config(settings)
 
-    def _start_replicas(self) -> None:
+    def engine_cpus(self, index: int) -> list[int]:
+        """The cores replica `index`'s engine threads are bound to (round robin over the
+        machine's cores)."""
         cpus = os.cpu_count() or 1
         threads = self.spec.local.threads_per_replica
+        return [(index * threads + t) % cpus for t in range(threads)]
+
+    def background_cpus(self) -> str:
+        """Where every replica's connector saves and writes (`background_cpus`): the cores no
+        engine is bound to, or with none left, each engine's own ("inherit").
+
+        Never another replica's engine cores (the connector's default, the cores its own engine
+        is not bound to): each replica runs in its own scheduling group (a session), and a
+        thread alone in its group on a core another group keeps busy gets a sliver of it, so a
+        5.9 MB copy waited seconds there (docs/connector.md)."""
+        engines = {c for i in range(self.spec.replicas) for c in self.engine_cpus(i)}
+        free = sorted(set(range(os.cpu_count() or 1)) - engines)
+        return ",".join(map(str, free)) if free else "inherit"
+
+    def _start_replicas(self) -> None:
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
-            first = (i * threads) % cpus
             server = ServerProcess(
                 ServerSpec(
                     model=self.model,
                     port=self.spec.local.replica_base_port + i,
                     kv_transfer_config=self.connector_config(i, endpoint),
                     kv_cache_gib=self.spec.local.engine_kv_cache_gib,
-                    threads=threads,
+                    threads=self.spec.local.threads_per_replica,
                     dtype=self.spec.local.engine_dtype,
-                    cpu_ids=",".join(str((first + t) % cpus) for t in range(threads)),
+                    cpu_ids=",".join(map(str, self.engine_cpus(i))),
                     max_model_len=self._max_model_len(),
                     extra_args=self._engine_args(),
                     log_path=self.work_dir / "logs" / f"replica-{i}.log",

@@ -224,10 +224,15 @@ class FleetSpec(Section):
         return Path(self.local.work_dir)
 
     def connector_settings(
-        self, *, replica_id: str, events_endpoint: str, l2_location: str | None
+        self,
+        *,
+        replica_id: str,
+        events_endpoint: str,
+        l2_location: str | None,
+        defaults: dict[str, Any] | None = None,
     ) -> ConnectorSettings | None:
         """One replica's connector settings (None: no connector): the cache spec's, then
-        `kvtier.connector`'s; `l2_location` is its L2 path or URL."""
+        `kvtier.connector`'s, then `defaults`; `l2_location` is its L2 path or URL."""
         cache = self.cache
         if not cache.connector_enabled:
             return None
@@ -244,7 +249,9 @@ class FleetSpec(Section):
                 l2_capacity_bytes=int(cache.l2.size_gib * GIB),
                 l2_profile="juicefs" if cache.l2.kind == "juicefs" else "local",
             )
-        return ConnectorSettings.from_mapping({**self.local.connector, **values})
+        return ConnectorSettings.from_mapping(
+            {**(defaults or {}), **self.local.connector, **values}
+        )
 
 
 def parse_spec(data: object) -> FleetSpec:
