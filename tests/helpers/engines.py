@@ -1,7 +1,9 @@
 """Helpers shared by the connector's engine tests: prompts, servers, greedy completions, metrics.
 
 Every engine here is a real `vllm serve` process on the embedded model, started through
-`kvtier.tools.vllm_server` with one pinned thread; tests share them through module-scoped fixtures.
+`kvtier.tools.vllm_server` with one pinned thread and the waits of engines sharing a machine
+(`SHARED_MACHINE_WAIT`: the tests run several side by side); tests share them through
+module-scoped fixtures.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 import httpx
 
 from kvtier.net.ports import free_port
-from kvtier.tools.vllm_server import ServerProcess, ServerSpec, start_server
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec, start_server
 from kvtier.vllm import settings as config
 
 MAX_MODEL_LEN = 4096
@@ -44,6 +46,7 @@ def start(
         max_model_len=MAX_MODEL_LEN,
         threads=1,
         cpu_ids=cpu_ids,
+        queue_wait=SHARED_MACHINE_WAIT,
         extra_args=extra,
         env={"VLLM_SERVER_DEV_MODE": "1"},
         log_path=log_dir / f"{name}.log",

@@ -20,7 +20,24 @@ from typing import Self
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.readiness import wait_ready
-from kvtier.vllm.launch import installed_vllm
+from kvtier.vllm.launch import MQ_RECHECK_ENV, MQ_SPIN_ENV, installed_vllm
+
+
+@dataclass(frozen=True, slots=True)
+class QueueWait:
+    """How the engine's processes wait for each other's messages (`kvtier.vllm.launch`)."""
+
+    spin_s: float
+    """Busy-wait after each message before sleeping (vLLM: 1 s)."""
+    recheck_ms: int
+    """Longest sleep before rechecking the queue (vLLM: 5,000 ms)."""
+
+
+SHARED_MACHINE_WAIT = QueueWait(spin_s=0.0, recheck_ms=2)
+"""For engines that share a machine's cores: no busy-wait, a recheck every 2 ms. A busy-waiting
+reader holds a core another replica's engine is waiting for (docs/connector.md, "Engines sharing
+a machine"); a sleeping one mostly wakes on the recheck rather than vLLM's ping, which costs a
+few ms per step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +60,8 @@ class ServerSpec:
     dtype: str = "auto"
     """Model dtype; "auto" on vLLM's CPU build is bfloat16 where the CPU computes it natively
     (AVX512-BF16 or AMX) and float32 elsewhere, where emulated bf16 is several times slower."""
+    queue_wait: QueueWait | None = None
+    """None: vLLM's own waits (one core busy per waiting engine process)."""
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: Path | None = None
@@ -85,6 +104,9 @@ class ServerSpec:
                 "DO_NOT_TRACK": "1",
             }
         )
+        if self.queue_wait is not None:
+            env[MQ_SPIN_ENV] = str(self.queue_wait.spin_s)
+            env[MQ_RECHECK_ENV] = str(self.queue_wait.recheck_ms)
         env.update(self.env)
         return env
 

@@ -26,7 +26,7 @@ from kvtier.tools.cluster.spec import FleetSpec
 from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.monitoring import Prometheus
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
-from kvtier.tools.vllm_server import ServerProcess, ServerSpec
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
 from kvtier.vllm.settings import kv_transfer_config
 
 STATE_FILE = "cluster.json"
@@ -152,6 +152,7 @@ class LocalFleet:
                     threads=self.spec.local.threads_per_replica,
                     dtype=self.spec.local.engine_dtype,
                     cpu_ids=",".join(map(str, self.engine_cpus(i))),
+                    queue_wait=SHARED_MACHINE_WAIT,
                     max_model_len=self._max_model_len(),
                     extra_args=self._engine_args(),
                     log_path=self.work_dir / "logs" / f"replica-{i}.log",
