@@ -39,7 +39,7 @@ from kvtier.tools.l2ops.juicefs import (
     mounted_under,
 )
 from kvtier.tools.l2ops.valkey_server import find_valkey_binary
-from kvtier.tools.vllm_server import ServerSpec
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerSpec
 from kvtier.vllm.settings import ConnectorSettings, kv_transfer_config
 from tests.multinode.netns import Network, Node, in_node, require
 
@@ -248,6 +248,7 @@ def _fleet(
             kv_transfer_config=kv_transfer_config(connector),
             max_model_len=4096,
             cpu_ids=str(i % 2),
+            queue_wait=SHARED_MACHINE_WAIT,
             dtype="float32",  # the hit's greedy answer is compared with the cold one (see
             # kvtier.tools.chaos.fleet.ENGINE_DTYPE)
             extra_args=["--enable-prompt-tokens-details"],

@@ -23,7 +23,7 @@ from kvtier.net.ports import free_port
 from kvtier.router.settings import ReplicaSettings, RouterSettings
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.embedded_model import resolve_model
-from kvtier.tools.vllm_server import ServerProcess, ServerSpec
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
 from tests.helpers.router import RouterThread
 
 pytestmark = pytest.mark.engine
@@ -76,6 +76,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
                 port=free_port(),
                 threads=1,
                 cpu_ids=str(i),
+                queue_wait=SHARED_MACHINE_WAIT,
                 max_model_len=MAX_LEN,
                 extra_args=["--kv-events-config", json.dumps(config)],
                 log_path=Path(tmp, f"vllm-{i}.log"),

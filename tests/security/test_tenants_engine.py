@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.net.ports import free_port
 from kvtier.router.settings import RouterSettings
-from kvtier.tools.vllm_server import ServerProcess, ServerSpec, start_server
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec, start_server
 from tests.helpers.engines import kv_transfer_config
 from tests.helpers.router import RouterThread
 
@@ -61,6 +61,7 @@ def replicas(
                 max_model_len=4096,
                 threads=1,
                 cpu_ids=str(i),
+                queue_wait=SHARED_MACHINE_WAIT,
                 extra_args=["--enable-prompt-tokens-details"],
                 log_path=tmp / f"replica{i}.log",
             )

@@ -252,7 +252,7 @@ class Bench:
 
     def start(self, label: str, transfer: dict[str, Any] | None, extra: Sequence[str] = ()) -> Any:
         """Start a server, warm it up, and freeze it until `use(label)`."""
-        from kvtier.tools.vllm_server import ServerSpec, start_server
+        from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerSpec, start_server
 
         spec = ServerSpec(
             model=self.model,
@@ -262,6 +262,7 @@ class Bench:
             max_model_len=max(self.args.lengths) + 64,
             threads=self.args.threads,
             cpu_ids=self.args.cpu_ids,
+            queue_wait=SHARED_MACHINE_WAIT if self.args.queue_wait == "shared" else None,
             extra_args=list(extra),
             env={"VLLM_SERVER_DEV_MODE": "1"},
             log_path=self.work / f"{label}.log",
@@ -647,6 +648,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--threads", type=int, default=1, help="engine threads of every server")
     p.add_argument(
         "--cpu-ids", default="1", help="cores every server is pinned to (default: %(default)s)"
+    )
+    p.add_argument(
+        "--queue-wait",
+        choices=("vllm", "shared"),
+        default="vllm",
+        help="how every server's engine processes wait for each other's messages: vllm (a "
+        "busy-wait of 1 s after each) or shared (sleep, recheck every 2 ms: what the local "
+        "fleet uses) (default: %(default)s)",
     )
     p.add_argument(
         "--juicefs",
