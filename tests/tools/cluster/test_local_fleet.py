@@ -4,11 +4,14 @@ import pytest
 
 from kvtier.tools.cluster.local_fleet import LocalFleet
 from kvtier.tools.cluster.spec import parse_spec
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT
 
 
-def fleet(cpus: int, monkeypatch: pytest.MonkeyPatch, **local: object) -> LocalFleet:
+def fleet(
+    cpus: int, monkeypatch: pytest.MonkeyPatch, replicas: int = 3, **local: object
+) -> LocalFleet:
     monkeypatch.setattr("os.cpu_count", lambda: cpus)
-    return LocalFleet(parse_spec({"replicas": 3, "kvtier": local}), progress=False)
+    return LocalFleet(parse_spec({"replicas": replicas, "kvtier": local}), progress=False)
 
 
 def background_setting(f: LocalFleet) -> object:
@@ -36,3 +39,12 @@ def test_background_threads_take_the_cores_no_engine_is_bound_to(
 def test_an_explicit_background_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     f = fleet(2, monkeypatch, connector={"background_cpus": "1"})
     assert background_setting(f) == "1"
+
+
+def test_engines_sleep_between_messages_only_where_they_share_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert fleet(2, monkeypatch).queue_wait() == SHARED_MACHINE_WAIT
+    assert fleet(8, monkeypatch, threadsPerReplica=3).queue_wait() == SHARED_MACHINE_WAIT
+    assert fleet(2, monkeypatch, replicas=2).queue_wait() is None
+    assert fleet(8, monkeypatch, threadsPerReplica=2).queue_wait() is None

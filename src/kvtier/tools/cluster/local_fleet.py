@@ -26,7 +26,7 @@ from kvtier.tools.cluster.spec import FleetSpec
 from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.monitoring import Prometheus
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
-from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, QueueWait, ServerProcess, ServerSpec
 from kvtier.vllm.settings import kv_transfer_config
 
 STATE_FILE = "cluster.json"
@@ -140,6 +140,14 @@ class LocalFleet:
         free = sorted(set(range(os.cpu_count() or 1)) - engines)
         return ",".join(map(str, free)) if free else "inherit"
 
+    def queue_wait(self) -> QueueWait | None:
+        """How the engines' processes wait for each other's messages: sleeping
+        (`SHARED_MACHINE_WAIT`) when engines share cores, else vLLM's busy-wait. A busy-waiting
+        engine process holds a core; where engines share one, it is a core another engine waits
+        for, and the fleet loses most of its throughput (docs/connector.md)."""
+        engine_threads = self.spec.replicas * self.spec.local.threads_per_replica
+        return SHARED_MACHINE_WAIT if engine_threads > (os.cpu_count() or 1) else None
+
     def _start_replicas(self) -> None:
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
@@ -152,7 +160,7 @@ class LocalFleet:
                     threads=self.spec.local.threads_per_replica,
                     dtype=self.spec.local.engine_dtype,
                     cpu_ids=",".join(map(str, self.engine_cpus(i))),
-                    queue_wait=SHARED_MACHINE_WAIT,
+                    queue_wait=self.queue_wait(),
                     max_model_len=self._max_model_len(),
                     extra_args=self._engine_args(),
                     log_path=self.work_dir / "logs" / f"replica-{i}.log",
