@@ -6,13 +6,14 @@ shows the change reaches the processes vLLM spawns: an idle worker stops burning
 
 from __future__ import annotations
 
-import os
+import contextlib
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 from kvtier.net.ports import free_port
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec, start_server
@@ -56,18 +57,13 @@ def test_the_environment_sets_both_waits_names_bad_values_and_spares_another_vll
 
 
 def _cpu_seconds(server: ServerProcess, name: str) -> float:
-    """CPU time used so far by the server's processes called `name` (its process group)."""
+    """CPU time used so far by the server's descendant processes called `name`."""
     total = 0.0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if os.getpgid(int(pid)) != server.pid:
-                continue
-            if Path(f"/proc/{pid}/comm").read_text().strip() != name:
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, ProcessLookupError):
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for child in psutil.Process(server.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.name() == name:
+                times = child.cpu_times()
+                total += times.user + times.system
     return total
 
 
