@@ -140,3 +140,44 @@ def test_subscriber_skips_and_counts_malformed_frames() -> None:
             assert sub.malformed >= 1
     finally:
         raw.close(0)
+
+
+def _collect(sub: EventSubscriber, want: int, timeout_s: float = 10.0) -> list[KVEvent]:
+    got: list[KVEvent] = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < want and time.monotonic() < deadline:
+        got += sub.drain(timeout_s=0.2)
+    return got
+
+
+def test_a_subscriber_that_joins_late_hears_what_the_replica_still_holds() -> None:
+    endpoint = _free_endpoint()
+    hashes = _hashes(5)
+    with EventPublisher(endpoint, "replica-a") as pub:
+        pub.publish(EventKind.STORED, Tier.L1, hashes[:3])
+        pub.publish(EventKind.STORED, Tier.L2, hashes)
+        pub.publish(EventKind.REMOVED, Tier.L1, hashes[1:2])
+        time.sleep(0.3)  # sent to nobody: no subscriber yet
+        with EventSubscriber([endpoint]) as sub:
+            got = _collect(sub, 2)
+            assert pub.snapshots == 1
+            assert sub.drain(timeout_s=0.3) == []  # one snapshot, nothing else
+    held = {(e.kind, e.tier, e.hashes) for e in got}
+    assert held == {
+        (EventKind.STORED, Tier.L1, (hashes[0], hashes[2])),
+        (EventKind.STORED, Tier.L2, hashes),
+    }
+    assert {e.epoch for e in got} == {pub.epoch}
+    assert len({e.seq for e in got}) == 2 and min(e.seq for e in got) >= 3
+
+
+def test_a_second_subscriber_gets_its_own_snapshot() -> None:
+    endpoint = _free_endpoint()
+    hashes = _hashes(2)
+    with EventPublisher(endpoint, "replica-a") as pub:
+        pub.publish(EventKind.STORED, Tier.L1, hashes)
+        with EventSubscriber([endpoint]) as first:
+            assert [e.hashes for e in _collect(first, 1)] == [hashes]
+            with EventSubscriber([endpoint]) as second:
+                assert [e.hashes for e in _collect(second, 1)] == [hashes]
+                assert pub.snapshots == 2

@@ -151,3 +151,30 @@ def test_event_feed_applies_published_kvtier_events_over_zmq() -> None:
         assert index.match(HASHES) == {"r1": [Tier.L1] * 4}
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_router_started_after_the_stores_learns_them_without_new_events() -> None:
+    """A restarted router: the replica's publisher re-announces what it holds on subscription."""
+
+    async def scenario() -> None:
+        endpoint = _free_endpoint()
+        index = PrefixIndex()
+        with EventPublisher(endpoint, "r1") as pub:
+            pub.publish(EventKind.STORED, Tier.L1, HASHES)
+            pub.publish(EventKind.STORED, Tier.L2, HASHES[:2])
+            await asyncio.sleep(0.3)  # sent to nobody: no subscriber yet
+            feed = EventFeed(
+                index, [endpoint], {}, Forgets(index), lambda s, k: None, time.monotonic, 1000
+            )
+            feed.start()
+            try:
+                for _ in range(100):
+                    await asyncio.sleep(0.05)
+                    if len(index) == 6:
+                        break
+            finally:
+                await feed.close()
+            assert pub.snapshots == 1 and pub.published == 4  # 2 stores, 1 snapshot event a tier
+        assert index.match(HASHES, replicas=["r2"]) == {"r1": [Tier.L1] * 4, "r2": [Tier.L2] * 2}
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))

@@ -15,6 +15,7 @@ from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import (
     CURVE_SECRET_ENV,
     MAX_EVENT_BYTES,
+    SNAPSHOT_MIN_INTERVAL_S,
     TOPIC,
     EventPublisher,
     EventSubscriber,
@@ -30,11 +31,13 @@ HASHES = [hash_of("a"), hash_of("b")]
 
 
 def heard(sub: EventSubscriber, pub: EventPublisher, timeout_s: float = 3.0) -> bool:
-    """Whether `sub` receives what `pub` publishes (PUB/SUB needs a moment to connect)."""
+    """Whether `sub` receives what `pub` publishes (PUB/SUB needs a moment to connect); events
+    of other publishers (snapshots sent as `sub` joins them) do not count."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pub.publish(EventKind.STORED, Tier.L1, HASHES)
-        if sub.recv(0.1) is not None:
+        event = sub.recv(0.1)
+        if event is not None and event.epoch == pub.epoch:
             return True
     return False
 
@@ -117,3 +120,24 @@ def test_oversized_and_malformed_frames_are_dropped_and_counted() -> None:
             assert sub.malformed == 4
     finally:
         pub.close(0)
+
+
+def test_subscribing_over_and_over_gets_at_most_one_snapshot_a_second() -> None:
+    endpoint = free_endpoint()
+    with EventPublisher(endpoint, "r1") as pub:
+        pub.publish(EventKind.STORED, Tier.L1, HASHES)
+        ctx = zmq.Context.instance()
+        raw = ctx.socket(zmq.SUB)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(endpoint)
+        try:
+            started = time.monotonic()
+            for _ in range(200):  # 200 joins within about half a second
+                raw.setsockopt(zmq.SUBSCRIBE, TOPIC)
+                raw.setsockopt(zmq.UNSUBSCRIBE, TOPIC)
+                time.sleep(0.0025)
+            time.sleep(0.3)
+            elapsed = time.monotonic() - started
+        finally:
+            raw.close(0)
+        assert 1 <= pub.snapshots <= 1 + elapsed / SNAPSHOT_MIN_INTERVAL_S

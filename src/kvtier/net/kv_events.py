@@ -13,6 +13,13 @@ JSON keeps the format readable from any language with no extra dependency. PUB/S
 messages when nobody listens or a subscriber is slow; consumers detect loss by a gap in `seq`
 and treat the index as a hint (routing stays correct, only less informed).
 
+Snapshots: the publisher's socket is an XPUB, so it sees every subscription. On each one (a
+router started, restarted or reconnected) it re-sends what its own events left stored
+(`kvtier.net.holdings`, bounded) as ordinary stored-events with fresh sequence numbers, so a
+new router learns the replica's L1 and L2 blocks without waiting for new stores. Subscribers
+already listening get them too; storing a held block again changes nothing but recency. Joins
+within `SNAPSHOT_MIN_INTERVAL_S` of a snapshot share the next one.
+
 What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
 the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
 `CodecError`, counted and skipped by the subscriber. (ZMQ_MAXMSGSIZE is not used: libzmq
@@ -49,6 +56,7 @@ from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import HASH_BYTES, BlockHash
 from kvtier.core.tiers.base import Tier
+from kvtier.net.holdings import Holdings
 
 __all__ = [
     "TOPIC",
@@ -65,6 +73,13 @@ TOPIC = b"kvtier.kv"
 WIRE_VERSION = 1
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """Largest event frame accepted (an event of 100,000 hashes is ~3.5 MB)."""
+SNAPSHOT_CHUNK = 1000
+"""Hashes per stored-event of a snapshot (~35 KB frames)."""
+SUBSCRIPTION_POLL_S = 0.1
+"""How often an idle publisher looks for new subscribers (the snapshot's added delay)."""
+SNAPSHOT_MIN_INTERVAL_S = 1.0
+"""At most one snapshot per interval: joins within it share the next one, so a client that
+subscribes over and over cannot make a replica send its holdings over and over."""
 CURVE_SECRET_ENV = "KVTIER_EVENTS_CURVE_SECRET_FILE"
 """Environment variable naming the file that holds the publishers' Z85 CURVE secret key."""
 _HASH_HEX = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
@@ -150,7 +165,8 @@ class EventPublisher:
     """Publishes one replica's KV events on a bound ZMQ PUB socket.
 
     `publish(kind, tier, hashes)` stamps replica, epoch and a sequence number and enqueues;
-    `close()` sends what is queued (up to `linger_s`) and stops the sender thread.
+    the sender thread re-sends a snapshot of the held blocks to each new subscriber (at most
+    `max_held_blocks` per tier); `close()` sends what is queued (up to `linger_s`) and stops it.
     """
 
     def __init__(
@@ -162,6 +178,7 @@ class EventPublisher:
         max_queue: int = 10_000,
         linger_s: float = 1.0,
         curve_secret_key: bytes | None = None,
+        max_held_blocks: int = 100_000,
     ) -> None:
         """`curve_secret_key` (Z85): serve CURVE-encrypted events; None: the key from
         $KVTIER_EVENTS_CURVE_SECRET_FILE when set, else plain events."""
@@ -179,8 +196,11 @@ class EventPublisher:
         self._lock = threading.Lock()
         self._seq = 0
         self._dropped = 0
+        self._holdings = Holdings(max_held_blocks)  # the sender thread's alone
+        self._snapshots = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.PUB)
+        self._socket = self._ctx.socket(zmq.XPUB)
+        self._socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's join, not the first
         self._socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
         secret = curve_secret_key or curve_secret_from_env()
         if secret is not None:
@@ -204,8 +224,13 @@ class EventPublisher:
 
     @property
     def published(self) -> int:
-        """Sequence numbers handed out so far (events accepted or dropped)."""
+        """Sequence numbers handed out so far (events accepted or dropped, snapshots')."""
         return self._seq
+
+    @property
+    def snapshots(self) -> int:
+        """Snapshots sent (one per subscription seen while something was held)."""
+        return self._snapshots
 
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
         """Enqueue one event; never blocks (a full queue drops it, leaving a `seq` gap)."""
@@ -225,17 +250,46 @@ class EventPublisher:
                 self._dropped += 1
 
     def _send_loop(self) -> None:
-        # Only this thread touches the socket after construction.
+        # Only this thread touches the socket (and the holdings) after construction.
+        snapshot_due, last_snapshot = False, -SNAPSHOT_MIN_INTERVAL_S
         while True:
-            event = self._queue.get()
+            snapshot_due |= self._someone_subscribed()
+            if snapshot_due and time.monotonic() - last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
+                self._send_snapshot()
+                snapshot_due, last_snapshot = False, time.monotonic()
+            try:
+                event = self._queue.get(timeout=SUBSCRIPTION_POLL_S)
+            except queue.Empty:
+                continue
             if event is None:
                 break
-            try:
-                self._socket.send_multipart([TOPIC, encode(event)])
-            except zmq.ZMQError:
-                with self._lock:
-                    self._dropped += 1
+            self._holdings.apply(event)
+            self._send(event)
         self._socket.close()
+
+    def _someone_subscribed(self) -> bool:
+        joined = False
+        while self._socket.poll(0):
+            joined |= self._socket.recv()[:1] == b"\x01"  # \x00: an unsubscription
+        return joined
+
+    def _send_snapshot(self) -> None:
+        batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
+        if not batches:
+            return
+        with self._lock:
+            first = self._seq
+            self._seq += len(batches)
+        self._snapshots += 1
+        for i, (tier, hashes) in enumerate(batches):
+            self._send(KVEvent(EventKind.STORED, self.replica, self.epoch, tier, hashes, first + i))
+
+    def _send(self, event: KVEvent) -> None:
+        try:
+            self._socket.send_multipart([TOPIC, encode(event)])
+        except zmq.ZMQError:
+            with self._lock:
+                self._dropped += 1
 
     def close(self) -> None:
         if not self._thread.is_alive():

@@ -122,6 +122,8 @@ class RouterKill(Fault):
         while time.monotonic() < deadline:
             if router_metric(fleet, INDEX_BLOCKS) > 0:
                 self.notes["index_rebuilt_s"] = round(time.monotonic() - up, 2)
+                time.sleep(1.0)  # the replicas' snapshots land within a second of each other
+                self.notes["index_after"] = router_metric(fleet, INDEX_BLOCKS)
                 break
             time.sleep(0.2)
 

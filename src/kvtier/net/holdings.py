@@ -1,0 +1,62 @@
+"""What a replica holds, as its own KV events said: the state a publisher re-announces.
+
+A router that starts (or restarts, or reconnects) after a replica stored its blocks hears of
+them only if the replica tells it again. `Holdings` follows the events one publisher sends
+(stored, removed, cleared per tier) and gives them back as a snapshot of stored-events.
+
+Bounded: at most `max_blocks` hashes per tier, the least recently stored dropped first (the
+router's index is a hint; a block missing from it costs a colder routing choice, never a wrong
+answer). L2 holdings are the blocks this replica stored in the shared pool; another replica's
+janitor may since have removed some, which the router then finds missing when it looks.
+
+Pure (no I/O, no locks): the publisher's sender thread owns it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvtier.core.errors import ConfigError
+from kvtier.core.events import EventKind, KVEvent
+from kvtier.core.keys import BlockHash
+from kvtier.core.tiers.base import TIER_ORDER, Tier
+
+__all__ = ["Holdings"]
+
+
+class Holdings:
+    """Per tier, the hashes a replica's events left stored, oldest first; bounded per tier."""
+
+    def __init__(self, max_blocks: int = 100_000) -> None:
+        if max_blocks <= 0:
+            raise ConfigError(f"max_held_blocks: must be positive, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self._tiers: dict[Tier, OrderedDict[BlockHash, None]] = {}
+
+    def apply(self, event: KVEvent) -> None:
+        held = self._tiers.setdefault(event.tier, OrderedDict())
+        if event.kind is EventKind.STORED:
+            for h in event.hashes:
+                held[h] = None
+                held.move_to_end(h)
+            while len(held) > self.max_blocks:
+                held.popitem(last=False)
+        elif event.kind is EventKind.REMOVED:
+            for h in event.hashes:
+                held.pop(h, None)
+        else:
+            held.clear()
+
+    def __len__(self) -> int:
+        return sum(len(held) for held in self._tiers.values())
+
+    def snapshot(self, chunk: int) -> list[tuple[Tier, tuple[BlockHash, ...]]]:
+        """(tier, up to `chunk` hashes) batches covering every held block, oldest first within
+        a tier, so that replaying them as stored-events leaves the newest most recent."""
+        if chunk <= 0:
+            raise ValueError(f"chunk must be positive, got {chunk}")
+        batches = []
+        for tier in TIER_ORDER:
+            hashes = tuple(self._tiers.get(tier, ()))
+            batches += [(tier, hashes[i : i + chunk]) for i in range(0, len(hashes), chunk)]
+        return batches
