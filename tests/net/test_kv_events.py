@@ -176,6 +176,7 @@ def test_a_second_subscriber_gets_its_own_snapshot() -> None:
     hashes = _hashes(2)
     with EventPublisher(endpoint, "replica-a") as pub:
         pub.publish(EventKind.STORED, Tier.L1, hashes)
+        time.sleep(0.3)  # sent to nobody: each subscriber hears it only in its snapshot
         with EventSubscriber([endpoint]) as first:
             assert [e.hashes for e in _collect(first, 1)] == [hashes]
             with EventSubscriber([endpoint]) as second:

@@ -80,6 +80,7 @@ SUBSCRIPTION_POLL_S = 0.1
 SNAPSHOT_MIN_INTERVAL_S = 1.0
 """At most one snapshot per interval: joins within it share the next one, so a client that
 subscribes over and over cannot make a replica send its holdings over and over."""
+_MAX_JOINS_READ = 1000
 CURVE_SECRET_ENV = "KVTIER_EVENTS_CURVE_SECRET_FILE"
 """Environment variable naming the file that holds the publishers' Z85 CURVE secret key."""
 _HASH_HEX = re.compile(f"[0-9a-f]{{{2 * HASH_BYTES}}}")
@@ -162,7 +163,7 @@ def curve_secret_from_env() -> bytes | None:
 
 
 class EventPublisher:
-    """Publishes one replica's KV events on a bound ZMQ PUB socket.
+    """Publishes one replica's KV events on a bound ZMQ XPUB socket.
 
     `publish(kind, tier, hashes)` stamps replica, epoch and a sequence number and enqueues;
     the sender thread re-sends a snapshot of the held blocks to each new subscriber (at most
@@ -268,8 +269,12 @@ class EventPublisher:
         self._socket.close()
 
     def _someone_subscribed(self) -> bool:
+        """Whether a subscription arrived; reads at most `_MAX_JOINS_READ` messages, so a flood
+        of them cannot hold the sender off its events."""
         joined = False
-        while self._socket.poll(0):
+        for _ in range(_MAX_JOINS_READ):
+            if not self._socket.poll(0):
+                break
             joined |= self._socket.recv()[:1] == b"\x01"  # \x00: an unsubscription
         return joined
 
