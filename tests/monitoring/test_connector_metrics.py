@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvtier.core.codec import HEADER_BYTES
 from kvtier.core.settings import StoreSettings
 from kvtier.core.store import TieredStore
+from kvtier.net.kv_events import EventPublisher
 from kvtier.router.dashboard.scrape import parse_samples
 from kvtier.vllm.stats import ConnectorCounters, KvtierPromMetrics, KvtierStats
 from tests.helpers.l2 import IDENTITY, make_block, poll
@@ -147,3 +148,32 @@ def test_watched_stores_report_tiers_l1_occupancy_and_the_janitor(tmp_path: Path
 
 def _evicted(*stores: TieredStore) -> bool:
     return any(s.stats().janitor and s.stats().janitor.evicted_blocks for s in stores)
+
+
+def test_a_watched_publisher_reports_events_drops_and_snapshots() -> None:
+    from kvtier.core.events import EventKind
+    from kvtier.core.tiers.base import Tier
+    from kvtier.net.kv_events import EventSubscriber
+    from tests.helpers.router import free_endpoint
+    from tests.helpers.tiers import hash_of
+
+    endpoint = free_endpoint()
+    clock = [0.0]
+    counters = ConnectorCounters(clock=lambda: clock[0])
+    with EventPublisher(endpoint, "r1", max_queue=1) as pub:
+        counters.watch([], source="worker", publishers=[pub, pub])
+        ConnectorCounters().watch([], source="scheduler", publishers=[pub])  # reported once
+        pub.publish(EventKind.STORED, Tier.L1, [hash_of("a")])
+        time.sleep(0.3)  # sent to nobody: the subscriber hears it only in its snapshot
+        with EventSubscriber([endpoint]) as sub:
+            assert poll(lambda: sub.recv(0.1) is not None, 10)  # the snapshot
+        for i in range(200):  # faster than the sender: the one-event queue drops some
+            pub.publish(EventKind.STORED, Tier.L1, [hash_of(str(i))])
+        first = counters.take()
+    assert first is not None
+    assert first.data["event_snapshots"] == 1 == pub.snapshots
+    assert first.data["events_dropped"] == pub.dropped > 0
+    assert first.data["events_published"] == pub.published == 1 + 1 + 200
+    metrics, registry = prom()
+    metrics.observe(first.data)
+    assert samples(registry)["kvtier_connector_event_snapshots_total"] == 1

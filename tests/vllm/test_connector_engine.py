@@ -56,6 +56,7 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOADED = "kvtier_connector_loaded_blocks_total"
 HIT_TOKENS = "kvtier_connector_hit_tokens_total"
+SNAPSHOTS = "kvtier_connector_event_snapshots_total"
 L1, L2 = {"tier": "l1"}, {"tier": "l2"}
 
 LENGTHS = {
@@ -412,3 +413,19 @@ def test_saved_blocks_are_announced_with_the_routers_engine_block_hashes(
                     stored[event.tier] += [h for h in event.hashes if h in engine_hashes]
     assert stored[Tier.L1] == engine_hashes
     assert sorted(stored[Tier.L2]) == sorted(engine_hashes)  # L2 writes finish in any order
+
+    snapshots_before = metric(replica_a, SNAPSHOTS)
+    with EventSubscriber([events_endpoint]) as late:  # a router started after the stores
+        held: dict[Tier, set[bytes]] = {Tier.L1: set(), Tier.L2: set()}
+        deadline = time.monotonic() + 30
+        while not all(set(engine_hashes) <= h for h in held.values()):
+            assert time.monotonic() < deadline, "no snapshot of the held blocks"
+            for event in late.drain(timeout_s=0.5):
+                if event.kind == EventKind.STORED and event.tier in held:
+                    held[event.tier] |= set(event.hashes)
+    deadline = time.monotonic() + 60
+    while metric(replica_a, SNAPSHOTS) == snapshots_before:  # stats travel with engine steps
+        assert time.monotonic() < deadline, "the snapshot was not counted"
+        complete(replica_a, tokens[:8], max_tokens=1)
+        time.sleep(0.5)
+    assert metric(replica_a, "kvtier_connector_events_published_total") > 0

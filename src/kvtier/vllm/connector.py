@@ -118,7 +118,11 @@ class KvtierConnector(KVConnectorBase_V1):
                 load_read_threads=self.config.load_read_threads,
                 load_deadline_s=self.config.load_deadline_s,
             )
-        self.counters.watch((s.store for s in self._stores), source=role.name.lower())
+        self.counters.watch(
+            (s.store for s in self._stores),
+            source=role.name.lower(),
+            publishers=(s.publisher for s in self._stores if s.publisher is not None),
+        )
         log.info(
             "kvtier connector (%s): namespace %s, %d-token blocks, L1 %d bytes, L2 %s",
             role.name,

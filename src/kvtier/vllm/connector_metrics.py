@@ -181,6 +181,23 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
         "Computed blocks not saved: the saver's backlog was full, or the request was "
         "preempted before its save started.",
     ),
+    MetricDef(
+        "kvtier_connector_events_published",
+        "counter",
+        "KV events this replica's publisher numbered for the routers (sent or dropped; "
+        "snapshot events included).",
+    ),
+    MetricDef(
+        "kvtier_connector_events_dropped",
+        "counter",
+        "KV events the publisher dropped (its queue full or its socket refusing them): the "
+        "routers' indexes miss them.",
+    ),
+    MetricDef(
+        "kvtier_connector_event_snapshots",
+        "counter",
+        "Snapshots of the held L1/L2 blocks the publisher re-sent because a router subscribed.",
+    ),
 )
 
 L2_METRICS: tuple[MetricDef, ...] = (
@@ -285,6 +302,9 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "save_cpu_seconds": ("kvtier_connector_save_cpu_seconds", ()),
     "l2_write_cpu_seconds": ("kvtier_connector_l2_write_cpu_seconds", ()),
     "save_dropped_blocks": ("kvtier_connector_save_dropped_blocks", ()),
+    "events_published": ("kvtier_connector_events_published", ()),
+    "events_dropped": ("kvtier_connector_events_dropped", ()),
+    "event_snapshots": ("kvtier_connector_event_snapshots", ()),
 }
 """Wire key -> (counter, label values)."""
 HISTOGRAMS: dict[str, str] = {

@@ -38,6 +38,7 @@ from kvtier.vllm.connector_metrics import (
 
 if TYPE_CHECKING:
     from kvtier.core.store import StoreStats, TieredStore
+    from kvtier.net.kv_events import EventPublisher
 
 __all__ = ["ConnectorCounters", "KvtierPromMetrics", "KvtierStats"]
 
@@ -106,7 +107,7 @@ class ConnectorCounters:
         self._data: dict[str, Any] = {}
         self._totals: dict[str, float] = {}
         self._clock = clock
-        self._samplers: list[_StoreSampler] = []
+        self._samplers: list[_StoreSampler | _PublisherSampler] = []
         self._next_sample = 0.0
 
     def add(self, **deltas: float) -> None:
@@ -118,16 +119,25 @@ class ConnectorCounters:
                 else:
                     self._totals[name] = self._totals.get(name, 0) + value
 
-    def watch(self, stores: Iterable[TieredStore], source: str) -> None:
-        """Report the stores' own counters and gauges (and their janitor's) from now on, the
-        gauges as coming from `source` (scheduler, worker). A store is reported by the first
-        connector of its process that watches it (the scheduler and the worker share one
-        store when they share a process)."""
+    def watch(
+        self,
+        stores: Iterable[TieredStore],
+        source: str,
+        publishers: Iterable[EventPublisher] = (),
+    ) -> None:
+        """Report the stores' own counters and gauges (and their janitor's) and the event
+        publishers' counts from now on, the gauges as coming from `source` (scheduler, worker).
+        Each is reported by the first connector of its process that watches it (the scheduler
+        and the worker share one store when they share a process)."""
         with _watched_lock:
             for store in stores:
                 if store not in _watched:
                     _watched.add(store)
                     self._samplers.append(_StoreSampler(store, source, self._clock))
+            for publisher in publishers:
+                if publisher not in _watched:
+                    _watched.add(publisher)
+                    self._samplers.append(_PublisherSampler(publisher))
 
     def take(self) -> KvtierStats | None:
         if self._samplers and self._clock() >= self._next_sample:
@@ -145,7 +155,41 @@ class ConnectorCounters:
 
 
 _watched_lock = threading.Lock()
-_watched: weakref.WeakSet[TieredStore] = weakref.WeakSet()
+_watched: weakref.WeakSet[TieredStore | EventPublisher] = weakref.WeakSet()
+
+
+class _Deltas:
+    """Turns cumulative totals into the positive deltas since the previous call."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+
+    def __call__(self, totals: dict[str, float]) -> dict[str, float]:
+        out = {}
+        for name, value in totals.items():
+            delta = value - self._seen.get(name, 0)
+            self._seen[name] = value
+            if delta > 0:
+                out[name] = delta
+        return out
+
+
+class _PublisherSampler:
+    """Turns a KV-event publisher's cumulative counts into counter deltas."""
+
+    def __init__(self, publisher: EventPublisher) -> None:
+        self._publisher = publisher
+        self._deltas = _Deltas()
+
+    def sample(self) -> dict[str, float]:
+        publisher = self._publisher
+        return self._deltas(
+            {
+                "events_published": publisher.published,
+                "events_dropped": publisher.dropped,
+                "event_snapshots": publisher.snapshots,
+            }
+        )
 
 
 class _StoreSampler:
@@ -155,7 +199,7 @@ class _StoreSampler:
         self._store = store
         self._source = source
         self._clock = clock
-        self._seen: dict[str, float] = {}
+        self._deltas = _Deltas()
         self._status: dict[str, float] = {}
         self._status_at: float | None = None
 
@@ -163,12 +207,7 @@ class _StoreSampler:
         totals, gauges = _store_figures(self._store.stats())
         gauges.update(self._l2_status())
         out = {f"{key}@{self._source}": value for key, value in gauges.items()}
-        for name, value in totals.items():
-            delta = value - self._seen.get(name, 0)
-            self._seen[name] = value
-            if delta > 0:
-                out[name] = delta
-        return out
+        return out | self._deltas(totals)
 
     def _l2_status(self) -> dict[str, float]:
         """The pool's figures from the status file the lease holder writes (any replica's)."""
