@@ -26,18 +26,27 @@ pytestmark = pytest.mark.engine
 KEYS = "alpha sk-alpha\nbravo sk-bravo\ncharlie sk-charlie\npublic sk-public\nsk-shared\n"
 PROMPT_BLOCKS = 8
 """Full 128-token blocks of a 1,200-token prompt the L2 must hold before another replica asks."""
+SETTLE_S = 1.5
+"""An L2 whose block count has not changed for this long has no write under way."""
 
 
 def l2_blocks(root: Path) -> int:
     return sum(1 for _ in root.rglob("*.kvt"))
 
 
-def wait_l2(root: Path, at_least: int, timeout_s: float = 60.0) -> None:
-    """The L2 is written behind the request: wait until it holds `at_least` blocks."""
+def settled_l2(root: Path, at_least: int = 0, timeout_s: float = 60.0) -> int:
+    """The L2's block count once it holds `at_least` blocks and has not changed for a while:
+    the L2 is written behind the requests, in any order, so a count alone can be reached by an
+    earlier prompt's late blocks while the first block of the next one is still missing."""
     deadline = time.monotonic() + timeout_s
-    while l2_blocks(root) < at_least:
-        assert time.monotonic() < deadline, f"L2 holds {l2_blocks(root)} blocks"
+    count, since = l2_blocks(root), time.monotonic()
+    while count < at_least or time.monotonic() - since < SETTLE_S:
+        assert time.monotonic() < deadline, f"L2 holds {count} blocks, still changing"
         time.sleep(0.2)
+        now = l2_blocks(root)
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +114,14 @@ def test_tenants_never_share_cached_blocks_unless_allowed(
 
         # round robin: requests alternate between replica 1 and replica 2
         assert cached("sk-alpha", prompt) == 0  # r1 computes it
-        wait_l2(l2, PROMPT_BLOCKS)
+        settled_l2(l2, PROMPT_BLOCKS)
         assert cached("sk-alpha", prompt) >= 1024  # r2: alpha's own blocks, from the L2
         assert cached("sk-bravo", prompt) == 0  # r1 holds alpha's blocks in L0/L1: not bravo's
         assert cached("sk-charlie", prompt) == 0  # r2 and the L2 too: nothing for charlie
         assert cached("sk-bravo", prompt) >= 1024  # r1: bravo's own, now cached
         # the shared namespace: a keyless key and an allowed tenant share blocks
-        before = l2_blocks(l2)
+        before = settled_l2(l2)
         assert cached("sk-shared", other) == 0  # r2
-        wait_l2(l2, before + PROMPT_BLOCKS)
+        settled_l2(l2, before + PROMPT_BLOCKS)
         assert cached("sk-public", other) >= 1024  # r1, from the L2
         assert cached("sk-alpha", other) == 0  # r2: alpha stays apart from it
