@@ -14,11 +14,10 @@ Pure (no I/O, no locks): the publisher's sender thread owns it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from kvtier.core.errors import ConfigError
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import BlockHash
+from kvtier.core.lru import Lru
 from kvtier.core.tiers.base import TIER_ORDER, Tier
 
 __all__ = ["Holdings"]
@@ -31,19 +30,18 @@ class Holdings:
         if max_blocks <= 0:
             raise ConfigError(f"max_held_blocks: must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
-        self._tiers: dict[Tier, OrderedDict[BlockHash, None]] = {}
+        self._tiers: dict[Tier, Lru[BlockHash, bool]] = {}
 
     def apply(self, event: KVEvent) -> None:
-        held = self._tiers.setdefault(event.tier, OrderedDict())
+        held = self._tiers.get(event.tier)
+        if held is None:
+            held = self._tiers[event.tier] = Lru(self.max_blocks)
         if event.kind is EventKind.STORED:
             for h in event.hashes:
-                held[h] = None
-                held.move_to_end(h)
-            while len(held) > self.max_blocks:
-                held.popitem(last=False)
+                held.put(h, True)
         elif event.kind is EventKind.REMOVED:
             for h in event.hashes:
-                held.pop(h, None)
+                held.pop(h)
         else:
             held.clear()
 
