@@ -9,6 +9,7 @@ module-scoped fixtures.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -73,11 +74,18 @@ def complete(
     return list(resp.json()["choices"][0]["token_ids"])
 
 
-def reset_l0(server: ServerProcess) -> None:
-    """Empty vLLM's own prefix cache (L0) only; the connector's tiers keep their blocks."""
-    resp = httpx.post(server.url + "/reset_prefix_cache", timeout=60)
-    resp.raise_for_status()
-    assert resp.json().get("success", True) is not False, resp.text
+def reset_l0(server: ServerProcess, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's own prefix cache (L0) only; the connector's tiers keep their blocks. vLLM
+    refuses while blocks are in use, and a finished request keeps its blocks until the
+    connector has saved them, so a refusal is asked again until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        resp = httpx.post(server.url + "/reset_prefix_cache", timeout=60)
+        resp.raise_for_status()
+        if resp.json().get("success", True) is not False:
+            return
+        assert time.monotonic() < deadline, resp.text
+        time.sleep(0.2)
 
 
 def metric(server: ServerProcess, name: str, labels: Mapping[str, str] | None = None) -> float:
