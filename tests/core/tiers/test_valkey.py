@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import cast
+import time
+from pathlib import Path
+from typing import Literal, cast
 
 import pytest
 import valkey
@@ -113,6 +115,28 @@ def test_server_restart_mid_run_degrades_to_misses_and_recovers() -> None:
         assert got is not None and bytes(got.payload) == payload
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("appendfsync", [None, "everysec"])
+def test_only_a_persistent_server_comes_back_from_a_kill_with_its_blocks(
+    tmp_path: Path, appendfsync: Literal["everysec"] | None
+) -> None:
+    spec = ValkeyServerSpec(data_dir=str(tmp_path / "valkey"), appendfsync=appendfsync)
+    with ValkeyServer(spec) as server:
+        tier = tier_for(server)
+        blocks = [make_block(7, i, 256 * KIB) for i in range(4)]
+        assert all(tier.put(*block).stored for block in blocks)
+        time.sleep(1.5)  # past the once-a-second sync of everything written
+        server.kill()
+        assert (tmp_path / "valkey").stat().st_mode & 0o077 == 0  # the blocks are on disk here
+        server.start()
+        probe = make_block(7, 99, KIB)
+        assert poll(lambda: tier.put(*probe).stored, deadline_s=10)  # the tier is back
+        got = [tier.get(h) for h, _, _ in blocks]
+        if appendfsync is None:
+            assert got == [None] * len(blocks)
+        else:
+            assert [bytes(g.payload) for g in got if g is not None] == [p for _, _, p in blocks]
 
 
 def test_server_side_lru_keeps_memory_under_maxmemory_and_keeps_the_newest() -> None:

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import cast
 
 import pytest
 
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
+from kvtier.tools.bench.l2 import l2_target
 from kvtier.tools.bench.store_passes import EMBEDDED, StoreBenchConfig, geometry_of
 from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
 
@@ -70,6 +72,7 @@ def test_cli_writes_all_figures_and_cleans_up(
     "target",
     [
         pytest.param("valkey", marks=pytest.mark.valkey),
+        pytest.param("valkey-aof", marks=pytest.mark.valkey),
         pytest.param(
             "juicefs",
             marks=[
@@ -116,7 +119,23 @@ def test_cli_benchmarks_a_started_l2_target_next_to_its_raw_operations(
 def test_cli_rejects_an_unknown_l2_target(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "store", "--l2", "nfs"])
-    assert "posix:PATH, juicefs or valkey" in capsys.readouterr().err
+    assert "posix:PATH, juicefs, valkey or valkey-aof" in capsys.readouterr().err
+
+
+@pytest.mark.valkey
+@pytest.mark.parametrize(("target", "appendonly"), [("valkey", "no"), ("valkey-aof", "yes")])
+def test_the_valkey_targets_differ_only_in_the_append_only_file(
+    target: str, appendonly: str
+) -> None:
+    import valkey
+
+    with l2_target(target) as started:
+        assert started.url is not None
+        client = valkey.Valkey.from_url(started.url)
+        config = cast("dict[str, str]", client.config_get("append*"))
+        client.close()
+    assert config["appendonly"] == appendonly
+    assert config["appendfsync"] == "everysec"  # the server's default, and l2CachePersistent's
 
 
 def test_embedded_block_is_the_documented_size() -> None:

@@ -1,5 +1,7 @@
 """Where a local fleet puts its engines and its connectors' background threads."""
 
+from pathlib import Path
+
 import pytest
 
 from kvtier.tools.cluster.local_fleet import LocalFleet
@@ -48,3 +50,29 @@ def test_engines_sleep_between_messages_only_where_they_share_cores(
     assert fleet(8, monkeypatch, threadsPerReplica=3).queue_wait() == SHARED_MACHINE_WAIT
     assert fleet(2, monkeypatch, replicas=2).queue_wait() is None
     assert fleet(8, monkeypatch, threadsPerReplica=2).queue_wait() is None
+
+
+@pytest.mark.valkey
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kvtier_up_again_finds_the_valkey_l2_it_left_only_when_persistent(
+    tmp_path: Path, persistent: bool
+) -> None:
+    from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+    from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
+
+    l2 = {"l2CacheBackend": "valkey", "l2CacheSizeGiB": 0.1, "l2CachePersistent": persistent}
+    spec = parse_spec({"kvCacheSpec": {"l2CacheSpec": l2}, "kvtier": {"workDir": str(tmp_path)}})
+    block = make_block(8, 0, 64 * 1024)
+    for run in range(2):  # `kvtier up`, `kvtier down`, `kvtier up`: the L2 step of each
+        fleet = LocalFleet(spec, progress=False)
+        try:
+            fleet._start_l2()
+            settings = ValkeyTierSettings(url=fleet.l2_locations[0])
+            tier = ValkeyTier(settings, NAMESPACE, IDENTITY.manifest())
+            if run == 0:
+                assert tier.put(*block).stored
+            else:
+                assert (tier.get(block[0]) is not None) == persistent
+            tier.close()
+        finally:
+            fleet.stop()

@@ -85,6 +85,22 @@ def test_tieredstorage_is_the_posix_backend() -> None:
             "kvCacheSpec.l2CacheSpec.l2CacheLocalUrl: 'http://x' is not a redis://",
         ),
         (
+            {"kvCacheSpec": {"l2CacheSpec": {"l2CachePersistent": True}}},
+            "kvCacheSpec.l2CacheSpec.l2CachePersistent: only for the valkey backend; a posix L2",
+        ),
+        (
+            {
+                "kvCacheSpec": {
+                    "l2CacheSpec": {
+                        "l2CacheBackend": "valkey",
+                        "l2CacheLocalUrl": "redis://cache:6379",
+                        "l2CachePersistent": True,
+                    }
+                }
+            },
+            "kvCacheSpec.l2CacheSpec.l2CachePersistent: kvtier starts no Valkey server",
+        ),
+        (
             {"kvCacheSpec": {"enableL1cache": True}},
             "kvCacheSpec.enableL1cache: unknown setting (known: enableL1Cache, ",
         ),

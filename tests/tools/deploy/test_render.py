@@ -50,6 +50,17 @@ FILES: dict[str, dict[str, Any]] = {
         "model": "Qwen/Qwen2-7B-Instruct",
         "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "valkey", "l2CacheSizeGiB": 2}},
     },
+    "valkey-persistent": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kvCacheSpec": {
+            "l2CacheSpec": {
+                "l2CacheBackend": "valkey",
+                "l2CacheSizeGiB": 2,
+                "l2CachePersistent": True,
+            }
+        },
+        "kubernetes": {"l2StorageClass": "gp3"},
+    },
     "valkey-outside": {
         "model": "Qwen/Qwen2-7B-Instruct",
         "kvCacheSpec": {
@@ -168,6 +179,34 @@ def test_valkey_inside_gets_a_password_and_its_size(tmp_path: Path) -> None:
     assert env["KVTIER_L2_URL"]["value"] == "redis://:$(VALKEY_PASSWORD)@kvtier-valkey:6379/0"
     assert "KVTIER_L2_PATH" not in env_of(objects)
     assert not [m for m in replica.get("volumeMounts", []) if m["name"] == "l2"]
+
+
+def test_a_persistent_valkey_keeps_its_append_only_file_on_a_claim_of_its_own(
+    tmp_path: Path,
+) -> None:
+    ephemeral = by_kind(rendered(tmp_path, "valkey-inside"), "StatefulSet", "kvtier-valkey")
+    assert "volumeClaimTemplates" not in ephemeral["spec"]
+    args = ephemeral["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "no"
+
+    objects = rendered(tmp_path, "valkey-persistent")
+    valkey = by_kind(objects, "StatefulSet", "kvtier-valkey")["spec"]
+    (claim,) = valkey["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "7Gi"  # 3 x 2 GiB + 1
+    assert claim["spec"]["storageClassName"] == "gp3"
+    server = valkey["template"]["spec"]["containers"][0]
+    args = server["args"]
+    assert args[args.index("--dir") + 1] == "/data"
+    assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == "everysec"
+    assert args[args.index("--maxmemory") + 1] == str(2 * 1024**3)
+    assert server["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    probe = server["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 600  # loading the file
+    assert "readinessProbe" in server and "livenessProbe" in server  # the base's, kept
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]  # no shared L2 claim
 
 
 def test_valkey_outside(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""L2 targets of `kvtier bench store --l2 posix:PATH|juicefs|valkey`, with their raw baselines.
+"""L2 targets of `kvtier bench store --l2 posix:PATH|juicefs|valkey|valkey-aof`, with their raw
+baselines.
 
 A target is an L2 to benchmark, started before the run and torn down after it, together with
 the raw operation the tier wraps, on the same target and the same bytes:
@@ -11,6 +12,8 @@ the raw operation the tier wraps, on the same target and the same bytes:
                 plain-file I/O, written through A and read through B.
     valkey      a fresh loopback Valkey server (allkeys-lru, maxmemory sized by the caller);
                 raw = SET and GET of the same bytes, one key per block.
+    valkey-aof  the same with an append-only file synced every second, as `l2CachePersistent`
+                runs it (in the temp directory or `workdir`): what persistence costs.
 
     with l2_target("juicefs") as target:
         writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
@@ -38,16 +41,17 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
 
-KINDS = ("posix", "juicefs", "valkey")
+KINDS = ("posix", "juicefs", "valkey", "valkey-aof")
 _RAW_PREFIX = "kvtier-bench-raw:"
 _RAW_DIR = "raw"
 
 
 def parse_l2_spec(spec: str) -> tuple[str, str]:
-    """(kind, path) of `posix:PATH`, `juicefs` or `valkey` (path empty for the latter two)."""
+    """(kind, path) of `posix:PATH`, `juicefs`, `valkey` or `valkey-aof` (path empty but for
+    posix)."""
     kind, _, where = spec.partition(":")
     if kind not in KINDS or (kind == "posix") != bool(where):
-        raise ConfigError(f"l2: expected posix:PATH, juicefs or valkey, got {spec!r}")
+        raise ConfigError(f"l2: expected posix:PATH, juicefs, valkey or valkey-aof, got {spec!r}")
     return kind, where
 
 
@@ -56,7 +60,7 @@ class L2Target:
     """A running L2 to benchmark; see the module docstring."""
 
     kind: str
-    """"posix", "juicefs" or "valkey"."""
+    """One of `KINDS`."""
     write_root: str | None = None
     """Directory the writer side uses (posix, juicefs)."""
     read_root: str | None = None
@@ -160,16 +164,22 @@ def l2_target(
             with _opened(L2Target("posix", write_root=scratch, read_root=scratch)) as target:
                 yield target
             return
-        from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec, start_valkey
+        from kvtier.tools.l2ops.valkey_server import (
+            PERSISTENT_L2_APPENDFSYNC,
+            ValkeyServerSpec,
+            start_valkey,
+        )
 
+        l2_on_valkey = kind != "juicefs"
         with start_valkey(
             ValkeyServerSpec(
-                maxmemory_bytes=valkey_maxmemory_bytes if kind == "valkey" else 256 * 1024**2,
+                maxmemory_bytes=valkey_maxmemory_bytes if l2_on_valkey else 256 * 1024**2,
                 data_dir=os.path.join(scratch, "valkey"),
+                appendfsync=PERSISTENT_L2_APPENDFSYNC if kind == "valkey-aof" else None,
             )
         ) as server:
-            if kind == "valkey":
-                with _opened(L2Target("valkey", url=server.url)) as target:
+            if l2_on_valkey:
+                with _opened(L2Target(kind, url=server.url)) as target:
                     yield target
                 return
             from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec

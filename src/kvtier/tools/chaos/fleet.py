@@ -35,7 +35,11 @@ from kvtier.tools.chaos.faultfs import FaultFS
 from kvtier.tools.cluster.local_fleet import LocalFleet
 from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, L2Spec, LocalSpec, RoutingSpec
 from kvtier.tools.l2ops.juicefs import JuiceFSMount, JuiceFSVolume, JuiceFSVolumeSpec, mounted_under
-from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
+from kvtier.tools.l2ops.valkey_server import (
+    PERSISTENT_L2_APPENDFSYNC,
+    ValkeyServer,
+    ValkeyServerSpec,
+)
 from kvtier.tools.vllm_server import ServerProcess
 
 __all__ = ["ChaosFleet", "FleetOptions", "PhaseName"]
@@ -51,13 +55,6 @@ last digits: in bfloat16 (vLLM's choice on a CPU with native bf16) that flips ne
 tokens; float32 keeps the comparison about the cache's correctness (docs/reliability.md)."""
 ROUTER = {"health_interval_s": 0.5, "health_timeout_s": 1.0, "stall_after_s": 5.0}
 """The router's checks, tight: a replica lost or stalled leaves rotation within seconds."""
-
-
-class PersistentValkey(ValkeyServer):
-    """A Valkey server that keeps its data across a kill (append-only file, fsync always)."""
-
-    def command(self) -> list[str]:
-        return [*super().command(), "--appendonly", "yes", "--appendfsync", "always"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +76,7 @@ class ChaosFleet:
         self.work_dir = work_dir.resolve()
         self.options = options
         self.fleet: LocalFleet | None = None
-        self.meta: PersistentValkey | None = None
+        self.meta: ValkeyServer | None = None
         self.volume: JuiceFSVolume | None = None
         self.mount: JuiceFSMount | None = None
         self.faultfs: FaultFS | None = None
@@ -124,16 +121,22 @@ class ChaosFleet:
 
     def _start_l2(self) -> L2Spec:
         if self.phase == "valkey":
+            # as `kvtier up` runs it with l2CachePersistent: a restart keeps the blocks
             self.valkey = ValkeyServer(
-                ValkeyServerSpec(data_dir=str(self.work_dir / "valkey"), maxmemory_bytes=1 << 30)
+                ValkeyServerSpec(
+                    data_dir=str(self.work_dir / "valkey"),
+                    maxmemory_bytes=1 << 30,
+                    appendfsync=PERSISTENT_L2_APPENDFSYNC,
+                )
             ).start()
             return L2Spec(backend="valkey", url=self.valkey.url)
         if self.phase == "juicefs":
-            self.meta = PersistentValkey(
+            self.meta = ValkeyServer(
                 ValkeyServerSpec(
                     data_dir=str(self.work_dir / "meta"),
                     maxmemory_bytes=0,
                     maxmemory_policy="noeviction",
+                    appendfsync="always",
                 )
             )
             (self.work_dir / "meta").mkdir(exist_ok=True)

@@ -87,12 +87,17 @@ class LocalFleet:
         elif cache.l2.kind == "valkey":
             url = cache.l2.url
             if url is None:
-                from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
+                from kvtier.tools.l2ops.valkey_server import (
+                    PERSISTENT_L2_APPENDFSYNC,
+                    ValkeyServer,
+                    ValkeyServerSpec,
+                )
 
                 server = ValkeyServer(
                     ValkeyServerSpec(
                         data_dir=str(self.work_dir / "valkey"),
                         maxmemory_bytes=int(cache.l2.size_gib * 1024**3),
+                        appendfsync=PERSISTENT_L2_APPENDFSYNC if cache.l2.persistent else None,
                     )
                 )
                 (self.work_dir / "valkey").mkdir(exist_ok=True)

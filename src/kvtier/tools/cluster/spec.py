@@ -114,11 +114,25 @@ class L2Spec(Section):
     """valkey/redis: the server's URL (default: start one)."""
     size_gib: Annotated[float, Field(gt=0)] = Field(8.0, alias="l2CacheSizeGiB")
     """Capacity of the shared L2 in GiB (directory janitor or Valkey maxmemory)."""
+    persistent: bool = Field(False, alias="l2CachePersistent")
+    """valkey: the server kvtier starts keeps its blocks across a restart (an append-only file
+    synced once a second; in Kubernetes on a volume claim of its own). A directory or JuiceFS L2
+    keeps them anyway."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         if self.url is not None and not self.url.startswith(("redis://", "valkey://")):
             raise ValueError(f"l2CacheLocalUrl: {self.url!r} is not a redis:// or valkey:// URL")
+        if self.persistent and self.kind != "valkey":
+            raise ValueError(
+                f"l2CachePersistent: only for the valkey backend; a {self.backend} L2 is files "
+                "and keeps its blocks anyway"
+            )
+        if self.persistent and self.url is not None:
+            raise ValueError(
+                "l2CachePersistent: kvtier starts no Valkey server when l2CacheLocalUrl is set; "
+                "turn on persistence in that server's own configuration (appendonly yes)"
+            )
         return self
 
     @property

@@ -30,6 +30,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.settings import to_flags
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
+from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.vllm.settings import ENV_PREFIX, ConnectorSettings, kv_transfer_config
 
@@ -47,6 +48,8 @@ EVENTS_PORT = 5557
 L2_MOUNT = "/mnt/kvtier-l2"
 API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
 EMBEDDED_MODEL = "/opt/kvtier/model"
+VALKEY_DATA = "/data"
+"""Where a persistent in-cluster Valkey keeps its append-only file (its claim's mount)."""
 """Where the CPU image (deploy/docker/Dockerfile.cpu) keeps the embedded model."""
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
 IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
@@ -340,25 +343,63 @@ def _claim_op(claim: str | None) -> dict[str, Any]:
 
 
 def _valkey_patch(out: Path, spec: FleetSpec) -> dict[str, Any]:
-    """Image and memory of the in-cluster Valkey (maxmemory = the L2 size)."""
+    """Image and memory of the in-cluster Valkey (maxmemory = the L2 size); with
+    l2CachePersistent, its append-only file on a claim of its own."""
     gib = spec.cache.l2.size_gib
     args = ["--requirepass", "$(VALKEY_PASSWORD)", "--maxmemory", str(int(gib * GIB))]
-    args += ["--maxmemory-policy", "allkeys-lru", "--save", "", "--appendonly", "no"]
+    args += ["--maxmemory-policy", "allkeys-lru", "--save", ""]
     memory = f"{math.ceil(gib * 1.25 + 0.5)}Gi"
-    container = {
+    container: dict[str, Any] = {
         "name": "valkey",
         "image": spec.kubernetes.valkey_image,
-        "args": args,
         "resources": {"requests": {"memory": memory}, "limits": {"memory": memory}},
     }
+    statefulset: dict[str, Any] = {"template": {"spec": {"containers": [container]}}}
+    if spec.cache.l2.persistent:
+        args += ["--dir", VALKEY_DATA, "--appendonly", "yes"]
+        args += ["--appendfsync", PERSISTENT_L2_APPENDFSYNC]
+        container["volumeMounts"] = [{"name": "data", "mountPath": VALKEY_DATA}]
+        container["startupProbe"] = _valkey_loaded_probe()
+        statefulset["volumeClaimTemplates"] = [_valkey_claim(spec)]
+    else:
+        args += ["--appendonly", "no"]
+    container["args"] = args
     patch = {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
         "metadata": {"name": "kvtier-valkey"},
-        "spec": {"template": {"spec": {"containers": [container]}}},
+        "spec": statefulset,
     }
     _write(out / "patches" / "valkey.yaml", patch)
     return {"path": "patches/valkey.yaml"}
+
+
+def _valkey_claim(spec: FleetSpec) -> dict[str, Any]:
+    """The persistent Valkey's own ReadWriteOnce claim: room for its append-only file, which
+    grows to twice the data between rewrites and briefly holds a third copy during one."""
+    k8s = spec.kubernetes
+    size = k8s.l2_claim_gib or math.ceil(spec.cache.l2.size_gib * 3 + 1)
+    claim: dict[str, Any] = {
+        "metadata": {"name": "data"},
+        "spec": {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": f"{size}Gi"}},
+        },
+    }
+    if k8s.l2_storage_class is not None:
+        claim["spec"]["storageClassName"] = k8s.l2_storage_class
+    return claim
+
+
+def _valkey_loaded_probe() -> dict[str, Any]:
+    """Liveness waits while a restarted Valkey loads its append-only file (up to 10 minutes:
+    PING answers LOADING until then)."""
+    ping = 'valkey-cli --no-auth-warning -a "$VALKEY_PASSWORD" ping | grep -q PONG'
+    return {
+        "exec": {"command": ["sh", "-c", ping]},
+        "periodSeconds": 5,
+        "failureThreshold": 120,
+    }
 
 
 def _external_valkey_policy(out: Path, url: str) -> str:

