@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.tools.chaos.load import Record, RequestKey
-from kvtier.tools.chaos.run import WINDOW, normal_after
+from kvtier.tools.chaos.run import WINDOW, latency_bound, normal_after
 
 KEY = RequestKey(0, chat=False, stream=False)
 FAULT, END, BOUND = 0.0, 10.0, 3.0
@@ -49,3 +49,10 @@ def test_a_breach_at_the_very_end_is_not_normal_within_the_run() -> None:
 def test_requests_before_the_fault_do_not_count() -> None:
     records = timeline((-4.0, 9.0), (-3.0, 9.0, "hang"), *STEADY)
     assert normal_after(records, FAULT, END, BOUND, WINDOW) == 0.0
+
+
+def test_the_slow_bound_is_three_medians_at_least_the_slowest_before_and_a_second() -> None:
+    assert latency_bound([0.4, 0.5, 0.6]) == 3 * 0.5
+    assert latency_bound([0.4, 0.5, 2.5]) == 2.5  # one slow request before: no false alarm
+    assert latency_bound([0.1, 0.1]) == 1.0
+    assert latency_bound([]) == 1.0

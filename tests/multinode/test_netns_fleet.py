@@ -8,8 +8,11 @@ Shown, with the figures printed as one JSON line (`multinode:`) for docs/kuberne
 1. a prompt computed on node X is served from L2 on another node through the router, with the
    same greedy output (TTFT cold vs. cross-node L2 hit);
 2. a node added to the name while traffic runs is discovered and takes load (delay, failures);
-3. a node whose link goes down is dropped within a stated time, and no request sent after that
-   fails (failures before and after);
+3. a node whose link goes down is dropped within a stated time, no request sent after that
+   fails (failures before and after, streamed and not), every answer equals its prompt's first
+   (greedy, fp32), and a stream under way on the lost node ends with an error event within
+   seconds, not after the read timeout (the chaos suite's figures for this fault,
+   docs/reliability.md);
 Kept small for CI: 2 replicas + 1 added, one 1,024-token prompt, short traffic requests.
 """
 
@@ -32,6 +35,7 @@ import pytest
 
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.bench.corpus import Corpus
+from kvtier.tools.chaos.run import WINDOW, latency_bound, normal_after
 from kvtier.tools.l2ops.juicefs import (
     find_juicefs_binary,
     force_unmount,
@@ -52,6 +56,13 @@ PROMPT_TOKENS = 1024
 DROP_LIMIT_S = 5.0
 """Link down -> out of the routing set: the check under way, then one failed check (interval
 0.5 s, timeout 1 s, `--unhealthy-after 1`); about 2.5 s, the rest is slack for a loaded host."""
+LONG_STREAM_TIMEOUT_S = 90.0
+"""The client's read timeout for the stream cut by the lost link (it must end well before)."""
+CUT_STREAM_LIMIT_S = 8.0
+"""Link down -> the stream under way on that node ends with an error event: the node dropped
+(above), then one check that finds it silent and taking no connection (two 1 s timeouts)."""
+NORMAL_LIMIT_S = 10.0
+"""The node out of the routing set -> serving normal again (issue 17's target for a fault)."""
 DISCOVERY_LIMIT_S = 5.0
 """Name updated -> routable: one resolution (1 s) + the health probe + the check after it."""
 
@@ -62,11 +73,21 @@ class Sent:
     ended: float
     ok: bool
     replica: str | None
+    stream: bool
+    prompt: int
+    text: str = ""
     error: str = ""
+    error_event: bool = False
+    """A stream that ended with an SSE error event (the router's word that it was cut)."""
+
+
+TRAFFIC_PROMPTS = 4
+"""The traffic cycles over this many prompts, so every answer has a reference to equal."""
 
 
 class Traffic:
-    """Short requests from the client node, two at a time, until stopped (bounded)."""
+    """Short greedy requests from the client node, two at a time, alternately streamed and
+    not, until stopped (bounded)."""
 
     def __init__(self, client: Node, router: str, model: str, max_s: float = 300.0) -> None:
         self.sent: list[Sent] = []
@@ -79,29 +100,85 @@ class Traffic:
             for i in range(5000):
                 if self._stop.is_set() or time.monotonic() > deadline:
                     return
+                prompt, stream = (worker + i) % TRAFFIC_PROMPTS, i % 2 == 1
                 body = {
                     "model": model,
-                    "prompt": f"Request {worker}-{i}: name a colour of the sea.",
-                    "max_tokens": 2,
+                    "prompt": f"Question {prompt}: name a colour of the sea.",
+                    "max_tokens": 4,
                     "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": stream,
                 }
-                started = time.monotonic()
+                sent = Sent(time.monotonic(), 0.0, False, None, stream, prompt)
                 try:
-                    resp = http.post(router + "/v1/completions", json=body)
-                    ok, error = (
-                        resp.status_code == 200,
-                        "" if resp.status_code == 200 else resp.text,
-                    )
-                    replica = resp.headers.get("x-kvtier-replica")
+                    _send(http, router, body, sent)
                 except httpx.HTTPError as exc:
-                    ok, error, replica = False, repr(exc), None
-                self.sent.append(Sent(started, time.monotonic(), ok, replica, error))
+                    sent.error = repr(exc)
+                sent.ended = time.monotonic()
+                self.sent.append(sent)
 
     def stop(self) -> list[Sent]:
         self._stop.set()
         for worker in self._workers:
             worker.result(120)
         return self.sent
+
+
+def _send(
+    http: httpx.Client,
+    router: str,
+    body: dict[str, Any],
+    sent: Sent,
+    first_token: threading.Event | None = None,
+) -> None:
+    """One request; fills `sent` (ok only for a complete answer: 200, and [DONE] if streamed)."""
+    with http.stream("POST", router + "/v1/completions", json=body) as resp:
+        sent.replica = resp.headers.get("x-kvtier-replica")
+        if resp.status_code != 200:
+            sent.error = resp.read().decode(errors="replace")
+            return
+        if not body["stream"]:
+            sent.text, sent.ok = json.loads(resp.read())["choices"][0]["text"], True
+            return
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                sent.ok = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    sent.error_event, sent.error = True, json.dumps(event["error"])
+                elif event.get("choices"):
+                    sent.text += event["choices"][0].get("text", "")
+                    if first_token is not None:
+                        first_token.set()
+        if not sent.ok and not sent.error:
+            sent.error = "stream ended without [DONE] or an error event"
+
+
+def long_stream(
+    http_timeout_s: float, router: str, body: dict[str, Any], first_token: threading.Event
+) -> Sent:
+    """One streamed request whose answer is long; sets `first_token` when its first text
+    arrives, so a fault can land while it is under way."""
+    sent = Sent(time.monotonic(), 0.0, False, None, True, -1)
+    with httpx.Client(timeout=http_timeout_s) as http:
+        try:
+            _send(http, router, {**body, "stream": True}, sent, first_token)
+        except httpx.HTTPError as exc:
+            sent.error = repr(exc)
+    first_token.set()  # also when it failed before any text: the caller goes on
+    sent.ended = time.monotonic()
+    return sent
+
+
+def wrong_outputs(sent: list[Sent]) -> int:
+    """Complete answers that differ from their prompt's first complete answer (streamed or
+    not: the same greedy text)."""
+    reference: dict[int, str] = {}
+    wrong = 0
+    for s in sorted((s for s in sent if s.ok), key=lambda s: s.started):
+        wrong += reference.setdefault(s.prompt, s.text) != s.text
+    return wrong
 
 
 def get_json(client: Node, url: str) -> Any:
@@ -310,13 +387,18 @@ def _fleet(
     net.hosts(ctrl, {SERVICE: [a.address, b.address, c.address]})
     discovery_s = wait_until("c discovered", lambda: url[c.name] in healthy(), 30)
     time.sleep(4)
-    # 3. the node that computed the prompt loses its link
+    # 3. the node that computed the prompt loses its link, with a long stream under way on it
+    under_way = threading.Event()
+    long_body = {**body, "max_tokens": 512}
+    cut = in_node(client, long_stream, LONG_STREAM_TIMEOUT_S, router_url, long_body, under_way)
+    assert under_way.wait(120)
     down_at = time.monotonic()
     net.link(lost, up=False)
     drop_s = wait_until(f"{lost.name} dropped", lambda: x not in healthy(), 30)
     net.hosts(ctrl, {SERVICE: [n.address for n in replicas if n is not lost]})
     time.sleep(4)
     sent = traffic.stop()
+    stream_on_lost = cut.result(LONG_STREAM_TIMEOUT_S + 30)
 
     # the prompt again: another node serves it from L2, the same greedy tokens
     hit_s, hit_text, y, usage = ttft(client, router_url, body)
@@ -328,7 +410,11 @@ def _fleet(
     before_down = [s for s in sent if s.started < down_at]
     after_down = [s for s in sent if s.started >= down_at]
     failed_after = [s for s in after_down if not s.ok]
-    cut = [s for s in before_down if not s.ok]
+    in_flight = [s for s in before_down if not s.ok]
+    silent_cuts = [s for s in sent if s.stream and not s.ok and not s.error_event]
+    wrong = wrong_outputs(sent)
+    bound = latency_bound([s.ended - s.started for s in sent if s.ended < down_at and s.ok])
+    normal_s = normal_after(sent, down_at, down_at + drop_s, bound, WINDOW)
     on_c = [s for s in sent if s.started >= joined_at + discovery_s and s.replica == url[c.name]]
     figures = {
         "fleet_up_s": round(fleet_up_s, 1),
@@ -340,8 +426,24 @@ def _fleet(
         "requests_to_new_node": len(on_c),
         "drop_time_s": round(drop_s, 2),
         "failed_started_after_link_down": len(failed_after),
-        "failed_in_flight_at_link_down": len(cut),
+        "failed_in_flight_at_link_down": len(in_flight),
+        "long_stream_on_lost_node": {
+            "replica_was_lost_node": stream_on_lost.replica == x,
+            "error_event": stream_on_lost.error_event,
+            "ended_s_after_link_down": round(stream_on_lost.ended - down_at, 2),
+            "error": stream_on_lost.error[:120],
+        },
         "requests": len(sent),
+        "streamed": sum(s.stream for s in sent),
+        "wrong_outputs": wrong,
+        "failed_plain_before_after_link_down": [
+            sum(not s.ok and not s.stream for s in part) for part in (before_down, after_down)
+        ],
+        "failed_stream_before_after_link_down": [
+            sum(not s.ok and s.stream for s in part) for part in (before_down, after_down)
+        ],
+        "streams_cut_without_error_event": len(silent_cuts),
+        "normal_after_drop_s": normal_s,  # as `kvtier bench chaos` judges it
         "median_request_s": round(statistics.median(s.ended - s.started for s in sent), 3),
         "slowest_after_link_down_s": round(
             max((s.ended - s.started for s in after_down), default=0), 2
@@ -349,7 +451,16 @@ def _fleet(
     }
     print("multinode:", json.dumps(figures))
     assert not failed_after, [s.error for s in failed_after][:3]
-    assert all(s.ended > down_at for s in cut)  # only requests already under way may fail
+    assert wrong == 0
+    assert not silent_cuts, [s.error for s in silent_cuts][:3]
+    assert normal_s is not None and normal_s <= NORMAL_LIMIT_S
+    assert {s.prompt for s in sent if s.ok and s.stream} == set(range(TRAFFIC_PROMPTS))
+    assert all(s.ended > down_at for s in in_flight)  # only requests under way may fail
+    # the stream cut by the lost link: an error event, in bounded time, not a hang
+    assert stream_on_lost.replica == x and not stream_on_lost.ok
+    assert stream_on_lost.error_event, stream_on_lost.error
+    assert "replica unreachable" in stream_on_lost.error
+    assert stream_on_lost.ended - down_at <= CUT_STREAM_LIMIT_S  # not the 15 s read timeout
     assert not [s for s in during_join if not s.ok]
     assert on_c, "the added node took no request"
     assert discovery_s <= DISCOVERY_LIMIT_S

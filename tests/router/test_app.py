@@ -335,6 +335,60 @@ def test_a_stream_under_way_on_a_stalled_replica_ends_with_an_error_event(
     run(scenario())
 
 
+@pytest.mark.parametrize("vanishes", [True, False])
+def test_a_stream_on_a_replica_that_drops_off_the_network_ends_at_once_with_an_error_event(
+    tokenizer: Tokenizer, vanishes: bool
+) -> None:
+    """A node cut off: its stream's connection is never reset, yet the client gets an error
+    event once the router finds the node out of rotation and unreachable, well before the read
+    timeout. A replica that only stops answering (a frozen process: its kernel still takes
+    connections) keeps its stream."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("slow_stream", "slow_stream") as pair,
+            running_router(
+                tokenizer,
+                list(pair),
+                health_interval_s=0.1,
+                health_timeout_s=0.3,
+                unhealthy_after=1,
+                read_timeout_s=30,
+            ) as rr,
+        ):
+            sent = asyncio.ensure_future(
+                rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
+            )
+            await wait_for(lambda: any(f.received for f in pair), "the stream started")
+            lost, good = pair if pair[0].received else pair[::-1]
+            good.mode = "ok"
+            if vanishes:
+                await lost.vanish()
+            else:
+                lost.healthy = False  # its checks fail, but it takes connections
+            replica = rr.router.replicas[lost.url]
+            await wait_for(lambda: not replica.healthy, "the lost replica out of rotation")
+            if not vanishes:
+                await asyncio.sleep(1.0)
+                assert not sent.done()
+                lost.release.set()
+            resp = await asyncio.wait_for(sent, 5)  # far below read_timeout_s
+            assert resp.status_code == 200 and resp.content.startswith(SSE_CHUNKS[0])
+            text = rr.router.metrics.render().decode()
+            given_up = f'kvtier_router_replica_unreachable_total{{replica="{lost.url}"}}'
+            if vanishes:
+                event = json.loads(resp.content[len(SSE_CHUNKS[0]) :].removeprefix(b"data: "))
+                assert event["error"]["code"] == 504
+                assert event["error"]["message"] == "replica unreachable: no connection"
+                assert metric(text, given_up) == 1
+            else:
+                assert resp.content == b"".join(SSE_CHUNKS)
+                assert metric(text, given_up) == 0
+            assert in_flight(rr) == {lost.url: 0, good.url: 0}
+
+    run(scenario())
+
+
 def test_the_last_replica_in_rotation_is_never_stalled_out(tokenizer: Tokenizer) -> None:
     """Every replica stalls at once (the host paused): its stream waits and completes, it is
     not cut, and the replica stays in rotation."""

@@ -136,6 +136,7 @@ class Router:
             lambda name: self.forget(name, "down"),
             self.config.stall_after_s,
             lambda name: self.metrics.stalls.labels(name).inc(),
+            lambda name: self.metrics.unreachable.labels(name).inc(),
         )
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))

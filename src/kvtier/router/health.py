@@ -19,6 +19,13 @@ replica that wants credentials the probe lacks): the replica is kept. The last r
 rotation is never stalled out: when every replica stalls at once, the host or the router is the
 likelier cause, and failing every request over to nothing would turn a pause into errors.
 
+Lost nodes: a replica out of rotation whose requests have had no byte for a check timeout is
+tested with a fresh TCP connection. A process that hangs or is only slow still has a kernel that
+accepts it, and a closed port refuses it (a replica shutting down finishes what it holds); a node
+that is gone or cut off answers nothing (a timeout, no route). Then its connections can bring
+nothing back, though they may never be reset: it is unreachable, `on_unreachable(name)`, its
+requests abandoned like a stalled replica's, rather than waiting out `read_timeout_s`.
+
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
 through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
 """
@@ -31,6 +38,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from urllib.parse import urlsplit
 
 from kvtier.net.http_client import HttpPool
 from kvtier.router.replicas import Replica, ReplicaSet
@@ -61,6 +69,7 @@ class HealthChecker:
         on_down: Callable[[str], None],
         stall_after_s: float = 0.0,
         on_stall: Callable[[str], None] = lambda name: None,
+        on_unreachable: Callable[[str], None] = lambda name: None,
     ) -> None:
         self._pool = pool
         self._replicas = replicas
@@ -70,6 +79,7 @@ class HealthChecker:
         self._on_down = on_down
         self._stall_after_s = stall_after_s
         self._on_stall = on_stall
+        self._on_unreachable = on_unreachable
         self._probes: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
@@ -106,6 +116,39 @@ class HealthChecker:
             replica.healthy = False
         if replica.failed_checks == self._unhealthy_after:
             self._on_down(replica.name)
+        if not refused and replica.failed_checks >= self._unhealthy_after:
+            await self._give_up_if_unreachable(replica)
+
+    async def _give_up_if_unreachable(self, replica: Replica) -> None:
+        """Abandon the requests of a replica out of rotation that sent nothing for a check
+        timeout and takes no new connection within one (see the module docstring)."""
+        silent_s = replica.no_progress_s(time.monotonic())
+        if silent_s < self._timeout_s or await self._reachable(replica):
+            return
+        abandoned = replica.abandon_requests("unreachable: no connection")
+        if abandoned:
+            log.warning(
+                "replica %s unreachable: no new connection within %.1f s and no byte for %.0f s; "
+                "%d of its requests failed over or cut",
+                replica.name,
+                self._timeout_s,
+                silent_s,
+                abandoned,
+            )
+            self._on_unreachable(replica.name)
+
+    async def _reachable(self, replica: Replica) -> bool:
+        url = urlsplit(replica.settings.url)
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                _, writer = await asyncio.open_connection(url.hostname, port)
+        except ConnectionRefusedError:
+            return True  # the node is there; no process listens (its connections were reset)
+        except (TimeoutError, OSError):
+            return False
+        writer.close()
+        return True
 
     def _suspect_stall(self, replica: Replica) -> bool:
         """Whether to probe it now: stalled, or holding requests without progress for long."""
@@ -140,7 +183,7 @@ class HealthChecker:
             )
             return
         if not replica.stalled:
-            abandoned = replica.abandon_requests()
+            abandoned = replica.abandon_requests("stalled: no progress")
             log.warning(
                 "replica %s stalled: no answer for %.0f s while /health answers; out of "
                 "rotation, %d of its requests failed over or cut",

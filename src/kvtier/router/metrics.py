@@ -175,6 +175,14 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         _REPLICAS,
     ),
     MetricDef(
+        "kvtier_router_replica_unreachable",
+        "counter",
+        "Times requests were given up on a replica that was out of rotation, silent and took no "
+        "new connection (a node gone or cut off).",
+        _REPLICA,
+        _REPLICAS,
+    ),
+    MetricDef(
         "kvtier_router_failovers",
         "counter",
         "Attempts that failed before the first byte and moved off a replica.",
@@ -319,6 +327,7 @@ class RouterMetrics:
         self.index_blocks = self._gauge("kvtier_router_index_blocks")
         self.failovers = self._counter("kvtier_router_failovers")
         self.stalls = self._counter("kvtier_router_replica_stalls")
+        self.unreachable = self._counter("kvtier_router_replica_unreachable")
         self.stream_errors = self._counter("kvtier_router_stream_errors")
         self.events = self._counter("kvtier_router_events")
         self.purges = self._counter("kvtier_router_index_purges")

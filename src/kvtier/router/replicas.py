@@ -9,8 +9,8 @@ disconnect, cancellation.
 Progress: `last_progress` is when the replica last sent a byte of any answer (or when a request
 found it idle), so `no_progress_s` is how long the requests it holds have waited for anything: a
 replica whose engine hangs while its HTTP server answers /health (a gray failure) shows it
-growing. A stalled replica's claims are `abandon`ed: requests without an answer yet fail over,
-streams under way end with an error event.
+growing. The claims of a replica found stalled or unreachable are `abandon`ed: requests without
+an answer yet fail over, streams under way end with an error event.
 
 Owned by the router's event loop (single-threaded: no locks).
 """
@@ -64,10 +64,11 @@ class Replica:
         """Seconds the requests it holds have waited for any byte from it (0 when idle)."""
         return now - self.last_progress if self.in_flight else 0.0
 
-    def abandon_requests(self) -> int:
-        """It stalled: fail over every request it holds that has no byte of its answer yet, and
-        end its streams under way with an error event; returns how many."""
-        return sum(claim.abandon() for claim in list(self.claims))
+    def abandon_requests(self, reason: str) -> int:
+        """It stalled, or cannot be reached: fail over every request it holds that has no byte
+        of its answer yet, and end its streams under way with an error event naming `reason`;
+        returns how many."""
+        return sum(claim.abandon(reason) for claim in list(self.claims))
 
     def view(self, excluded: bool = False) -> ReplicaView:
         return ReplicaView(
@@ -94,7 +95,8 @@ class LoadClaim:
         self.answered = False
         self.relaying = False
         """A stream is being relayed to the client (committed: cut, not retried)."""
-        self.abandoned = False
+        self.abandoned: str | None = None
+        """Why the health checker gave up on its replica (see `Replica.abandon_requests`)."""
         """`abandon` cancelled the task: the forward fails the request over."""
         if not replica.in_flight:
             replica.last_progress = time.monotonic()
@@ -111,12 +113,12 @@ class LoadClaim:
         """Another byte of the answer came."""
         self.replica.last_progress = time.monotonic()
 
-    def abandon(self) -> bool:
+    def abandon(self, reason: str) -> bool:
         """Cancel the forwarding task, before the answer or while relaying a stream (not while
         a whole answer is being sent); whether it did."""
         if self._done or self.task is None or (self.answered and not self.relaying):
             return False
-        self.abandoned = True
+        self.abandoned = reason
         self.task.cancel()
         return True
 

@@ -7,9 +7,9 @@ connecting fails or times out, the replica answers 500/502/503/504, or the conne
 before the first body byte: nothing has reached the client yet, so another replica can serve it.
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
 its next good health check); one that answered 5xx is only excluded for this request. A request
-whose replica the health checker found stalled is abandoned (its task cancelled, the claim
-marked): before its first byte it fails over the same way; a stream under way ends with an
-error event.
+whose replica the health checker gave up on (stalled, or unreachable) is abandoned (its task
+cancelled, the claim marked with why): before its first byte it fails over the same way; a
+stream under way ends with an error event naming why.
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
@@ -132,10 +132,10 @@ class Upstream:
                     if retry.unreachable:
                         replica.healthy = False  # suspect until its next good health check
                 except asyncio.CancelledError:
-                    # abandoned on a stalled replica, and not also cancelled for another reason
+                    # abandoned by the health checker, and not also cancelled for another reason
                     if not claim.abandoned or (task is not None and task.uncancel()):
                         raise
-                    last_error = f"{replica.name}: stalled (no answer)"
+                    last_error = f"{replica.name}: {claim.abandoned}"
             log.warning("failing over off %s", last_error)
             excluded.add(replica.name)
             self._metrics.failovers.labels(replica.name).inc()
@@ -198,13 +198,13 @@ class Upstream:
                     break
             await exchange.finish()
             return b"".join(tail)
-        except asyncio.CancelledError:  # the client went away, or the replica stalled
+        except asyncio.CancelledError:  # the client went away, or the replica was given up
             task = asyncio.current_task()
             if not claim.abandoned or (task is not None and task.uncancel()):
                 self._metrics.stream_errors.labels("client").inc()
                 raise
             self._metrics.stream_errors.labels("upstream").inc()
-            await exchange.write(sse_error("replica stalled: no progress", 504))
+            await exchange.write(sse_error(f"replica {claim.abandoned}", 504))
             await exchange.finish()
             return b"".join(tail)
 

@@ -11,6 +11,9 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     slow_stream     stream the first SSE event, the rest once `release` is set
     slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
 
+`vanish()` drops it off the network as a node whose link is cut: nothing is answered any more,
+open connections stay open and silent, and new ones time out rather than being refused.
+
 It speaks HTTP/1.1 with keep-alive on a raw asyncio server (httptools parses requests), so it
 controls its sockets down to the reset, and serves TLS when given an `ssl.SSLContext`.
 Endpoints: GET /health (503 while `healthy` is False), /v1/models, /metrics (the
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import ssl
 from dataclasses import dataclass, field
 from typing import Any, Self
@@ -62,6 +66,8 @@ class FakeReplica:
     url: str = ""
     _server: asyncio.Server | None = None
     _writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    _gone: list[socket.socket] = field(default_factory=list)
+    """After `vanish()`: the listener that takes nothing, and the connection filling it."""
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> Self:
         self._server = await asyncio.start_server(self._serve, host, port, ssl=self.tls)
@@ -73,12 +79,26 @@ class FakeReplica:
         assert self._server is not None, "start() first"
         await self._server.serve_forever()
 
+    async def vanish(self) -> None:
+        """Answer nothing from now on, and hold the port with a listener whose one-slot backlog
+        is kept full, so that a new connection gets no answer at all (see the module docstring)."""
+        assert self._server is not None, "start() first"
+        host, port = self._server.sockets[0].getsockname()[:2]
+        self._server.close()  # stops accepting; the open connections stay as they are
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(0)
+        self._gone = [listener, socket.create_connection((host, port))]
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
             for writer in list(self._writers):
                 writer.transport.abort()
             await self._server.wait_closed()
+        for sock in self._gone:
+            sock.close()
 
     # ----- one connection -----
 
@@ -99,6 +119,8 @@ class FakeReplica:
         self, writer: asyncio.StreamWriter, method: str, path: str, body: bytes
     ) -> bool:
         """Answer one request; False when the connection must end."""
+        while self._gone:  # dropped off the network: no answer, ever
+            await asyncio.sleep(0.05)
         if method == "GET" and path == "/health":
             await asyncio.sleep(self.health_delay_s)
             await _respond(writer, 200 if self.healthy else 503, b"ok", b"text/plain")

@@ -20,15 +20,16 @@ import asyncio
 import collections
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvtier.tools.chaos.faults import Fault
 from kvtier.tools.chaos.fleet import ChaosFleet, FleetOptions, PhaseName
 from kvtier.tools.chaos.load import Load, Record, RequestKey, prompts_with_shared_prefixes
 
-__all__ = ["FaultResult", "Timing", "normal_after", "run_phase", "soak"]
+__all__ = ["WINDOW", "FaultResult", "Timing", "latency_bound", "normal_after", "run_phase", "soak"]
 
 WINDOW = 5
 """Consecutive requests judged together for "normal"; at most one of them may be slow."""
@@ -93,10 +94,9 @@ def _summarize(
 ) -> FaultResult:
     result = FaultResult(fault.name, fault.phase, fault.what, fault_s=round(t_end - t_fault, 1))
     result.sent = len(records)
-    before = [r for r in records if r.ended < t_fault and r.ok]
-    latencies = [r.ended - r.started for r in before]
-    result.baseline_median_s = round(statistics.median(latencies), 2) if latencies else 0.0
-    bound = max(3 * result.baseline_median_s, max(latencies, default=0.0), 1.0)
+    before = [r.ended - r.started for r in records if r.ended < t_fault and r.ok]
+    result.baseline_median_s = round(statistics.median(before), 2) if before else 0.0
+    bound = latency_bound(before)
     failed: collections.Counter[str] = collections.Counter()
     for r in records:
         if r.ok:
@@ -139,8 +139,26 @@ def _verdict(record: Record, reference: dict[RequestKey, str]) -> str:
     return record.outcome
 
 
+class Timed(Protocol):
+    """What `normal_after` reads of a request."""
+
+    @property
+    def started(self) -> float: ...
+    @property
+    def ended(self) -> float: ...
+    @property
+    def ok(self) -> bool: ...
+
+
+def latency_bound(before: list[float]) -> float:
+    """The slow-request bound of a fault, from the latencies of the requests that ended before
+    it: 3x their median (rounded to 10 ms), at least the slowest of them, at least 1 s."""
+    median = round(statistics.median(before), 2) if before else 0.0
+    return max(3 * median, max(before, default=0.0), 1.0)
+
+
 def normal_after(
-    records: list[Record], t_fault: float, t_end: float, bound: float, window: int
+    records: Sequence[Timed], t_fault: float, t_end: float, bound: float, window: int
 ) -> float | None:
     """Seconds from `t_end` to the start of the first request (started after `t_fault`) from
     which no request fails and no `window` consecutive requests hold two slower than `bound`
