@@ -48,9 +48,9 @@ EVENTS_PORT = 5557
 L2_MOUNT = "/mnt/kvtier-l2"
 API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
 EMBEDDED_MODEL = "/opt/kvtier/model"
+"""Where the CPU image (deploy/docker/Dockerfile.cpu) keeps the embedded model."""
 VALKEY_DATA = "/data"
 """Where a persistent in-cluster Valkey keeps its append-only file (its claim's mount)."""
-"""Where the CPU image (deploy/docker/Dockerfile.cpu) keeps the embedded model."""
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
 IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
@@ -392,8 +392,8 @@ def _valkey_claim(spec: FleetSpec) -> dict[str, Any]:
 
 
 def _valkey_loaded_probe() -> dict[str, Any]:
-    """Liveness waits while a restarted Valkey loads its append-only file (up to 10 minutes:
-    PING answers LOADING until then)."""
+    """A startup probe: liveness waits while a restarted Valkey loads its append-only file (up
+    to 10 minutes; PING answers LOADING until then)."""
     ping = 'valkey-cli --no-auth-warning -a "$VALKEY_PASSWORD" ping | grep -q PONG'
     return {
         "exec": {"command": ["sh", "-c", ping]},
