@@ -255,10 +255,7 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
 
     l2 = spec.cache.l2
     if volume is not None and volume != "existingClaim":
-        size = k8s.l2_claim_gib or math.ceil(l2.size_gib * 1.25)
-        claim: dict[str, Any] = {"spec": {"resources": {"requests": {"storage": f"{size}Gi"}}}}
-        if k8s.l2_storage_class is not None:
-            claim["spec"]["storageClassName"] = k8s.l2_storage_class
+        claim = {"spec": _claim_spec(spec, l2.size_gib * 1.25)}
         patches.append(_inline("PersistentVolumeClaim", "kvtier-l2", claim))
     if volume == "existingClaim":
         patches.append(_json_patch("Deployment", "kvtier-replica", [_claim_op(k8s.l2_claim_name)]))
@@ -374,21 +371,26 @@ def _valkey_patch(out: Path, spec: FleetSpec) -> dict[str, Any]:
     return {"path": "patches/valkey.yaml"}
 
 
+def _claim_spec(spec: FleetSpec, default_gib: float) -> dict[str, Any]:
+    """A new claim's size (`l2ClaimGiB`, else `default_gib` rounded up) and class."""
+    k8s = spec.kubernetes
+    size = k8s.l2_claim_gib or math.ceil(default_gib)
+    claim: dict[str, Any] = {"resources": {"requests": {"storage": f"{size}Gi"}}}
+    if k8s.l2_storage_class is not None:
+        claim["storageClassName"] = k8s.l2_storage_class
+    return claim
+
+
 def _valkey_claim(spec: FleetSpec) -> dict[str, Any]:
     """The persistent Valkey's own ReadWriteOnce claim: room for its append-only file, which
     grows to twice the data between rewrites and briefly holds a third copy during one."""
-    k8s = spec.kubernetes
-    size = k8s.l2_claim_gib or math.ceil(spec.cache.l2.size_gib * 3 + 1)
-    claim: dict[str, Any] = {
+    return {
         "metadata": {"name": "data"},
         "spec": {
             "accessModes": ["ReadWriteOnce"],
-            "resources": {"requests": {"storage": f"{size}Gi"}},
+            **_claim_spec(spec, spec.cache.l2.size_gib * 3 + 1),
         },
     }
-    if k8s.l2_storage_class is not None:
-        claim["spec"]["storageClassName"] = k8s.l2_storage_class
-    return claim
 
 
 def _valkey_loaded_probe() -> dict[str, Any]:
