@@ -95,7 +95,7 @@ def _summarize(
     result = FaultResult(fault.name, fault.phase, fault.what, fault_s=round(t_end - t_fault, 1))
     result.sent = len(records)
     before = [r.ended - r.started for r in records if r.ended < t_fault and r.ok]
-    result.baseline_median_s = round(statistics.median(before), 2) if before else 0.0
+    result.baseline_median_s = baseline_median(before)
     bound = latency_bound(before)
     failed: collections.Counter[str] = collections.Counter()
     for r in records:
@@ -150,11 +150,15 @@ class Timed(Protocol):
     def ok(self) -> bool: ...
 
 
+def baseline_median(before: list[float]) -> float:
+    """The median latency of the requests that ended before a fault, to 10 ms (0 if none)."""
+    return round(statistics.median(before), 2) if before else 0.0
+
+
 def latency_bound(before: list[float]) -> float:
     """The slow-request bound of a fault, from the latencies of the requests that ended before
-    it: 3x their median (rounded to 10 ms), at least the slowest of them, at least 1 s."""
-    median = round(statistics.median(before), 2) if before else 0.0
-    return max(3 * median, max(before, default=0.0), 1.0)
+    it: 3x their `baseline_median`, at least the slowest of them, at least 1 s."""
+    return max(3 * baseline_median(before), max(before, default=0.0), 1.0)
 
 
 def normal_after(
