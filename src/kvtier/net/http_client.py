@@ -281,6 +281,21 @@ class HttpPool:
             raise
         return Response(conn, self, key)
 
+    async def host_answers(self, base_url: str, timeout_s: float) -> bool:
+        """Whether the host of `base_url` answers a new TCP connection within `timeout_s`:
+        accepted or refused (no TLS, no request: a process that hangs still has a kernel that
+        accepts), not a timeout or no route (a host that is gone or cut off)."""
+        address = self._address(base_url)
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, writer = await asyncio.open_connection(address.host, address.port)
+        except ConnectionRefusedError:
+            return True
+        except (TimeoutError, OSError):
+            return False
+        writer.close()
+        return True
+
     def release(self, key: str, conn: ReplicaConnection) -> None:
         if conn.reusable():
             conn.idle_since = time.monotonic()

@@ -38,7 +38,6 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from urllib.parse import urlsplit
 
 from kvtier.net.http_client import HttpPool
 from kvtier.router.replicas import Replica, ReplicaSet
@@ -123,7 +122,9 @@ class HealthChecker:
         """Abandon the requests of a replica out of rotation that sent nothing for a check
         timeout and takes no new connection within one (see the module docstring)."""
         silent_s = replica.no_progress_s(time.monotonic())
-        if silent_s < self._timeout_s or await self._reachable(replica):
+        if silent_s < self._timeout_s or await self._pool.host_answers(
+            replica.settings.url, self._timeout_s
+        ):
             return
         abandoned = replica.abandon_requests("unreachable: no connection")
         if abandoned:
@@ -136,19 +137,6 @@ class HealthChecker:
                 abandoned,
             )
             self._on_unreachable(replica.name)
-
-    async def _reachable(self, replica: Replica) -> bool:
-        url = urlsplit(replica.settings.url)
-        port = url.port or (443 if url.scheme == "https" else 80)
-        try:
-            async with asyncio.timeout(self._timeout_s):
-                _, writer = await asyncio.open_connection(url.hostname, port)
-        except ConnectionRefusedError:
-            return True  # the node is there; no process listens (its connections were reset)
-        except (TimeoutError, OSError):
-            return False
-        writer.close()
-        return True
 
     def _suspect_stall(self, replica: Replica) -> bool:
         """Whether to probe it now: stalled, or holding requests without progress for long."""
