@@ -47,6 +47,8 @@ def check_targets(r: FaultResult) -> None:
     if r.fault != "router-kill":  # a dead router cannot send an error event: the socket drops
         assert r.streams_cut_without_error == 0, r
     assert r.ok_after_end > 0, r  # served again after the fault
+    answered = [t for t in r.timeline if t[2] == "ok"]
+    assert all(t[4] is not None for t in answered), r  # each says what it took from a cache
     assert r.l2_lost_beyond_failed_part == 0, r
     assert r.leaked_processes == [] and r.leaked_mounts == [], r
     if r.fault != "router-kill":  # with the router down, clients cannot even connect

@@ -22,12 +22,25 @@ def background_setting(f: LocalFleet) -> object:
     return config["kv_connector_extra_config"]["background_cpus"]
 
 
-def test_with_no_free_core_background_threads_stay_on_their_own_engines_cores(
+def test_engines_that_outnumber_the_cores_are_left_unbound(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     f = fleet(2, monkeypatch)
-    assert [f.engine_cpus(i) for i in range(3)] == [[0], [1], [0]]
+    assert [f.engine_cpus(i) for i in range(3)] == [None, None, None]
     assert background_setting(f) == "inherit"
+    env = f.server_spec(0, "tcp://127.0.0.1:1").environment()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_with_no_free_core_background_threads_stay_on_their_own_engines_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    f = fleet(2, monkeypatch, replicas=2)
+    assert [f.engine_cpus(i) for i in range(2)] == [[0], [1]]
+    assert background_setting(f) == "inherit"
+    bind = f.server_spec(1, "tcp://127.0.0.1:1").environment()["VLLM_CPU_OMP_THREADS_BIND"]
+    assert bind == "1"
 
 
 def test_background_threads_take_the_cores_no_engine_is_bound_to(

@@ -46,6 +46,9 @@ class Record:
     detail: str = ""
     replica: str = ""
     """The replica that answered (the router's `x-kvtier-replica` header), if it did."""
+    cached_tokens: int | None = None
+    """Prompt tokens the replica served from a cache tier (`usage.prompt_tokens_details`), if
+    it said so."""
 
     @property
     def ok(self) -> bool:
@@ -99,6 +102,8 @@ class Load:
             "ignore_eos": True,
             "stream": key.stream,
         }
+        if key.stream:
+            doc["stream_options"] = {"include_usage": True}
         if key.chat:
             doc["messages"] = [{"role": "user", "content": self.prompts[key.prompt]}]
             return "/v1/chat/completions", json.dumps(doc).encode()
@@ -110,8 +115,11 @@ class Load:
         started = time.monotonic()
         replica = ""
 
-        def record(outcome: str, text: str = "", detail: str = "") -> Record:
-            return Record(key, started, time.monotonic(), outcome, text, detail[:300], replica)
+        def record(
+            outcome: str, text: str = "", detail: str = "", cached: int | None = None
+        ) -> Record:
+            ended = time.monotonic()
+            return Record(key, started, ended, outcome, text, detail[:300], replica, cached)
 
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -126,7 +134,7 @@ class Load:
                         return record("http_error", detail=f"{resp.status} {raw[:200]!r}")
                     if not key.stream:
                         doc = json.loads(await resp.read())
-                        return record("ok", _text(doc))
+                        return record("ok", _text(doc), cached=_cached_tokens(doc))
                     return await self._stream(resp, record)
                 finally:
                     resp.close()
@@ -138,7 +146,7 @@ class Load:
             return record("http_error", detail=f"bad answer: {exc}")
 
     async def _stream(self, resp: Response, record: Callable[..., Record]) -> Record:
-        pending, pieces = b"", list[str]()
+        pending, pieces, cached = b"", list[str](), None
         while chunk := await resp.chunk():
             pending += chunk
             *lines, pending = pending.split(b"\n")
@@ -148,11 +156,12 @@ class Load:
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    return record("ok", "".join(pieces))
+                    return record("ok", "".join(pieces), cached=cached)
                 doc = json.loads(data)
                 if "error" in doc:
                     return record("stream_error_event", detail=str(doc["error"]))
                 pieces.append(_text(doc))
+                cached = _cached_tokens(doc) if doc.get("usage") else cached
         return record("stream_cut", detail="stream ended without [DONE] or an error event")
 
     async def reference(self) -> dict[RequestKey, str]:
@@ -203,6 +212,12 @@ class Load:
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
     return next((v.decode("latin-1") for k, v in headers if k.lower() == name), "")
+
+
+def _cached_tokens(doc: dict[str, Any]) -> int | None:
+    details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
 
 
 def _text(doc: dict[str, Any]) -> str:

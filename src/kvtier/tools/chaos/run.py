@@ -73,9 +73,9 @@ class FaultResult:
     leaked_processes: list[str] = field(default_factory=list)
     leaked_mounts: list[str] = field(default_factory=list)
     notes: dict[str, object] = field(default_factory=dict)
-    timeline: list[tuple[float, float, str, str]] = field(default_factory=list)
+    timeline: list[tuple[float, float, str, str, int | None]] = field(default_factory=list)
     """Every request: (start in seconds from the injection, latency, outcome or "wrong",
-    replica)."""
+    replica, prompt tokens it served from a cache tier)."""
 
     def failed_count(self, stream: bool | None = None) -> int:
         return sum(
@@ -122,6 +122,7 @@ def _summarize(
             round(r.ended - r.started, 2),
             _verdict(r, reference),
             r.replica,
+            r.cached_tokens,
         )
         for r in sorted(records, key=lambda r: r.started)
     ]

@@ -126,22 +126,37 @@ class LocalFleet:
         )
         return None if settings is None else kv_transfer_config(settings)
 
-    def engine_cpus(self, index: int) -> list[int]:
-        """The cores replica `index`'s engine threads are bound to (round robin over the
-        machine's cores)."""
+    def engines_share_cores(self) -> bool:
+        """Whether the replicas' engine threads outnumber the machine's cores."""
+        engine_threads = self.spec.replicas * self.spec.local.threads_per_replica
+        return engine_threads > (os.cpu_count() or 1)
+
+    def engine_cpus(self, index: int) -> list[int] | None:
+        """The cores replica `index`'s engine threads are bound to: round robin over the
+        machine's cores while each engine thread has one of its own; None (unbound: the kernel
+        shares the cores among the engines) when they share cores. Bound round robin, engines
+        that outnumber the cores pile up unevenly (3 on 2 cores: two on one, one alone), and
+        the router, which spreads requests evenly, cannot see that two replicas run at half
+        speed (docs/connector.md)."""
+        return None if self.engines_share_cores() else self._round_robin_cpus(index)
+
+    def _round_robin_cpus(self, index: int) -> list[int]:
         cpus = os.cpu_count() or 1
         threads = self.spec.local.threads_per_replica
         return [(index * threads + t) % cpus for t in range(threads)]
 
     def background_cpus(self) -> str:
         """Where every replica's connector saves and writes (`background_cpus`): the cores no
-        engine is bound to, or with none left, each engine's own ("inherit").
+        engine is bound to, or with none left (or engines unbound), the engine's own
+        ("inherit").
 
         Never another replica's engine cores (the connector's default, the cores its own engine
         is not bound to): each replica runs in its own scheduling group (a session), and a
         thread alone in its group on a core another group keeps busy gets a sliver of it, so a
         5.9 MB copy waited seconds there (docs/connector.md)."""
-        engines = {c for i in range(self.spec.replicas) for c in self.engine_cpus(i)}
+        if self.engines_share_cores():
+            return "inherit"
+        engines = {c for i in range(self.spec.replicas) for c in self._round_robin_cpus(i)}
         free = sorted(set(range(os.cpu_count() or 1)) - engines)
         return ",".join(map(str, free)) if free else "inherit"
 
@@ -150,28 +165,28 @@ class LocalFleet:
         (`SHARED_MACHINE_WAIT`) when engines share cores, else vLLM's busy-wait. A busy-waiting
         engine process holds a core; where engines share one, it is a core another engine waits
         for, and the fleet loses most of its throughput (docs/connector.md)."""
-        engine_threads = self.spec.replicas * self.spec.local.threads_per_replica
-        return SHARED_MACHINE_WAIT if engine_threads > (os.cpu_count() or 1) else None
+        return SHARED_MACHINE_WAIT if self.engines_share_cores() else None
+
+    def server_spec(self, index: int, events_endpoint: str) -> ServerSpec:
+        """How replica `index`'s vLLM server is started."""
+        return ServerSpec(
+            model=self.model,
+            port=self.spec.local.replica_base_port + index,
+            kv_transfer_config=self.connector_config(index, events_endpoint),
+            kv_cache_gib=self.spec.local.engine_kv_cache_gib,
+            threads=self.spec.local.threads_per_replica,
+            dtype=self.spec.local.engine_dtype,
+            cpu_ids=_bind_value(self.engine_cpus(index)),
+            queue_wait=self.queue_wait(),
+            max_model_len=self._max_model_len(),
+            extra_args=self._engine_args(),
+            log_path=self.work_dir / "logs" / f"replica-{index}.log",
+        )
 
     def _start_replicas(self) -> None:
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
-            server = ServerProcess(
-                ServerSpec(
-                    model=self.model,
-                    port=self.spec.local.replica_base_port + i,
-                    kv_transfer_config=self.connector_config(i, endpoint),
-                    kv_cache_gib=self.spec.local.engine_kv_cache_gib,
-                    threads=self.spec.local.threads_per_replica,
-                    dtype=self.spec.local.engine_dtype,
-                    cpu_ids=",".join(map(str, self.engine_cpus(i))),
-                    queue_wait=self.queue_wait(),
-                    max_model_len=self._max_model_len(),
-                    extra_args=self._engine_args(),
-                    log_path=self.work_dir / "logs" / f"replica-{i}.log",
-                )
-            )
-            self.replicas.append(server)
+            self.replicas.append(ServerProcess(self.server_spec(i, endpoint)))
             self.event_endpoints.append(endpoint)
         with tqdm(
             total=len(self.replicas),
@@ -251,3 +266,8 @@ class LocalFleet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _bind_value(cpus: list[int] | None) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `cpus` (None: "nobind", threads left to the kernel)."""
+    return "nobind" if cpus is None else ",".join(map(str, cpus))
