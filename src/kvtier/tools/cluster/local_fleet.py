@@ -132,18 +132,16 @@ class LocalFleet:
         return engine_threads > (os.cpu_count() or 1)
 
     def engine_cpus(self, index: int) -> list[int] | None:
-        """The cores replica `index`'s engine threads are bound to: round robin over the
-        machine's cores while each engine thread has one of its own; None (unbound: the kernel
-        shares the cores among the engines) when they share cores. Bound round robin, engines
-        that outnumber the cores pile up unevenly (3 on 2 cores: two on one, one alone), and
-        the router, which spreads requests evenly, cannot see that two replicas run at half
-        speed (docs/connector.md)."""
-        return None if self.engines_share_cores() else self._round_robin_cpus(index)
+        """The cores replica `index`'s engine threads are bound to, a set of its own; None
+        (unbound: the kernel shares the cores among the engines) when engine threads outnumber
+        the cores. Bound round robin, such engines would pile up unevenly (3 on 2 cores: two on
+        one, one alone), and the router, which spreads requests evenly, cannot see that two
+        replicas run at half speed (docs/connector.md)."""
+        return None if self.engines_share_cores() else self._own_cpus(index)
 
-    def _round_robin_cpus(self, index: int) -> list[int]:
-        cpus = os.cpu_count() or 1
+    def _own_cpus(self, index: int) -> list[int]:
         threads = self.spec.local.threads_per_replica
-        return [(index * threads + t) % cpus for t in range(threads)]
+        return list(range(index * threads, (index + 1) * threads))
 
     def background_cpus(self) -> str:
         """Where every replica's connector saves and writes (`background_cpus`): the cores no
@@ -156,7 +154,7 @@ class LocalFleet:
         5.9 MB copy waited seconds there (docs/connector.md)."""
         if self.engines_share_cores():
             return "inherit"
-        engines = {c for i in range(self.spec.replicas) for c in self._round_robin_cpus(i)}
+        engines = {c for i in range(self.spec.replicas) for c in self._own_cpus(i)}
         free = sorted(set(range(os.cpu_count() or 1)) - engines)
         return ",".join(map(str, free)) if free else "inherit"
 
