@@ -310,7 +310,7 @@ def _fleet(
     log: Any,
 ) -> None:
     a, b, c = replicas
-    for i, node in enumerate(replicas):  # all three start now; c joins the name later
+    for node in replicas:  # all three start now; c joins the name later
         connector = ConnectorSettings(
             l1_bytes=512 * 1024**2,
             l2_path=str(mounts[node.name]),  # the volume's root, as a pod mounts its claim
@@ -324,7 +324,8 @@ def _fleet(
             port=PORT,
             kv_transfer_config=kv_transfer_config(connector),
             max_model_len=4096,
-            cpu_ids=str(i % 2),
+            cpu_ids="nobind",  # 3 engines on 2 cores: bound, two would share one (see
+            # LocalFleet.engine_cpus)
             queue_wait=SHARED_MACHINE_WAIT,
             dtype="float32",  # the hit's greedy answer is compared with the cold one (see
             # kvtier.tools.chaos.fleet.ENGINE_DTYPE)

@@ -178,7 +178,8 @@ class LocalSpec(Section):
     )
     """Engine dtype; auto: bfloat16 where the CPU computes it natively, else float32."""
     threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
-    """Engine threads per replica (vLLM on CPU), pinned to their own cores."""
+    """Engine threads per replica (vLLM on CPU), pinned to their own cores; unbound when all
+    replicas' threads outnumber the cores."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
     """Logs, the default L2 directory, the pid file."""
     connector: dict[str, Any] = Field(default_factory=dict)
