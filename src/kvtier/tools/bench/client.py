@@ -12,14 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.http_client import HttpPool, Response
 
-__all__ = ["Outcome", "call", "new_pool", "post_json", "stream_request"]
+__all__ = ["Outcome", "cached_tokens", "call", "new_pool", "post_json", "stream_request"]
 
 JSON = [("Content-Type", "application/json")]
 
@@ -90,14 +90,21 @@ async def stream_request(
         finally:
             resp.close()
     end = time.perf_counter()
-    details = usage.get("prompt_tokens_details") or {}
     return Outcome(
         ttft_ms=1000 * ((first or end) - start),
         total_ms=1000 * (end - start),
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        cached_tokens=cached_tokens(usage) or 0,
         text="".join(pieces),
     )
+
+
+def cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    """The prompt tokens an answer's `usage` says were served from a cache
+    (`prompt_tokens_details.cached_tokens`; None where it does not say)."""
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
 
 
 def call(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.net.http_client import HttpPool, Response
-from kvtier.tools.bench.client import JSON
+from kvtier.tools.bench.client import JSON, cached_tokens
 
 REFERENCE_ATTEMPTS = 5
 """Tries of each fault-free reference request before the run gives up."""
@@ -134,7 +134,9 @@ class Load:
                         return record("http_error", detail=f"{resp.status} {raw[:200]!r}")
                     if not key.stream:
                         doc = json.loads(await resp.read())
-                        return record("ok", _text(doc), cached=_cached_tokens(doc))
+                        return record(
+                            "ok", _text(doc), cached=cached_tokens(doc.get("usage") or {})
+                        )
                     return await self._stream(resp, record)
                 finally:
                     resp.close()
@@ -161,7 +163,7 @@ class Load:
                 if "error" in doc:
                     return record("stream_error_event", detail=str(doc["error"]))
                 pieces.append(_text(doc))
-                cached = _cached_tokens(doc) if doc.get("usage") else cached
+                cached = cached_tokens(doc["usage"]) if doc.get("usage") else cached
         return record("stream_cut", detail="stream ended without [DONE] or an error event")
 
     async def reference(self) -> dict[RequestKey, str]:
@@ -212,12 +214,6 @@ class Load:
 
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> str:
     return next((v.decode("latin-1") for k, v in headers if k.lower() == name), "")
-
-
-def _cached_tokens(doc: dict[str, Any]) -> int | None:
-    details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) else None
 
 
 def _text(doc: dict[str, Any]) -> str:
