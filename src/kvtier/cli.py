@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         return _missing(exc)
     args = parser.parse_args(argv)
+    # whether the command is this process's own command line, not a caller's `main(argv)`
+    args.own_process = argv is None
     # Signal handlers belong to the main thread (tests call `main` from others).
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None

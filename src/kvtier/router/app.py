@@ -431,8 +431,9 @@ async def serve(router: Router) -> None:
     """Run the router on its configured host and port until a signal stops it."""
     config = router.config
     async with serving(router, config.host, config.port) as listening:
-        # The tokenizer and its imports (transformers, torch) are a large heap that lives as
-        # long as the process: keep the collector from walking it again and again.
+        # The tokenizer and its imports (transformers; torch too where the caller's process
+        # has it) are a large heap that lives as long as the process: keep the collector from
+        # walking it again and again.
         gc.collect()
         gc.freeze()
         log.info(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import sys
 
 from kvtier.core.settings import add_flags, from_flags
 from kvtier.router.settings import RouterSettings, load_replicas_file
@@ -26,6 +27,15 @@ def settings_from_args(args: argparse.Namespace) -> RouterSettings:
     return settings
 
 
+def without_torch() -> None:
+    """Keep torch out of this process from now on: transformers then runs as the tokenizer-only
+    library it is where torch is not installed (the router needs nothing else from it), and the
+    router starts in a fraction of the time, with a fraction of the memory. Only for a process
+    that serves nothing but the router: a later `import torch` in it fails."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # the documented import block
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvtier.router.app import Router, serve  # uvicorn and transformers: only when serving
     from kvtier.router.asgi import fast_loop_factory
@@ -33,6 +43,8 @@ def _run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     settings = settings.replaced(model_dir=resolve_model(settings.model_dir))
+    if args.own_process:  # after resolve_model, which may convert the model with torch
+        without_torch()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:

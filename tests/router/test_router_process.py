@@ -1,0 +1,120 @@
+"""`kvtier router` as a process of its own: transformers without torch, the same tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvtier.net.ports import free_port
+from kvtier.router.tokenizer import Tokenizer
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Find a word",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+    },
+}
+CASES: list[tuple[dict[str, Any], bool]] = [
+    ({"prompt": "The cat sat on the mat. " * 40}, False),
+    ({"prompt": "No special tokens, please.", "add_special_tokens": False}, False),
+    ({"messages": [{"role": "user", "content": "Hello there! " * 30}]}, True),
+    (
+        {
+            "messages": [
+                {"role": "system", "content": "You answer in French."},
+                {"role": "user", "content": [{"type": "text", "text": "Bonjour?"}]},
+            ],
+            "tools": [TOOL],
+        },
+        True,
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": "Count to three."},
+                {"role": "assistant", "content": "One, two,"},
+            ],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        True,
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "Think first."}],
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        True,
+    ),
+]
+_TOKENIZE_WITHOUT_TORCH = """
+import json, sys
+from kvtier.tools.router_cli import without_torch
+without_torch()
+from kvtier.router.tokenizer import Tokenizer
+tokenizer = Tokenizer(sys.argv[1])
+cases = json.load(sys.stdin)
+print(json.dumps({
+    "torch_loaded": sys.modules.get("torch") is not None,
+    "tokens": [tokenizer.request_tokens(body, chat) for body, chat in cases],
+}))
+"""
+
+
+def test_without_torch_the_router_tokenizes_every_request_shape_as_with_it(
+    tokenizer: Tokenizer, model_dir: str
+) -> None:
+    assert sys.modules.get("torch") is not None  # this process loaded transformers with torch
+    done = subprocess.run(
+        [sys.executable, "-c", _TOKENIZE_WITHOUT_TORCH, model_dir],
+        input=json.dumps(CASES),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    out = json.loads(done.stdout)
+    assert out["torch_loaded"] is False
+    assert out["tokens"] == [tokenizer.request_tokens(body, chat) for body, chat in CASES]
+
+
+def test_the_router_command_serves_without_loading_torch(model_dir: str, tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "router.log"
+    with open(log, "wb") as out:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "router", "--port", str(port), "--model"]
+            + [model_dir, "--replica", f"http://127.0.0.1:{free_port()}"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not _answers(f"http://127.0.0.1:{port}/health"):
+            assert router.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the router did not answer in 120 s"
+            time.sleep(0.1)
+        libraries = Path(f"/proc/{router.pid}/maps").read_text()
+        assert "tokenizers" in libraries  # the model's tokenizer is loaded: it serves
+        assert "libtorch" not in libraries
+    finally:
+        router.terminate()
+        router.wait(30)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True  # any HTTP answer (503: no replica is healthy)
+    except OSError:
+        return False
