@@ -453,6 +453,35 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(
     run(scenario())
 
 
+def test_an_answer_the_replica_aborted_is_retried_elsewhere_or_ends_the_stream_with_an_error(
+    tokenizer: Tokenizer,
+) -> None:
+    """vLLM stopping (SIGTERM) answers its requests in flight cut short, status 200."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("abort", "ok") as (stopping, good),
+            running_router(tokenizer, [stopping, good], strategy="roundrobin") as rr,
+        ):
+            for _ in range(2):  # round robin visits the stopping replica first or second
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == good.url
+                assert resp.json()["choices"][0]["finish_reason"] == "length"
+            text = rr.router.metrics.render().decode()
+            failovers = metric(text, f'kvtier_router_failovers_total{{replica="{stopping.url}"}}')
+            assert failovers == len(stopping.received) >= 1  # every aborted answer failed over
+        async with fakes("abort") as (a,), running_router(tokenizer, [a]) as rr:
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion(stream=True))
+            body = resp.content
+            assert body.startswith(SSE_CHUNKS[0]) and b"[DONE]" not in body
+            event = json.loads(body[len(SSE_CHUNKS[0]) :].removeprefix(b"data: "))
+            assert event["error"]["type"] == "upstream_error"
+            text = rr.router.metrics.render().decode()
+            assert 'kvtier_router_stream_errors_total{cause="upstream"} 1.0' in text
+
+    run(scenario())
+
+
 def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("slow_stream") as (a,), running_router(tokenizer, [a]) as rr:

@@ -60,6 +60,8 @@ class Forward:
     """`time.perf_counter()` at arrival (for latency metrics)."""
 
 
+_ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+"""An answer cut short by the replica (vLLM aborts the requests in flight when it stops)."""
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
@@ -165,6 +167,8 @@ class Upstream:
                 except OSError as exc:  # nothing sent yet: still a retry
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
                 tail = first + rest
+                if resp.status == 200 and _ABORTED.search(tail):  # nothing sent yet: retry
+                    raise _Retry("it aborted the request (stopping?)")
                 await exchange.respond(resp.status, tail, headers)
             else:
                 self._metrics.observe_ttft(now - fwd.arrived, fwd.endpoint, now)
@@ -187,6 +191,10 @@ class Upstream:
         claim.relaying = True
         try:
             while chunk:
+                if _ABORTED.search(chunk):  # cut short by the replica: not a complete answer
+                    self._metrics.stream_errors.labels("upstream").inc()
+                    await exchange.write(sse_error("the replica aborted the request", 502))
+                    break
                 tail = (tail[1], tail[2], chunk)
                 await exchange.write(chunk, complete=_ends_stream(tail))
                 try:

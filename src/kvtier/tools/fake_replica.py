@@ -10,6 +10,7 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     die_mid_stream  stream the first SSE event, then reset the connection
     slow_stream     stream the first SSE event, the rest once `release` is set
     slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
+    abort           answer cut short as vLLM does when it stops: `finish_reason` "abort"
 
 `vanish()` drops it off the network as a node whose link is cut: nothing is answered any more,
 open connections stay open and silent, and new ones time out rather than being refused.
@@ -164,6 +165,7 @@ class FakeReplica:
             return False
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        finish = "abort" if self.mode == "abort" else "length"
         if not body.get("stream"):
             await _respond_json(
                 writer,
@@ -172,7 +174,7 @@ class FakeReplica:
                     "id": "x",
                     "object": "text_completion",
                     "model": self.model,
-                    "choices": [{"text": "ok", "index": 0, "finish_reason": "length"}],
+                    "choices": [{"text": "ok", "index": 0, "finish_reason": finish}],
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
                     "served_by": self.url,
                 },
@@ -188,6 +190,8 @@ class FakeReplica:
             return False
         if self.mode == "slow_stream":
             await self.release.wait()
+        if self.mode == "abort":
+            await _chunk(writer, b'data: {"choices": [{"text": "", "finish_reason": "abort"}]}\n\n')
         for event in SSE_CHUNKS[1:]:
             await _chunk(writer, event)
         if self.mode == "slow_end":
