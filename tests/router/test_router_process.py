@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvtier.net.ports import free_port
+from kvtier.net.readiness import wait_ready
 from kvtier.router.tokenizer import Tokenizer
 
 TOOL = {
@@ -97,24 +95,11 @@ def test_the_router_command_serves_without_loading_torch(model_dir: str, tmp_pat
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 120
-        while not _answers(f"http://127.0.0.1:{port}/health"):
-            assert router.poll() is None, log.read_text()[-2000:]
-            assert time.monotonic() < deadline, "the router did not answer in 120 s"
-            time.sleep(0.1)
+        # /metrics answers 200 once the router serves (its /health is 503: no replica is up)
+        wait_ready(f"http://127.0.0.1:{port}/metrics", 120, exited=router.poll, what="the router")
         libraries = Path(f"/proc/{router.pid}/maps").read_text()
         assert "tokenizers" in libraries  # the model's tokenizer is loaded: it serves
         assert "libtorch" not in libraries
     finally:
         router.terminate()
         router.wait(30)
-
-
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except urllib.error.HTTPError:
-        return True  # any HTTP answer (503: no replica is healthy)
-    except OSError:
-        return False
