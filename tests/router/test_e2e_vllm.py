@@ -1,8 +1,8 @@
 """The router in front of two real vLLM replicas serving the embedded model.
 
 One module-scoped fixture starts both engines (1 thread each, pinned to cores 0 and 1) with
-vLLM's own KV events on IPC sockets; tests start routers in threads in front of them. The
-failover test kills a replica and restarts it, so it runs last.
+vLLM's own KV events on IPC sockets and a 60 s drain on stop; tests start routers in threads in
+front of them. The failover tests stop replicas, so they run last.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Engine]]:
                 cpu_ids=str(i),
                 queue_wait=SHARED_MACHINE_WAIT,
                 max_model_len=MAX_LEN,
+                drain_s=60,
                 extra_args=["--kv-events-config", json.dumps(config)],
                 log_path=Path(tmp, f"vllm-{i}.log"),
             )
@@ -207,21 +208,30 @@ def test_chat_with_tools_and_bad_input_through_the_router(
         }
 
 
+def place_prefix(
+    rt: RouterThread, engines: list[Engine], seed: int, blocks: int
+) -> tuple[list[int], Engine, Engine]:
+    """Serve a prefix of `blocks` blocks once and wait until the router's index, fed by vLLM's
+    own KV events, holds all of them on the replica that served it; returns (prefix, that
+    replica, the other one)."""
+    prefix = token_prompt(seed, blocks * BLOCK)
+    resp = post(rt.url, {"prompt": prefix + [11, 12], "max_tokens": 2})
+    holder = next(e for e in engines if e.url == resp.headers["x-kvtier-replica"])
+    other = next(e for e in engines if e is not holder)
+    hashes = block_hashes(prefix, BLOCK)
+    for _ in range(100):
+        if len(rt.call(lambda: rt.router.index.match(hashes).get(holder.url, []))) == blocks:
+            break
+        time.sleep(0.1)
+    assert len(rt.call(lambda: rt.router.index.match(hashes)[holder.url])) == blocks
+    return prefix, holder, other
+
+
 def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
     engines: list[Engine], tokenizer: Tokenizer
 ) -> None:
     with RouterThread(router_config(engines, "kvaware", events=True), tokenizer) as rt:
-        # learn where a prefix lives, through vLLM's own KV events re-hashed router-side
-        prefix = token_prompt(7, 3 * BLOCK)
-        resp = post(rt.url, {"prompt": prefix + [11, 12], "max_tokens": 2})
-        victim = next(e for e in engines if e.url == resp.headers["x-kvtier-replica"])
-        survivor = next(e for e in engines if e is not victim)
-        hashes = block_hashes(prefix, BLOCK)
-        for _ in range(100):
-            if len(rt.call(lambda: rt.router.index.match(hashes).get(victim.url, []))) == 3:
-                break
-            time.sleep(0.1)
-        assert len(rt.call(lambda: rt.router.index.match(hashes)[victim.url])) == 3
+        prefix, victim, survivor = place_prefix(rt, engines, seed=7, blocks=3)
 
         # a long stream on the victim, killed mid-stream: ends with an error event
         body = {
@@ -272,3 +282,63 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
                 break
             time.sleep(0.1)
         assert victim.url in rt.call(lambda: rt.router.index.replicas())
+
+
+def failovers_off(rt: RouterThread, replica: Engine) -> float:
+    text = httpx.get(rt.url + "/metrics", timeout=10).text
+    found = re.search(
+        rf'^kvtier_router_failovers_total{{replica="{re.escape(replica.url)}"}} ([0-9.e+]+)$',
+        text,
+        re.MULTILINE,
+    )
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_stopped_replica_finishes_its_stream_while_new_requests_fail_over(
+    engines: list[Engine], tokenizer: Tokenizer
+) -> None:
+    """SIGTERM to a replica's API server (what `ServerProcess.stop` and a kubelet send): vLLM
+    drains, /health still 200. The stream in flight ends complete; a request sent meanwhile for
+    the prefix the replica holds is refused there (vLLM cuts it short at once) and answered by
+    the other replica."""
+    with RouterThread(router_config(engines, "kvaware", events=True), tokenizer) as rt:
+        prefix, victim, survivor = place_prefix(rt, engines, seed=8, blocks=8)
+        body = {
+            "model": model_name(),
+            "prompt": prefix + [13],
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream(
+            "POST", rt.url + "/v1/completions", json=body, timeout=httpx.Timeout(120)
+        ) as stream:
+            assert stream.headers["x-kvtier-replica"] == victim.url
+            chunks = stream.iter_raw()
+            first = next(chunks)
+            assert first.startswith(b"data: ")
+            log = victim.spec.log_path
+            assert log is not None
+            seen = log.stat().st_size
+            victim.process.terminate()
+            deadline = time.monotonic() + 30
+            while b"draining in-flight requests count=1" not in log.read_bytes()[seen:]:
+                assert time.monotonic() < deadline, "vLLM did not start draining"
+                time.sleep(0.1)
+            assert httpx.get(victim.url + "/health", timeout=10).status_code == 200
+            before = failovers_off(rt, victim)
+            resp = post(rt.url, {"prompt": prefix + [21], "max_tokens": 2})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvtier-replica"] == survivor.url
+            assert failovers_off(rt, victim) == before + 1  # it went there first
+            sse = first + b"".join(chunks)
+        assert sse.endswith(b"data: [DONE]\n\n"), sse[-300:]
+        events = [json.loads(e.removeprefix(b"data: ")) for e in sse.split(b"\n\n")[:-2]]
+        assert events[-1]["usage"]["completion_tokens"] == 200
+        assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+        # and then it exits on its own
+        deadline = time.monotonic() + 60
+        while victim.process.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not victim.process.alive()

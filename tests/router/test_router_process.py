@@ -1,16 +1,24 @@
-"""`kvtier router` as a process of its own: transformers without torch, the same tokens."""
+"""`kvtier router` as a process of its own: transformers without torch, the same tokens; on
+SIGTERM it drains."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import httpx
+import pytest
 
 from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.fake_replica import SSE_CHUNKS, FakeReplica
 
 TOOL = {
     "type": "function",
@@ -103,3 +111,42 @@ def test_the_router_command_serves_without_loading_torch(model_dir: str, tmp_pat
     finally:
         router.terminate()
         router.wait(30)
+
+
+def test_a_terminated_router_lets_its_streams_finish_and_takes_no_new_connection(
+    model_dir: str, tmp_path: Path
+) -> None:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    replica = asyncio.run_coroutine_threadsafe(FakeReplica("slow_stream").start(), loop).result(10)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "router.log", "wb") as out:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli", "router", "--port", str(port), "--model"]
+            + [model_dir, "--replica", replica.url, "--drain-s", "20"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        wait_ready(url + "/health", 120, exited=router.poll, what="the router")
+        body = {"model": "fake", "prompt": "hello", "max_tokens": 3, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+            chunks = stream.iter_raw()
+            first = next(chunks)
+            router.terminate()
+            time.sleep(4)  # past uvicorn's default graceful wait (2 s)
+            assert router.poll() is None  # still draining
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health", timeout=5)
+            loop.call_soon_threadsafe(replica.release.set)
+            sse = first + b"".join(chunks)
+        assert sse == b"".join(SSE_CHUNKS)
+        assert router.wait(30) == 0  # a clean stop
+    finally:
+        router.kill()
+        router.wait(30)
+        asyncio.run_coroutine_threadsafe(replica.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)

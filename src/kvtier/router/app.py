@@ -395,9 +395,12 @@ class Listening:
 
 
 @contextlib.asynccontextmanager
-async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listening]:
+async def serving(
+    router: Router, host: str, port: int, drain_s: int = 2
+) -> AsyncIterator[Listening]:
     """Start `router` and serve it on `host:port` (0: any free port) inside the block; a port
-    that cannot be bound is a ConfigError naming it."""
+    that cannot be bound is a ConfigError naming it. Leaving the block, or on a signal, it stops
+    accepting and waits up to `drain_s` for the requests in flight before cutting them."""
     try:
         sock = socket.create_server((host, port))
     except OSError as exc:
@@ -411,7 +414,7 @@ async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listeni
                 router.config.client_timeout_s,
                 router.config.max_connections,
             )
-            uvicorn_server = server(router, host, port, limits)
+            uvicorn_server = server(router, host, port, limits, drain_s)
             task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
             while not uvicorn_server.started:
                 if task.done():
@@ -428,9 +431,10 @@ async def serving(router: Router, host: str, port: int) -> AsyncIterator[Listeni
 
 
 async def serve(router: Router) -> None:
-    """Run the router on its configured host and port until a signal stops it."""
+    """Run the router on its configured host and port until a signal stops it; then the
+    requests in flight have `drain_s` to finish."""
     config = router.config
-    async with serving(router, config.host, config.port) as listening:
+    async with serving(router, config.host, config.port, config.drain_s) as listening:
         # The tokenizer and its imports (transformers; torch too where the caller's process
         # has it) are a large heap that lives as long as the process: keep the collector from
         # walking it again and again.

@@ -279,10 +279,14 @@ class GuardedHttp(HttpToolsProtocol):
 
 
 def server(
-    app: Callable[..., Awaitable[None]], host: str, port: int, limits: Limits | None = None
+    app: Callable[..., Awaitable[None]],
+    host: str,
+    port: int,
+    limits: Limits | None = None,
+    drain_s: int = 2,
 ) -> uvicorn.Server:
     """A uvicorn server for the ASGI `app` (no lifespan, no access log, no proxy headers),
-    its clients bounded by `limits`."""
+    its clients bounded by `limits`; stopping, it waits `drain_s` for the requests in flight."""
     limits = limits or Limits()
     protocol = type("GuardedHttp", (GuardedHttp,), {"limits": limits})
     config = uvicorn.Config(
@@ -298,6 +302,6 @@ def server(
         server_header=False,
         access_log=False,
         log_config=None,
-        timeout_graceful_shutdown=2,
+        timeout_graceful_shutdown=drain_s,
     )
     return uvicorn.Server(config)

@@ -122,6 +122,9 @@ class RouterSettings(Settings):
     max_connections: Annotated[int, Field(gt=0)] = 1024
     """Open client connections (and requests) served at once; beyond, new ones get a 503. With
     the two limits above this bounds the memory clients can hold in the router."""
+    drain_s: Annotated[int, Field(ge=0)] = 30
+    """On SIGTERM the router stops accepting connections and lets the requests in flight
+    finish for up to this long, then cuts what is left (a second Ctrl-C cuts at once)."""
     events_curve_server_key: str | None = None
     """Z85 CURVE public key of the replicas' KV-event publishers: set, event sockets are
     encrypted and only a publisher holding the matching secret key is heard (see

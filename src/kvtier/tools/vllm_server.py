@@ -2,7 +2,10 @@
 
 Used by `kvtier serve`, the cluster, the tests and the benchmarks, so every server is started
 the same way (same thread pinning, offline mode, CPU settings). The owner calls `stop()` (or uses
-it as a context manager); the process group is killed so no engine worker outlives it.
+it as a context manager): vLLM's API server alone gets SIGTERM, so it stops its engine in order
+(draining the requests in flight for `ServerSpec.drain_s`); then the process group is killed so
+no engine worker outlives it. A SIGTERM to the whole group would stop the engine's workers under
+it, and vLLM fails the requests in flight instead of draining them.
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ class ServerSpec:
     (AVX512-BF16 or AMX) and float32 elsewhere, where emulated bf16 is several times slower."""
     queue_wait: QueueWait | None = None
     """None: vLLM's own waits (one core busy per waiting engine process)."""
+    drain_s: int = 0
+    """`--shutdown-timeout`: on SIGTERM, requests in flight may finish for this long; new ones
+    are refused (HTTP 500). 0: vLLM aborts the requests in flight at once."""
     extra_args: Sequence[str] = ()
     env: Mapping[str, str] = field(default_factory=dict)
     log_path: Path | None = None
@@ -84,6 +90,8 @@ class ServerSpec:
             Path(self.model).name,
             "--dtype",
             resolve_dtype(self.dtype),
+            "--shutdown-timeout",
+            str(self.drain_s),
         ]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
@@ -131,8 +139,12 @@ def resolve_dtype(dtype: str) -> str:
     return "auto"
 
 
+STOP_GRACE_S = 15.0
+"""How long `ServerProcess.stop` waits, beyond the drain, for vLLM to exit on its own."""
+
+
 class ServerProcess:
-    """A running vLLM server; `stop()` kills its whole process group."""
+    """A running vLLM server; `stop()` ends it and its whole process group."""
 
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
@@ -176,16 +188,21 @@ class ServerProcess:
         self._signal(signal.SIGKILL)
         self._proc.wait()
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        if self._proc.poll() is not None:
-            self._signal(signal.SIGKILL)  # reap stray workers of the group
-            return
-        self._signal(signal.SIGTERM)
+    def terminate(self) -> None:
+        """Start a graceful stop: SIGTERM to the API server alone, which drains and stops the
+        engine (returns at once; `stop()` waits)."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+
+    def stop(self) -> None:
+        """Stop gracefully (see `terminate`), waiting up to the drain plus `STOP_GRACE_S`, then
+        kill whatever is left of the process group."""
+        self.terminate()
         try:
-            self._proc.wait(grace_s)
+            self._proc.wait(self.spec.drain_s + STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-        self._signal(signal.SIGKILL)
+        self._signal(signal.SIGKILL)  # also reaps stray workers of an exited server
         self._proc.wait()
 
     def _signal(self, sig: int) -> None:

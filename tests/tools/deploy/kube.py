@@ -63,3 +63,21 @@ def container(objects: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
     pod = by_kind(objects, "Deployment", deployment)["spec"]["template"]["spec"]
     first: dict[str, Any] = pod["containers"][0]
     return first
+
+
+def assert_drains_in_grace(
+    objects: list[dict[str, Any]], deployment: str, flag: str, default: int | None = None
+) -> int:
+    """The `deployment` pod's grace period covers its preStop sleep, the drain of the requests
+    in flight (its container's `flag`, else `default`) and some seconds to exit; returns the
+    drain."""
+    pod = by_kind(objects, "Deployment", deployment)["spec"]["template"]["spec"]
+    main = pod["containers"][0]
+    pre_stop = main["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep", pre_stop
+    args = main["args"]
+    assert args.count(flag) == 1 or (default is not None and flag not in args), args
+    drain = int(args[args.index(flag) + 1]) if flag in args else default
+    assert drain is not None
+    assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain + 5, pod
+    return drain

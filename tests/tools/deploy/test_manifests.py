@@ -8,10 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import parse_spec
-from kvtier.tools.deploy.render import find_manifests, replica_args, router_args
-from tests.tools.deploy.kube import by_kind, container, kustomize, validate
+from kvtier.tools.deploy.render import (
+    find_manifests,
+    replica_args,
+    replica_grace_s,
+    router_args,
+    router_grace_s,
+)
+from tests.tools.deploy.kube import (
+    assert_drains_in_grace,
+    by_kind,
+    container,
+    kustomize,
+    validate,
+)
 
+ROUTER_DRAIN_S = RouterSettings.model_fields["drain_s"].default
 OVERLAYS = sorted(p.name for p in (find_manifests() / "overlays").iterdir())
 
 
@@ -38,7 +52,8 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replica[probe]["httpGet"]["path"] == "/health"
-    assert replica["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
+    assert_drains_in_grace(objects, "kvtier-replica", "--shutdown-timeout")
+    assert_drains_in_grace(objects, "kvtier-router", "--drain-s", ROUTER_DRAIN_S)
     router = container(objects, "kvtier-router")
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     headless = by_kind(objects, "Service", "kvtier-replicas")
@@ -105,3 +120,9 @@ def test_the_bases_command_lines_are_what_render_writes() -> None:
     assert container(gpu, "kvtier-replica")["args"] == replica_args(gpu_spec)
     assert container(cpu, "kvtier-replica")["args"] == replica_args(cpu_spec)
     assert container(gpu, "kvtier-router")["args"] == router_args(gpu_spec)
+    for deployment, grace_s in (
+        ("kvtier-replica", replica_grace_s),
+        ("kvtier-router", router_grace_s),
+    ):
+        pod = by_kind(gpu, "Deployment", deployment)["spec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace_s(gpu_spec)

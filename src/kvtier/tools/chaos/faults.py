@@ -102,7 +102,7 @@ class EngineFreeze(Fault):
 class ReplicaRestart(Fault):
     def inject(self, fleet: ChaosFleet) -> None:
         self.notes["purges_before"] = router_metric(fleet, "kvtier_router_index_purges_total")
-        fleet.restart_replica(2)
+        self.notes["stop_s"] = round(fleet.restart_replica(2), 1)  # its drain included
 
     def recover(self, fleet: ChaosFleet) -> None:
         self.notes["purges"] = router_metric(fleet, "kvtier_router_index_purges_total") - float(
@@ -324,7 +324,9 @@ FAULTS: dict[str, Fault] = {
         EngineFreeze(
             "engine-sigstop", "juicefs", "a replica's engine SIGSTOPped, its API server not", 20.0
         ),
-        ReplicaRestart("replica-restart", "juicefs", "a replica stopped and started again", 0.0),
+        ReplicaRestart(
+            "replica-restart", "juicefs", "a replica stopped (it drains) and started again", 0.0
+        ),
         RouterKill("router-kill", "juicefs", "the router SIGKILLed, then restarted", 2.0),
         JuiceFSUnmount("l2-unmount", "juicefs", "the JuiceFS mount detached (umount -z)", 8.0),
         MetaKill("juicefs-meta-kill", "juicefs", "JuiceFS's metadata server SIGKILLed", 5.0),

@@ -222,21 +222,25 @@ class ChaosFleet:
     def kill_replica(self, i: int) -> None:
         self.replica(i).kill()
 
-    def restart_replica(self, i: int, timeout_s: float = 600, attempts: int = 1) -> None:
-        """Stop replica `i` and start it again, waiting `timeout_s` per attempt. A start that
-        hangs (a vLLM worker that never logs, seen on this 2-core machine) is stopped and
-        started once more when `attempts` allows."""
+    def restart_replica(self, i: int, timeout_s: float = 600, attempts: int = 1) -> float:
+        """Stop replica `i` (gracefully: it drains) and start it again, waiting `timeout_s` per
+        attempt; returns how long the stop took. A start that hangs (a vLLM worker that never
+        logs, seen on this 2-core machine) is stopped and started once more when `attempts`
+        allows."""
         old = self.replica(i)
+        started = time.monotonic()
         old.stop()
+        stop_s = time.monotonic() - started
         for attempt in range(1, attempts + 1):
             new = ServerProcess(old.spec)
             self.running.replicas[i] = new
             try:
                 new.wait_healthy(timeout_s)  # stops the server when it does not come up
-                return
+                break
             except KvtierError:
                 if attempt == attempts:
                     raise
+        return stop_s
 
     def kill_router(self) -> None:
         router = self.running.router

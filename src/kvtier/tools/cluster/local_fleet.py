@@ -177,6 +177,7 @@ class LocalFleet:
             cpu_ids=_bind_value(self.engine_cpus(index)),
             queue_wait=self.queue_wait(),
             max_model_len=self._max_model_len(),
+            drain_s=self.spec.local.replica_drain_s,
             extra_args=self._engine_args(),
             log_path=self.work_dir / "logs" / f"replica-{index}.log",
         )
@@ -248,11 +249,13 @@ class LocalFleet:
         if self.router is not None:
             self.router.terminate()
             try:
-                self.router.wait(10)
+                self.router.wait(self.spec.router_drain_s + 10)
             except subprocess.TimeoutExpired:
                 self.router.kill()
                 self.router.wait()
             self.router = None
+        for server in self.replicas:
+            server.terminate()  # all drain at once
         for server in self.replicas:
             server.stop()
         self.replicas.clear()

@@ -26,6 +26,7 @@ connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
       engineKvCacheBlocks: null    # ... or exactly this many engine blocks (small-HBM setups)
       threadsPerReplica: 1
       engineDtype: auto            # auto (bfloat16 where the CPU has it natively) | float32 | ...
+      replicaDrainSeconds: 90      # a stopped replica finishes its requests in flight (0: aborts)
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
       connector: {}                # e.g. {block_tokens: 256, admission: reused}
       router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
@@ -180,6 +181,9 @@ class LocalSpec(Section):
     threads_per_replica: Annotated[int, Field(gt=0)] = Field(1, alias="threadsPerReplica")
     """Engine threads per replica (vLLM on CPU), pinned to their own cores; unbound when all
     replicas' threads outnumber the cores."""
+    replica_drain_s: Annotated[int, Field(ge=0)] = Field(90, alias="replicaDrainSeconds")
+    """A replica being stopped finishes its requests in flight for up to this long (vLLM's
+    `--shutdown-timeout`; new requests fail over); 0: they are aborted at once."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
     """Logs, the default L2 directory, the pid file."""
     connector: dict[str, Any] = Field(default_factory=dict)
@@ -237,6 +241,15 @@ class FleetSpec(Section):
     @property
     def work_dir(self) -> Path:
         return Path(self.local.work_dir)
+
+    @property
+    def router_drain_s(self) -> int:
+        """How long a stopped router lets its requests in flight finish (`kvtier.router`'s
+        `drain_s`, else the router's default)."""
+        drain: int = self.local.router.get(
+            "drain_s", RouterSettings.model_fields["drain_s"].default
+        )
+        return drain
 
     def connector_settings(
         self,

@@ -40,6 +40,8 @@ __all__ = [
     "find_manifests",
     "render",
     "replica_args",
+    "replica_grace_s",
+    "router_grace_s",
     "router_args",
 ]
 
@@ -54,6 +56,13 @@ VALKEY_DATA = "/data"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
 IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
+REPLICA_PRESTOP_S = 20
+"""The replica's preStop sleep (deploy/k8s/base/replicas.yaml): the pod leaves the Service and
+the routers stop sending to it before vLLM gets SIGTERM."""
+ROUTER_PRESTOP_S = 10
+"""The router's preStop sleep (deploy/k8s/base/router.yaml): the Service stops sending to it."""
+EXIT_MARGIN_S = 10
+"""Left to a process, after its drain, to exit before the kubelet kills it."""
 
 
 def find_manifests() -> Path:
@@ -83,6 +92,7 @@ def replica_args(spec: FleetSpec) -> list[str]:
     """`vllm serve` arguments of a replica (the model and names come from its environment)."""
     args = ["$(MODEL)", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
     args += ["--served-model-name", "$(SERVED_MODEL_NAME)", "--enable-prompt-tokens-details"]
+    args += ["--shutdown-timeout", str(spec.local.replica_drain_s)]
     if spec.cache.connector_enabled:
         args += ["--kv-transfer-config", _transfer_config()]
     if spec.kubernetes.device == "cpu":
@@ -92,6 +102,16 @@ def replica_args(spec: FleetSpec) -> list[str]:
     if spec.local.engine_dtype != "auto":
         args += ["--dtype", spec.local.engine_dtype]
     return args + list(spec.kubernetes.vllm_args)
+
+
+def replica_grace_s(spec: FleetSpec) -> int:
+    """The replica pod's terminationGracePeriodSeconds: preStop, drain, and the engine's exit."""
+    return REPLICA_PRESTOP_S + spec.local.replica_drain_s + EXIT_MARGIN_S
+
+
+def router_grace_s(spec: FleetSpec) -> int:
+    """The router pod's terminationGracePeriodSeconds: preStop, drain (`drain_s`), exit."""
+    return ROUTER_PRESTOP_S + spec.router_drain_s + EXIT_MARGIN_S
 
 
 def router_args(spec: FleetSpec) -> list[str]:
@@ -237,10 +257,12 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         container["resources"] = {"$patch": "replace", **k8s.replica_resources.model_dump()}
     elif k8s.device == "cpu" and spec.local.threads_per_replica > 1:
         container["resources"] = {"requests": {"cpu": str(spec.local.threads_per_replica)}}
+    replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = replica_grace_s(spec)
     if k8s.node_selector:
         replica["spec"]["template"]["spec"]["nodeSelector"] = dict(k8s.node_selector)
     router = _container_patch("kvtier-router", "router", k8s.router_image)
     router["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(spec)
+    router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = router_grace_s(spec)
     if k8s.router_resources is not None:
         router["spec"]["template"]["spec"]["containers"][0]["resources"] = {
             "$patch": "replace",
