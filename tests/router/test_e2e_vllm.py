@@ -7,6 +7,7 @@ front of them. The failover tests stop replicas, so they run last.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -227,6 +228,28 @@ def place_prefix(
     return prefix, holder, other
 
 
+@contextlib.contextmanager
+def stream_under_way(
+    rt: RouterThread, prompt: list[int], max_tokens: int, on: Engine
+) -> Iterator[tuple[bytes, Iterator[bytes]]]:
+    """A stream of exactly `max_tokens` tokens (usage in its last event) through the router,
+    checked to be served by `on`; yields its first chunk and the rest to come."""
+    body = {
+        "model": model_name(),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream("POST", rt.url + "/v1/completions", json=body, timeout=120) as stream:
+        assert stream.headers["x-kvtier-replica"] == on.url
+        chunks = stream.iter_raw()
+        first = next(chunks)
+        assert first.startswith(b"data: ")
+        yield first, chunks
+
+
 def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
     engines: list[Engine], tokenizer: Tokenizer
 ) -> None:
@@ -234,20 +257,7 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
         prefix, victim, survivor = place_prefix(rt, engines, seed=7, blocks=3)
 
         # a long stream on the victim, killed mid-stream: ends with an error event
-        body = {
-            "model": model_name(),
-            "prompt": prefix + [13],
-            "max_tokens": 2000,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        with httpx.stream(
-            "POST", rt.url + "/v1/completions", json=body, timeout=httpx.Timeout(120)
-        ) as stream:
-            assert stream.headers["x-kvtier-replica"] == victim.url
-            chunks = stream.iter_raw()
-            first = next(chunks)
-            assert first.startswith(b"data: ")
+        with stream_under_way(rt, prefix + [13], 2000, on=victim) as (first, chunks):
             victim.process.kill()
             rest = b"".join(chunks)
         last_event = rest.strip().split(b"\n\n")[-1]
@@ -303,21 +313,7 @@ def test_a_stopped_replica_finishes_its_stream_while_new_requests_fail_over(
     the other replica."""
     with RouterThread(router_config(engines, "kvaware", events=True), tokenizer) as rt:
         prefix, victim, survivor = place_prefix(rt, engines, seed=8, blocks=8)
-        body = {
-            "model": model_name(),
-            "prompt": prefix + [13],
-            "max_tokens": 200,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        with httpx.stream(
-            "POST", rt.url + "/v1/completions", json=body, timeout=httpx.Timeout(120)
-        ) as stream:
-            assert stream.headers["x-kvtier-replica"] == victim.url
-            chunks = stream.iter_raw()
-            first = next(chunks)
-            assert first.startswith(b"data: ")
+        with stream_under_way(rt, prefix + [13], 200, on=victim) as (first, chunks):
             log = victim.spec.log_path
             assert log is not None
             seen = log.stat().st_size

@@ -24,6 +24,7 @@ from typing import Self
 from kvtier.core.errors import KvtierError
 from kvtier.net.readiness import wait_ready
 from kvtier.vllm.launch import MQ_RECHECK_ENV, MQ_SPIN_ENV, installed_vllm
+from kvtier.vllm.settings import FLUSH_ON_CLOSE_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +140,9 @@ def resolve_dtype(dtype: str) -> str:
     return "auto"
 
 
-STOP_GRACE_S = 15.0
-"""How long `ServerProcess.stop` waits, beyond the drain, for vLLM to exit on its own."""
+STOP_GRACE_S = 10.0 + FLUSH_ON_CLOSE_S
+"""How long `ServerProcess.stop` waits, beyond the drain, for vLLM to exit on its own: its
+engine's teardown, in which the connector writes out the L2 saves still queued."""
 
 
 class ServerProcess:

@@ -34,7 +34,7 @@ from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventPublisher
 from kvtier.vllm.compat import EngineGeometry
-from kvtier.vllm.settings import ConnectorSettings
+from kvtier.vllm.settings import FLUSH_ON_CLOSE_S, ConnectorSettings
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,6 @@ def release(shared: ProcessStore) -> None:
         if shared.users > 0:
             return
         _by_namespace.pop(shared.namespace, None)
-    shared.store.close(drain=True, timeout_s=30.0)
+    shared.store.close(drain=True, timeout_s=FLUSH_ON_CLOSE_S)
     if shared.publisher is not None:
         shared.publisher.close()

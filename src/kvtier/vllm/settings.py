@@ -36,6 +36,9 @@ __all__ = [
 ENV_PREFIX = "KVTIER_"
 CONNECTOR_CLASS = "KvtierConnector"
 CONNECTOR_MODULE = "kvtier.vllm.connector"
+FLUSH_ON_CLOSE_S = 30.0
+"""How long a worker's connector, closing as the engine stops, waits for its queued L2 writes
+(`kvtier.vllm.process_store.release`); the worker's exit waits as long."""
 
 
 class ConnectorSettings(StoreSettings):

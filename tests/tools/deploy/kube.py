@@ -16,6 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvtier.router.settings import RouterSettings
+
 KUBERNETES_VERSION = "1.33"
 """Pinned: the oldest minor version EKS still offers standard support for."""
 SCHEMAS = Path(__file__).parent / "schemas"
@@ -65,7 +67,14 @@ def container(objects: list[dict[str, Any]], deployment: str) -> dict[str, Any]:
     return first
 
 
-def assert_drains_in_grace(
+def assert_pods_drain_in_grace(objects: list[dict[str, Any]]) -> tuple[int, int]:
+    """Both pods' grace periods cover their drains (see below); returns (replica's, router's)."""
+    replica = _assert_drains_in_grace(objects, "kvtier-replica", "--shutdown-timeout")
+    default = RouterSettings.model_fields["drain_s"].default
+    return replica, _assert_drains_in_grace(objects, "kvtier-router", "--drain-s", default)
+
+
+def _assert_drains_in_grace(
     objects: list[dict[str, Any]], deployment: str, flag: str, default: int | None = None
 ) -> int:
     """The `deployment` pod's grace period covers its preStop sleep, the drain of the requests

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import parse_spec
 from kvtier.tools.deploy.render import (
     find_manifests,
@@ -18,14 +17,13 @@ from kvtier.tools.deploy.render import (
     router_grace_s,
 )
 from tests.tools.deploy.kube import (
-    assert_drains_in_grace,
+    assert_pods_drain_in_grace,
     by_kind,
     container,
     kustomize,
     validate,
 )
 
-ROUTER_DRAIN_S = RouterSettings.model_fields["drain_s"].default
 OVERLAYS = sorted(p.name for p in (find_manifests() / "overlays").iterdir())
 
 
@@ -52,8 +50,7 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replica[probe]["httpGet"]["path"] == "/health"
-    assert_drains_in_grace(objects, "kvtier-replica", "--shutdown-timeout")
-    assert_drains_in_grace(objects, "kvtier-router", "--drain-s", ROUTER_DRAIN_S)
+    assert_pods_drain_in_grace(objects)
     router = container(objects, "kvtier-router")
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     headless = by_kind(objects, "Service", "kvtier-replicas")

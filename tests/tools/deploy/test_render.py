@@ -11,19 +11,17 @@ import yaml
 
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
-from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import parse_spec
 from kvtier.tools.deploy.render import connector_env, render
 from kvtier.vllm.settings import ConnectorSettings
 from tests.tools.deploy.kube import (
-    assert_drains_in_grace,
+    assert_pods_drain_in_grace,
     by_kind,
     container,
     kustomize,
     validate,
 )
 
-ROUTER_DRAIN_S = RouterSettings.model_fields["drain_s"].default
 FILES: dict[str, dict[str, Any]] = {
     "cpu-claim": {
         "replicas": 3,
@@ -113,10 +111,7 @@ def test_every_rendered_object_validates(tmp_path: Path, name: str) -> None:
     assert all(o["metadata"].get("namespace", namespace) == namespace for o in objects)
     # what the replicas will parse is what the file says
     ConnectorSettings.from_sources({}, env_of(objects))
-    drain = assert_drains_in_grace(objects, "kvtier-replica", "--shutdown-timeout")
-    assert drain == spec.local.replica_drain_s
-    drain = assert_drains_in_grace(objects, "kvtier-router", "--drain-s", ROUTER_DRAIN_S)
-    assert drain == spec.router_drain_s
+    assert assert_pods_drain_in_grace(objects) == (spec.local.replica_drain_s, spec.router_drain_s)
 
 
 def test_cpu_fleet(tmp_path: Path) -> None:
@@ -129,7 +124,7 @@ def test_cpu_fleet(tmp_path: Path) -> None:
     assert args[args.index("--dtype") + 1] == "float32"
     assert args[args.index("--shutdown-timeout") + 1] == "300"
     pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] == 20 + 300 + 10
+    assert pod["terminationGracePeriodSeconds"] == 20 + 300 + 40
     router = by_kind(objects, "Deployment", "kvtier-router")["spec"]["template"]["spec"]
     assert router["terminationGracePeriodSeconds"] == 10 + 120 + 10
     env = env_of(objects)

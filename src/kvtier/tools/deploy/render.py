@@ -32,6 +32,7 @@ from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
+from kvtier.tools.vllm_server import STOP_GRACE_S
 from kvtier.vllm.settings import ENV_PREFIX, ConnectorSettings, kv_transfer_config
 
 __all__ = [
@@ -61,8 +62,8 @@ REPLICA_PRESTOP_S = 20
 the routers stop sending to it before vLLM gets SIGTERM."""
 ROUTER_PRESTOP_S = 10
 """The router's preStop sleep (deploy/k8s/base/router.yaml): the Service stops sending to it."""
-EXIT_MARGIN_S = 10
-"""Left to a process, after its drain, to exit before the kubelet kills it."""
+ROUTER_EXIT_S = 10
+"""Left to the router, after its drain, to exit before the kubelet kills it."""
 
 
 def find_manifests() -> Path:
@@ -105,13 +106,14 @@ def replica_args(spec: FleetSpec) -> list[str]:
 
 
 def replica_grace_s(spec: FleetSpec) -> int:
-    """The replica pod's terminationGracePeriodSeconds: preStop, drain, and the engine's exit."""
-    return REPLICA_PRESTOP_S + spec.local.replica_drain_s + EXIT_MARGIN_S
+    """The replica pod's terminationGracePeriodSeconds: preStop, drain, and the engine's exit
+    (`STOP_GRACE_S`: its teardown and the connector's last L2 writes)."""
+    return REPLICA_PRESTOP_S + spec.local.replica_drain_s + int(STOP_GRACE_S)
 
 
 def router_grace_s(spec: FleetSpec) -> int:
     """The router pod's terminationGracePeriodSeconds: preStop, drain (`drain_s`), exit."""
-    return ROUTER_PRESTOP_S + spec.router_drain_s + EXIT_MARGIN_S
+    return ROUTER_PRESTOP_S + spec.router_drain_s + ROUTER_EXIT_S
 
 
 def router_args(spec: FleetSpec) -> list[str]:
