@@ -182,11 +182,11 @@ class ServerProcess:
                 interval_s=0.5,
             )
         except KvtierError:
-            self.stop()
+            self.kill()  # it never served: nothing to drain
             raise
 
     def kill(self) -> None:
-        """Hard-kill (tests of failover)."""
+        """Hard-kill the process group (a failed start; tests of failover)."""
         self._signal(signal.SIGKILL)
         self._proc.wait()
 

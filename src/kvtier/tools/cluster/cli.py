@@ -41,6 +41,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_down(args: argparse.Namespace) -> int:
     from kvtier.tools.cluster.local_fleet import STATE_FILE
+    from kvtier.tools.vllm_server import STOP_GRACE_S
 
     spec = load_spec(Path(args.config) if args.config else None)
     state_path = spec.work_dir / STATE_FILE
@@ -53,11 +54,13 @@ def _cmd_down(args: argparse.Namespace) -> int:
         state_path.unlink(missing_ok=True)
         print(f"kvtier: cluster process {pid} was already gone")
         return 0
-    deadline = time.monotonic() + 120
+    # the router's drain, then the replicas' (all at once), then the rest
+    limit_s = round(spec.router_drain_s + spec.local.replica_drain_s + STOP_GRACE_S + 60)
+    deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and state_path.exists():
         time.sleep(0.5)
     if state_path.exists():
-        raise KvtierError(f"cluster process {pid} did not stop within 120 s")
+        raise KvtierError(f"cluster process {pid} did not stop within {limit_s} s")
     print("kvtier: cluster stopped")
     return 0
 
