@@ -482,6 +482,40 @@ def test_an_answer_the_replica_aborted_is_retried_elsewhere_or_ends_the_stream_w
     run(scenario())
 
 
+def test_a_request_a_draining_replica_refuses_is_resent_streamed_or_not(
+    tokenizer: Tokenizer,
+) -> None:
+    """vLLM draining answers a new token prompt 200 at once: cut short (`finish_reason`
+    "abort"), or as a stream of `[DONE]` alone (after a usage event with no choice when asked
+    for usage), which would reach the client as an empty answer."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("refuse", "ok") as (draining, good),
+            running_router(tokenizer, [draining, good], strategy="roundrobin") as rr,
+        ):
+            for stream, usage in [(False, False), (True, False), (True, True)] * 2:
+                # round robin visits both first; a refusing replica is suspect until its next
+                # good health check
+                await wait_for(lambda: all(r.healthy for r in rr.router.replicas), "health")
+                body = completion(stream=stream)
+                if usage:
+                    body["stream_options"] = {"include_usage": True}
+                resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+                assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == good.url
+                if stream:
+                    assert resp.content == b"".join(SSE_CHUNKS)
+                else:
+                    assert resp.json()["choices"][0]["finish_reason"] == "length"
+            text = rr.router.metrics.render().decode()
+            failovers = metric(text, f'kvtier_router_failovers_total{{replica="{draining.url}"}}')
+            assert failovers == len(draining.received) >= 3
+            shapes = {(bool(b.get("stream")), "stream_options" in b) for b in draining.received}
+            assert shapes == {(False, False), (True, False), (True, True)}
+
+    run(scenario())
+
+
 def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("slow_stream") as (a,), running_router(tokenizer, [a]) as rr:

@@ -61,6 +61,7 @@ class Forward:
 
 
 _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
+_NO_CHOICE = re.compile(rb'\s*data: \{[^\n]*"choices"\s*:\s*\[\s*\]')
 """An answer cut short by the replica (vLLM aborts the requests in flight when it stops)."""
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -157,6 +158,8 @@ class Upstream:
                 first = await resp.chunk()
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
+            if fwd.stream and resp.status == 200 and _refused_stream(first):
+                raise _Retry("it ended the stream before any token (stopping?)")
             claim.first_byte()
             now = time.perf_counter()
             self._metrics.first_byte.observe(now - fwd.arrived, fwd.endpoint)
@@ -215,6 +218,17 @@ class Upstream:
             await exchange.write(sse_error(f"replica {claim.abandoned}", 504))
             await exchange.finish()
             return b"".join(tail)
+
+
+def _refused_stream(first: bytes) -> bool:
+    """Whether a stream's first chunk ends it without a token: `[DONE]`, or an event with no
+    choice (the usage event, which only ends a stream), or an abort. vLLM draining refuses a
+    new request so; nothing has reached the client yet. (A request asks for 1 token at least.)"""
+    return (
+        first.strip() == b"data: [DONE]"
+        or _NO_CHOICE.match(first) is not None
+        or _ABORTED.search(first) is not None
+    )
 
 
 def _ends_stream(tail: tuple[bytes, bytes, bytes]) -> bool:

@@ -11,6 +11,9 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     slow_stream     stream the first SSE event, the rest once `release` is set
     slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
     abort           answer cut short as vLLM does when it stops: `finish_reason` "abort"
+    refuse          answer as a draining vLLM refuses a token prompt: `finish_reason` "abort" at
+                    once; a stream of `[DONE]` alone, after a usage event with no choice if the
+                    request asks for usage
 
 `vanish()` drops it off the network as a node whose link is cut: nothing is answered any more,
 open connections stay open and silent, and new ones time out rather than being refused.
@@ -165,7 +168,7 @@ class FakeReplica:
             return False
         if self.mode == "hang":
             await asyncio.sleep(3600)
-        finish = "abort" if self.mode == "abort" else "length"
+        finish = "abort" if self.mode in ("abort", "refuse") else "length"
         if not body.get("stream"):
             await _respond_json(
                 writer,
@@ -184,6 +187,14 @@ class FakeReplica:
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
+        if self.mode == "refuse":
+            if body.get("stream_options", {}).get("include_usage"):
+                await _chunk(
+                    writer, b'data: {"choices": [], "usage": {"completion_tokens": 0}}\n\n'
+                )
+            await _chunk(writer, SSE_CHUNKS[-1])
+            await _chunk(writer, b"")
+            return True
         await _chunk(writer, SSE_CHUNKS[0])
         if self.mode == "die_mid_stream":
             await asyncio.sleep(0.05)
