@@ -25,6 +25,7 @@ from kvtier.router.settings import ReplicaSettings, RouterSettings
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
+from tests.helpers.engines import metric, metric_in
 from tests.helpers.router import RouterThread
 
 pytestmark = pytest.mark.engine
@@ -49,13 +50,7 @@ class Engine:
         self.process.wait_healthy(600)
 
     def prefix_hits(self) -> float:
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(
-            float(m)
-            for m in re.findall(
-                r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", text, re.MULTILINE
-            )
-        )
+        return metric(self.process, "vllm:prefix_cache_hits_total")
 
 
 @pytest.fixture(scope="module")
@@ -296,12 +291,7 @@ def test_kill_fails_over_ends_streams_with_an_error_and_purges_on_restart(
 
 def failovers_off(rt: RouterThread, replica: Engine) -> float:
     text = httpx.get(rt.url + "/metrics", timeout=10).text
-    found = re.search(
-        rf'^kvtier_router_failovers_total{{replica="{re.escape(replica.url)}"}} ([0-9.e+]+)$',
-        text,
-        re.MULTILINE,
-    )
-    return float(found.group(1)) if found else 0.0
+    return metric_in(text, "kvtier_router_failovers_total", {"replica": replica.url})
 
 
 def test_a_stopped_replica_finishes_its_stream_while_new_requests_fail_over(

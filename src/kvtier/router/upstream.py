@@ -61,8 +61,9 @@ class Forward:
 
 
 _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
-_NO_CHOICE = re.compile(rb'\s*data: \{[^\n]*"choices"\s*:\s*\[\s*\]')
 """An answer cut short by the replica (vLLM aborts the requests in flight when it stops)."""
+_NO_CHOICE = re.compile(rb'\s*data: \{[^\n]*"choices"\s*:\s*\[\s*\]')
+"""An SSE event with no choice: only the usage event that ends a stream has none."""
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
