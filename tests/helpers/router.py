@@ -91,7 +91,7 @@ def free_endpoint() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def completion(prompt: str = "hello world", **extra: object) -> dict[str, object]:
+def completion(prompt: str | list[int] = "hello world", **extra: object) -> dict[str, object]:
     return {"model": MODEL, "prompt": prompt, "max_tokens": 4, **extra}
 
 

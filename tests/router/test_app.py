@@ -482,36 +482,72 @@ def test_an_answer_the_replica_aborted_is_retried_elsewhere_or_ends_the_stream_w
     run(scenario())
 
 
-def test_a_request_a_draining_replica_refuses_is_resent_streamed_or_not(
+REFUSAL_SHAPES: list[tuple[str | list[int], bool, bool]] = [
+    # (prompt, stream, include_usage): how a draining vLLM refuses each
+    ("hello world", False, False),  # 500 "cannot schedule new futures after shutdown"
+    ("hello world", True, False),  # the same 500
+    ([1, 2, 3], False, False),  # 200, cut short at once: `finish_reason` "abort"
+    ([1, 2, 3], True, False),  # a stream of `[DONE]` alone: an empty answer if relayed
+    ([1, 2, 3], True, True),  # a usage event with no choice, then `[DONE]`
+]
+
+
+def test_a_draining_replica_leaves_rotation_at_its_first_refusal_until_it_answers_again(
     tokenizer: Tokenizer,
 ) -> None:
-    """vLLM draining answers a new token prompt 200 at once: cut short (`finish_reason`
-    "abort"), or as a stream of `[DONE]` alone (after a usage event with no choice when asked
-    for usage), which would reach the client as an empty answer."""
+    """vLLM draining keeps /health at 200 and refuses every new request. Each shape of refusal
+        is resent to the other replica; the first takes the refusing replica out of rotation, so
+        the requests after it, through good health checks, go straight to the other one. Once it
+        answers the health checker's probe completion, or fails a check (it exits) and passes one
+    (it restarted), it serves again."""
 
     async def scenario() -> None:
         async with (
-            fakes("refuse", "ok") as (draining, good),
+            fakes("ok", "ok") as (draining, good),
             running_router(tokenizer, [draining, good], strategy="roundrobin") as rr,
         ):
-            for stream, usage in [(False, False), (True, False), (True, True)] * 2:
-                # round robin visits both first; a refusing replica is suspect until its next
-                # good health check
-                await wait_for(lambda: all(r.healthy for r in rr.router.replicas), "health")
-                body = completion(stream=stream)
-                if usage:
-                    body["stream_options"] = {"include_usage": True}
-                resp = await rr.client.post(rr.url + "/v1/completions", json=body)
-                assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == good.url
-                if stream:
-                    assert resp.content == b"".join(SSE_CHUNKS)
-                else:
-                    assert resp.json()["choices"][0]["finish_reason"] == "length"
+            state = rr.router.replicas[draining.url]
+
+            def requests_on_draining() -> int:
+                return sum(b.get("prompt") != "ping" for b in draining.received)  # not probes
+
+            async def send_both_ways(prompt: str | list[int], stream: bool, usage: bool) -> None:
+                for _ in range(2):  # round robin offers the draining replica one of them
+                    body = completion(prompt, stream=stream)
+                    if usage:
+                        body["stream_options"] = {"include_usage": True}
+                    resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+                    assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == good.url
+                    if stream:
+                        assert resp.content == b"".join(SSE_CHUNKS)
+                    else:
+                        assert resp.json()["choices"][0]["finish_reason"] == "length"
+
+            for i, (prompt, stream, usage) in enumerate(REFUSAL_SHAPES):
+                draining.mode = "refuse"
+                before = requests_on_draining()
+                await send_both_ways(prompt, stream, usage)
+                assert requests_on_draining() == before + 1 and state.stopping
+                probes = len(draining.received) - requests_on_draining()
+                await asyncio.sleep(1.0)  # five health checks, each answered 200
+                await send_both_ways(prompt, stream, usage)
+                assert requests_on_draining() == before + 1  # still out of rotation
+                assert len(draining.received) - requests_on_draining() > probes  # probed
+                if i % 2:  # it exits and restarts on the same address: /health fails a while
+                    draining.healthy = False
+                    await wait_for(lambda: not state.stopping, "a failed check ends stopping")
+                    draining.healthy = True
+                draining.mode = "ok"  # it serves again: the probe, or the restart, brings it back
+                await wait_for(lambda: state.healthy and not state.stopping, "back in rotation")
             text = rr.router.metrics.render().decode()
-            failovers = metric(text, f'kvtier_router_failovers_total{{replica="{draining.url}"}}')
-            assert failovers == len(draining.received) >= 3
-            shapes = {(bool(b.get("stream")), "stream_options" in b) for b in draining.received}
-            assert shapes == {(False, False), (True, False), (True, True)}
+            for name in ("kvtier_router_failovers_total", "kvtier_router_replica_stopping_total"):
+                assert metric(text, f'{name}{{replica="{draining.url}"}}') == len(REFUSAL_SHAPES)
+            shapes = {
+                (isinstance(b["prompt"], list), bool(b.get("stream")), "stream_options" in b)
+                for b in draining.received
+                if b["prompt"] != "ping"
+            }
+            assert len(shapes) == len(REFUSAL_SHAPES)
 
     run(scenario())
 

@@ -19,6 +19,12 @@ replica that wants credentials the probe lacks): the replica is kept. The last r
 rotation is never stalled out: when every replica stalls at once, the host or the router is the
 likelier cause, and failing every request over to nothing would turn a pause into errors.
 
+Stopping replicas: one that refused a request as a draining vLLM does (`Replica.stopping`, set
+by `kvtier.router.upstream`) keeps answering /health, so a good check does not bring it back.
+Each check sends it the same 1-token probe instead: a 200 means it serves again (a wrong guess
+costs one check interval). A failed check ends the state: the process is going or gone, and the
+checks above take over (a restart comes back through a good check, as any replica that was down).
+
 Lost nodes: a replica out of rotation whose requests have had no byte for a check timeout is
 tested with a fresh TCP connection. A process that hangs or is only slow still has a kernel that
 accepts it, and a closed port refuses it (a replica shutting down finishes what it holds); a node
@@ -101,7 +107,9 @@ class HealthChecker:
             ok, refused = False, True
         if ok and self._suspect_stall(replica):
             self._probes[replica.name] = asyncio.create_task(self._probe(replica))
-        if ok and replica.stalled:
+        elif ok and replica.stopping and replica.name not in self._probes:
+            self._probes[replica.name] = asyncio.create_task(self._probe_stopping(replica))
+        if ok and (replica.stalled or replica.stopping):
             replica.failed_checks = 0
             return
         if ok:
@@ -111,6 +119,7 @@ class HealthChecker:
             replica.healthy = True
             return
         replica.failed_checks += 1
+        replica.stopping = False  # going or gone: the checks below take over
         if refused or replica.failed_checks >= self._unhealthy_after:
             replica.healthy = False
         if replica.failed_checks == self._unhealthy_after:
@@ -144,18 +153,27 @@ class HealthChecker:
             return False
         return replica.stalled or replica.no_progress_s(time.monotonic()) > self._stall_after_s
 
-    async def _probe(self, replica: Replica) -> None:
-        """One 1-token completion: answered, the replica makes progress; not, it stalled."""
-        body = json.dumps({"model": replica.models[0], "prompt": "ping", "max_tokens": 1})
-        status: int | None = None
+    async def _complete(self, replica: Replica, timeout_s: float) -> int | None:
+        """The status of a 1-token completion (None: no answer within `timeout_s`)."""
+        model = replica.models[0] if replica.models else ""
+        body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1})
         try:
-            status, _ = await self._request(
-                replica, "/v1/completions", self._stall_after_s, body.encode()
-            )
+            status, _ = await self._request(replica, "/v1/completions", timeout_s, body.encode())
+            return status
         except (TimeoutError, OSError):
-            pass
+            return None
         finally:
             self._probes.pop(replica.name, None)
+
+    async def _probe_stopping(self, replica: Replica) -> None:
+        """A stopping replica that answers a completion serves again."""
+        if await self._complete(replica, self._timeout_s) == 200 and replica.stopping:
+            log.warning("replica %s answers a completion again: back in rotation", replica.name)
+            replica.stopping = False
+
+    async def _probe(self, replica: Replica) -> None:
+        """One 1-token completion: answered, the replica makes progress; not, it stalled."""
+        status = await self._complete(replica, self._stall_after_s)
         if status is not None and status < 500:
             replica.last_progress = time.monotonic()
             if replica.stalled:

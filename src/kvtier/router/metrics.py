@@ -175,6 +175,14 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         _REPLICAS,
     ),
     MetricDef(
+        "kvtier_router_replica_stopping",
+        "counter",
+        "Times a replica was found stopping: it refused a request as a draining vLLM does, and "
+        "left rotation until it answers a probe completion or its /health fails.",
+        _REPLICA,
+        _REPLICAS,
+    ),
+    MetricDef(
         "kvtier_router_replica_unreachable",
         "counter",
         "Times requests were given up on a replica that was out of rotation, silent and took no "
@@ -327,6 +335,7 @@ class RouterMetrics:
         self.index_blocks = self._gauge("kvtier_router_index_blocks")
         self.failovers = self._counter("kvtier_router_failovers")
         self.stalls = self._counter("kvtier_router_replica_stalls")
+        self.stopping = self._counter("kvtier_router_replica_stopping")
         self.unreachable = self._counter("kvtier_router_replica_unreachable")
         self.stream_errors = self._counter("kvtier_router_stream_errors")
         self.events = self._counter("kvtier_router_events")

@@ -46,6 +46,9 @@ class Replica:
     stalled: bool = False
     """Its requests made no progress and a probe request got no answer: out of rotation until a
     probe is answered (`kvtier.router.health`)."""
+    stopping: bool = False
+    """It refused a request as a stopping vLLM does while it drains (`kvtier.router.upstream`):
+    out of rotation until it answers a probe completion or stops answering /health."""
     last_progress: float = 0.0
     """`time.monotonic()` of its last byte of an answer, or of a request that found it idle."""
     claims: set[LoadClaim] = field(default_factory=set)

@@ -6,7 +6,11 @@ holds the replica's load counters, and the original body is POSTed. An attempt f
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
 before the first body byte: nothing has reached the client yet, so another replica can serve it.
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
-its next good health check); one that answered 5xx is only excluded for this request. A request
+its next good health check); one that answered 5xx is only excluded for this request. A replica
+that refused the request as a stopping vLLM does while it drains (a 500 saying its executor shut
+down, an answer aborted before any token, a stream that ends before its first choice) is marked
+`stopping`: out of rotation until the health checker finds it answering a completion again or
+gone, so the requests of its drain go straight elsewhere instead of one extra hop each. A request
 whose replica the health checker gave up on (stalled, or unreachable) is abandoned (its task
 cancelled, the claim marked with why): before its first byte it fails over the same way; a
 stream under way ends with an error event naming why.
@@ -62,6 +66,8 @@ class Forward:
 
 _ABORTED = re.compile(rb'"finish_reason"\s*:\s*"abort"')
 """An answer cut short by the replica (vLLM aborts the requests in flight when it stops)."""
+_SHUT_DOWN = re.compile(rb"cannot schedule new futures after shutdown")
+"""vLLM's 500 to a request it must tokenize (a text prompt, a chat) once it is stopping."""
 _NO_CHOICE = re.compile(rb'\s*data: \{[^\n]*"choices"\s*:\s*\[\s*\]')
 """An SSE event with no choice: only the usage event that ends a stream has none."""
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -133,8 +139,10 @@ class Upstream:
                     )
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
-                    if retry.unreachable:
-                        replica.healthy = False  # suspect until its next good health check
+                    if retry.stopping and not replica.stopping:
+                        self._mark_stopping(replica, str(retry))
+                    if retry.unreachable or retry.stopping:
+                        replica.healthy = False  # out until a good check (stopping: a probe)
                 except asyncio.CancelledError:
                     # abandoned by the health checker, and not also cancelled for another reason
                     if not claim.abandoned or (task is not None and task.uncancel()):
@@ -145,6 +153,11 @@ class Upstream:
             self._metrics.failovers.labels(replica.name).inc()
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
+    def _mark_stopping(self, replica: Replica, why: str) -> None:
+        replica.stopping = True
+        self._metrics.stopping.labels(replica.name).inc()
+        log.warning("replica %s stopping (%s): out of rotation while it drains", replica.name, why)
+
     async def _attempt(
         self, exchange: Exchange, fwd: Forward, replica: Replica, claim: LoadClaim, predicted: int
     ) -> int:
@@ -154,13 +167,14 @@ class Upstream:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
         try:
             if resp.status in RETRY_STATUSES:  # it answers: fail over, but keep it
-                raise _Retry(f"HTTP {resp.status}", unreachable=False)
+                stopping = resp.status == 500 and await _says_shut_down(resp)
+                raise _Retry(f"HTTP {resp.status}", unreachable=False, stopping=stopping)
             try:
                 first = await resp.chunk()
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
             if fwd.stream and resp.status == 200 and _refused_stream(first):
-                raise _Retry("it ended the stream before any token (stopping?)")
+                raise _Retry("it ended the stream before any token", stopping=True)
             claim.first_byte()
             now = time.perf_counter()
             self._metrics.first_byte.observe(now - fwd.arrived, fwd.endpoint)
@@ -172,7 +186,7 @@ class Upstream:
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
                 tail = first + rest
                 if resp.status == 200 and _ABORTED.search(tail):  # nothing sent yet: retry
-                    raise _Retry("it aborted the request (stopping?)")
+                    raise _Retry("it aborted the request before any token", stopping=True)
                 await exchange.respond(resp.status, tail, headers)
             else:
                 self._metrics.observe_ttft(now - fwd.arrived, fwd.endpoint, now)
@@ -221,6 +235,14 @@ class Upstream:
             return b"".join(tail)
 
 
+async def _says_shut_down(resp: Response) -> bool:
+    """Whether an error answer is vLLM's refusal once it is stopping (see `_SHUT_DOWN`)."""
+    try:
+        return _SHUT_DOWN.search(await resp.read()) is not None
+    except OSError:
+        return False
+
+
 def _refused_stream(first: bytes) -> bool:
     """Whether a stream's first chunk ends it without a token: `[DONE]`, or an event with no
     choice (the usage event, which only ends a stream), or an abort. vLLM draining refuses a
@@ -241,10 +263,12 @@ def _ends_stream(tail: tuple[bytes, bytes, bytes]) -> bool:
 class _Retry(Exception):
     """This attempt failed before any byte reached the client."""
 
-    def __init__(self, message: str, unreachable: bool = True) -> None:
+    def __init__(self, message: str, unreachable: bool = True, stopping: bool = False) -> None:
         super().__init__(message)
         self.unreachable = unreachable
         """The replica did not answer (connect, reset, timeout): other requests avoid it too."""
+        self.stopping = stopping
+        """The replica refused it as a draining vLLM does: out of rotation (`Replica.stopping`)."""
 
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.

@@ -11,9 +11,10 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     slow_stream     stream the first SSE event, the rest once `release` is set
     slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
     abort           answer cut short as vLLM does when it stops: `finish_reason` "abort"
-    refuse          answer as a draining vLLM refuses a token prompt: `finish_reason` "abort" at
-                    once; a stream of `[DONE]` alone, after a usage event with no choice if the
-                    request asks for usage
+    refuse          answer as a draining vLLM refuses a request: a text prompt or a chat, 500
+                    "cannot schedule new futures after shutdown"; a token prompt, `finish_reason`
+                    "abort" at once, or streamed, `[DONE]` alone, after a usage event with no
+                    choice if the request asks for usage
 
 `vanish()` drops it off the network as a node whose link is cut: nothing is answered any more,
 open connections stay open and silent, and new ones time out rather than being refused.
@@ -44,6 +45,15 @@ SSE_CHUNKS = [
     b'data: {"choices": [{"text": "b"}]}\n\n',
     b"data: [DONE]\n\n",
 ]
+_SHUT_DOWN_ERROR = {
+    "error": {
+        "message": "cannot schedule new futures after shutdown",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+"""vLLM 0.32's answer to a request it must tokenize once it is stopping."""
 _STATUS = {
     200: b"OK",
     404: b"Not Found",
@@ -163,6 +173,9 @@ class FakeReplica:
         self.received.append(body)
         if self.mode == "error500":
             await _respond_json(writer, 500, {"error": "boom"})
+            return True
+        if self.mode == "refuse" and not isinstance(body.get("prompt"), list):
+            await _respond_json(writer, 500, _SHUT_DOWN_ERROR)
             return True
         if self.mode == "reset":
             return False

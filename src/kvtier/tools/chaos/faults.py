@@ -100,14 +100,23 @@ class EngineFreeze(Fault):
 
 
 class ReplicaRestart(Fault):
+    """Notes how long the stop took, and what the router counted meanwhile: index purges,
+    requests it resent off the stopped replica (refused while it drained), times it found the
+    replica stopping."""
+
     def inject(self, fleet: ChaosFleet) -> None:
-        self.notes["purges_before"] = router_metric(fleet, "kvtier_router_index_purges_total")
+        victim = fleet.replica(2).url
+        self._counters = {
+            "purges": "kvtier_router_index_purges_total",
+            "resent_off_it": f'kvtier_router_failovers_total{{replica="{victim}"}}',
+            "found_stopping": f'kvtier_router_replica_stopping_total{{replica="{victim}"}}',
+        }
+        self._before = {note: router_metric(fleet, s) for note, s in self._counters.items()}
         self.notes["stop_s"] = round(fleet.restart_replica(2), 1)  # its drain included
 
     def recover(self, fleet: ChaosFleet) -> None:
-        self.notes["purges"] = router_metric(fleet, "kvtier_router_index_purges_total") - float(
-            str(self.notes.pop("purges_before"))
-        )
+        for note, sample in self._counters.items():
+            self.notes[note] = router_metric(fleet, sample) - self._before[note]
 
 
 class RouterKill(Fault):
