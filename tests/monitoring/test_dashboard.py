@@ -89,7 +89,7 @@ def test_the_feed_joins_the_router_counters_and_the_replicas_pages(tokenizer: To
         assert t["tokens"] == {"l0": 500, "l1": 200, "l2": 400, "computed": 500}
         assert doc["decisions"] == {"cold": 4}
         ra, rb = doc["replicas"]
-        assert (ra["name"], ra["healthy"], ra["scraped"]) == (a.url, True, True)
+        assert (ra["name"], ra["healthy"], ra["state"], ra["scraped"]) == (a.url, True, "up", True)
         assert ra["hit_ratio"] == {"l0": 0.5, "l1": 0.2, "l2": 0.1, "computed": 0.2}
         assert (ra["l0_usage"], ra["l1_used_bytes"], ra["lease_held"]) == (0.25, MiB, True)
         assert rb["hit_ratio"]["l2"] == 0.5 and rb["lease_held"] is False

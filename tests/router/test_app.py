@@ -527,7 +527,7 @@ def test_a_draining_replica_leaves_rotation_at_its_first_refusal_until_it_answer
                 draining.mode = "refuse"
                 before = requests_on_draining()
                 await send_both_ways(prompt, stream, usage)
-                assert requests_on_draining() == before + 1 and state.stopping
+                assert requests_on_draining() == before + 1 and state.state == "stopping"
                 probes = len(draining.received) - requests_on_draining()
                 await asyncio.sleep(1.0)  # five health checks, each answered 200
                 await send_both_ways(prompt, stream, usage)

@@ -59,6 +59,19 @@ class Replica:
         return self.settings.name
 
     @property
+    def state(self) -> str:
+        """What the dashboard and `kvtier status` show: stalled, stopping (it drains and refuses
+        new requests), leaving (gone from discovery), down (failed checks, or a failed forward
+        until its next good check), or up."""
+        if self.stalled:
+            return "stalled"
+        if self.stopping:
+            return "stopping"
+        if self.draining:
+            return "leaving"
+        return "up" if self.healthy else "down"
+
+    @property
     def in_flight(self) -> int:
         """Requests it holds, from routing to the end of their response."""
         return len(self.claims)

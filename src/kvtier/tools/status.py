@@ -79,6 +79,12 @@ def _bytes(value: float | None) -> str:
     raise AssertionError("unreachable")
 
 
+def _state(replica: dict[str, Any]) -> str:
+    """up, or what keeps it out of rotation in capitals (DOWN, STOPPING, STALLED, LEAVING)."""
+    state = str(replica.get("state") or ("up" if replica["healthy"] else "down"))
+    return state if state == "up" else state.upper()
+
+
 def _int(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -128,7 +134,7 @@ def render(url: str, doc: dict[str, Any]) -> str:
         rows.append(
             [
                 r["name"] + (" *" if r.get("lease_held") else ""),
-                ("up" if r["healthy"] else "DOWN") + ("" if r["scraped"] else " (no metrics)"),
+                _state(r) + ("" if r["scraped"] else " (no metrics)"),
                 _int(r["in_flight"]),
                 _int(r.get("running")),
                 _int(r.get("waiting")),

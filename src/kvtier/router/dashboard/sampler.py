@@ -50,6 +50,8 @@ def nearest_rank(values: Sequence[float], q: float) -> float | None:
 class ReplicaState:
     name: str
     healthy: bool
+    state: str
+    """`Replica.state`."""
     in_flight: int
     queued_prefill_tokens: int
     figures: Mapping[str, float] | None
@@ -179,7 +181,9 @@ class FleetSampler:
             routed={labels[0]: n for labels, n in list(m.routed.values.items())},
             usage=usage,
             replicas=tuple(
-                ReplicaState(r.name, r.healthy, r.in_flight, r.queued_prefill_tokens, figures)
+                ReplicaState(
+                    r.name, r.healthy, r.state, r.in_flight, r.queued_prefill_tokens, figures
+                )
                 for r, figures in zip(self.replicas, pages, strict=True)
             ),
             failovers=int(sum(s.value for s in _samples(m.failovers))),
@@ -287,6 +291,7 @@ class FleetSampler:
         doc: dict[str, Any] = {
             "name": r.name,
             "healthy": r.healthy,
+            "state": r.state,
             "scraped": r.figures is not None,
             "in_flight": r.in_flight,
             "queued_prefill_tokens": r.queued_prefill_tokens,

@@ -89,7 +89,7 @@ function renderFleet(doc) {
     }
     const l0 = r.l0_usage == null ? null : r.l0_usage;
     root.append(el("div", { class: "replica" + (up ? "" : " down"), "data-replica": r.name }, [
-      el("span", { class: "badge", "data-field": "healthy", "data-value": String(up) }, [up ? "up" : "down"]),
+      el("span", { class: "badge", "data-field": "healthy", "data-value": String(up), "data-state": r.state }, [r.state]),
       el("div", { class: "name" }, [r.name + (holder ? "  ★ L2 janitor" : "") + (r.scraped ? "" : "  (metrics unreachable)")]),
       dl,
       bar("L0", l0 == null ? 0 : l0, l0 == null ? 0 : 1, "var(--l0)"),
