@@ -63,6 +63,7 @@ LENGTHS = {
     "l1": 1100,
     "l2": 2100,
     "corrupt": 1400,
+    "missing": 1400,
     "race": 1300,
     "salted": 1200,
     "no_l2": 900,
@@ -91,7 +92,7 @@ def _usable(tokens: list[int] | int) -> int:
 
 
 HITS = {name: [0, _usable(n)] for name, n in LENGTHS.items()}
-HITS["corrupt"] = [0, 2 * BLOCK]  # blocks 0 and 1 load, block 2 is corrupt
+HITS["corrupt"] = HITS["missing"] = [0, 2 * BLOCK]  # blocks 0 and 1 load, block 2 fails
 """Leading tokens served from a cache in each test's requests (0: computed cold)."""
 
 
@@ -263,35 +264,44 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
     assert metric(replica_b, HIT_TOKENS, L2) - l2_tokens_before == _usable(tokens)
 
 
-def test_corrupt_l2_file_is_removed_counted_and_recomputed(
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_a_corrupt_or_missing_l2_block_fails_its_load_and_is_recomputed(
+    damage: str,
     replica_a: ServerProcess,
     replica_b: ServerProcess,
     l2_dir: Path,
     expected: dict[tuple[str, int], list[int]],
     prompts: dict[str, list[int]],
 ) -> None:
-    tokens = prompts["corrupt"]
-    assert complete(replica_a, tokens) == expected["corrupt", 0]
+    """Block 2 of a chain is corrupt (the bad file is removed), or missing while the blocks
+    after it exist (the lookup's bisection takes it for held): its load fails, blocks 0 and 1
+    load, vLLM recomputes from block 2, and the tokens are those of a 2-block hit."""
+    tokens = prompts[damage]
+    assert complete(replica_a, tokens) == expected[damage, 0]
     files = _block_files(l2_dir, tokens)
     _wait_for_files(files)
     bad = files[2]
     good = bad.read_bytes()
     data = bytearray(good)
-    data[-100:] = bytes(100)  # zero the payload's tail: the checksum no longer matches
-    bad.write_bytes(bytes(data))
+    if damage == "corrupt":
+        data[-100:] = bytes(100)  # zero the payload's tail: the checksum no longer matches
+        bad.write_bytes(bytes(data))
+    else:
+        bad.unlink()
     failed_before = metric(replica_b, "kvtier_connector_load_failed_blocks_total")
     external_before = metric(replica_b, EXTERNAL_HITS)
 
-    assert complete(replica_b, tokens) == expected["corrupt", HITS["corrupt"][1]]
+    assert complete(replica_b, tokens) == expected[damage, HITS[damage][1]]
 
     assert metric(replica_b, "kvtier_connector_load_failed_blocks_total") - failed_before >= 1
     assert metric(replica_b, LOADED, L2) >= 2  # the blocks before it
     assert metric(replica_b, EXTERNAL_HITS) > external_before
-    # the bad file was removed, and the recompute saved a good one under the same name: the
-    # block's KV as computed after a 2-block hit, within rounding of replica A's (the save of
-    # the step whose load failed would copy engine memory that still held stale KV)
+    # the bad file was removed (or was gone), and the recompute saved a good one in its place:
+    # the block's KV as computed after a 2-block hit, within rounding of replica A's (the save
+    # of the step whose load failed would copy engine memory that still held stale KV)
     _wait_for_files([bad])
-    assert bad.read_bytes() != bytes(data)
+    if damage == "corrupt":
+        assert bad.read_bytes() != bytes(data)
     original, resaved = (_kv_values(raw) for raw in (good, bad.read_bytes()))
     assert (resaved - original).abs().mean() < 0.05 * original.abs().mean()
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.core.codec import BlockMeta
 from kvtier.core.events import EventKind
-from kvtier.core.keys import ModelIdentity, block_hashes, extra_key, root_hash
+from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
 from kvtier.core.tiers.base import Tier
 from kvtier.vllm import process_store
 from kvtier.vllm.metadata import KvtierWorkerMeta
@@ -128,6 +128,49 @@ def test_only_the_contiguous_prefix_counts(rt: process_store.ProcessStore) -> No
     side = _side(rt)
     try:
         assert _answer(side, FakeRequest("r", tokens), 0) == (512, True)
+    finally:
+        side.close()
+
+
+@pytest.mark.parametrize(
+    ("held", "found", "most_checks"),
+    [
+        (range(32), 32, 2),  # the first block, then the last: all held
+        (range(20), 20, 2 + 5),  # then bisection of blocks 1-30
+        (set(range(32)) - {10}, 32, 2),  # a hole is taken for held: its load fails, recomputed
+        (range(0), 0, 1),  # a cold prompt costs one check
+    ],
+)
+def test_a_lookup_bisects_instead_of_checking_every_block(
+    rt: process_store.ProcessStore,
+    monkeypatch: pytest.MonkeyPatch,
+    held: range | set[int],
+    found: int,
+    most_checks: int,
+) -> None:
+    tokens = list(range(32 * BLOCK + 1))  # 32 blocks before the last token
+    hashes = block_hashes(tokens, BLOCK)
+    for i in held:
+        meta = BlockMeta(
+            num_tokens=BLOCK,
+            dtype="uint8",
+            shape=(8,),
+            parent=hashes[i - 1] if i else root_hash(b""),
+        )
+        rt.store.save(hashes[i], meta, bytes(8))
+    checked: list[int] = []
+    contains = rt.store.contains
+
+    def counted(block_hash: BlockHash) -> Tier | None:
+        checked.append(hashes.index(block_hash))
+        return contains(block_hash)
+
+    monkeypatch.setattr(rt.store, "contains", counted)
+    side = _side(rt)
+    try:
+        matched, _ = _answer(side, FakeRequest("r", tokens), 0)
+        assert matched == found * BLOCK
+        assert checked[0] == 0 and len(checked) <= most_checks, checked
     finally:
         side.close()
 

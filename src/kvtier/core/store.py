@@ -20,6 +20,7 @@ its worker threads):
                     write-through to L2. The queue is bounded: when it is full the L2 write is
                     dropped and counted, never waited for.
     has_near(h)     worker, before saving a block: whether the nearest tier holds it already.
+    in_l1(h)        scheduler, for blocks a lookup takes without a check: whether L1 holds it.
     flush / close   owner: wait for queued L2 writes; close drains or abandons them (counted)
                     and stops the I/O threads this store started, and the L2 capacity
                     janitor it runs when `l2_capacity_bytes` is set (`kvtier.core.tiers.shared`).
@@ -264,6 +265,10 @@ class TieredStore:
                 consume(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
                 done += 1
         return done
+
+    def in_l1(self, block_hash: BlockHash) -> bool:
+        """Whether this process's L1 holds `block_hash` (no L2 round trip)."""
+        return self._l1 is not None and self._l1.contains(block_hash)
 
     def has_near(self, block_hash: BlockHash) -> bool:
         """Whether the nearest tier holds `block_hash` (L1 when it is on, else L2): saving it

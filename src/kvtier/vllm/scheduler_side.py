@@ -21,8 +21,13 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
 Counting rules: only full kvtier blocks, only the longest contiguous prefix that exists now,
 and never the last prompt token (vLLM must compute at least one token to sample from).
 
-Existence checks of a lookup run up to `LOOKUP_AHEAD` at a time (the first block's alone, so
-a cold prompt costs one): on a FUSE mount each is a round trip to the daemon.
+A lookup bisects (`SchedulerSide._find`): the first block's existence check (a cold prompt
+costs one), then the last's, then halving the range between the last block known held and the
+first known missing, about 2 + log2(n) checks for n blocks instead of n: on a FUSE mount each
+is a round trip to the daemon. A held block is taken to mean its predecessors are held too:
+a chain is saved in order, and read and evicted with its prefix. A block taken so that is
+missing after all (a hole: a dropped save, a removed corrupt block) fails its load, which vLLM
+recomputes (`kv_load_failure_policy: recompute`).
 
 Timing (`ConnectorCounters`): the lookup thread's work (`phase_lookup_seconds`), how long
 requests waited for lookup answers from the first ask to the answer used
@@ -54,9 +59,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-LOOKUP_AHEAD = 8
-"""Existence checks one lookup keeps in flight (after its first block's)."""
 
 
 @dataclass(slots=True)
@@ -123,7 +125,7 @@ class SchedulerSide:
         self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
-        self._checks = ThreadPoolExecutor(LOOKUP_AHEAD, thread_name_prefix="kvtier-exists")
+        self._checks = ThreadPoolExecutor(len(self._stores), thread_name_prefix="kvtier-exists")
 
     # ---- vLLM hooks ---------------------------------------------------------------------
 
@@ -293,38 +295,61 @@ class SchedulerSide:
             self._counters.add(phase_lookup_seconds=time.perf_counter() - start)
 
     def _find(self, hashes: list[BlockHash]) -> list[Tier]:
-        """Longest prefix every TP rank holds now; a block's tier is the farthest among ranks
-        (L1 from the mirror of the workers' L1, else whatever the store finds: L2, or L1 when
-        the worker shares this process's store)."""
-        found: list[Tier] = []
-        checks: dict[tuple[int, int], Future[Tier | None]] = {}
+        """Tiers of the longest prefix every TP rank holds now, by bisection (module docstring).
+        A checked block's tier is the farthest among ranks; one taken without a check is L1
+        where every rank's L1 holds it (the mirror, or this process's store), else L2."""
+        checked: dict[int, Tier] = {}
 
-        def check(i: int) -> None:
-            """Start the store checks of block `i` (those not answered by the mirror)."""
-            for rank, shared in enumerate(self._stores):
-                with self._l1_lock:
-                    in_l1 = hashes[i] in self._l1[rank]
-                if not in_l1 and (i, rank) not in checks:
-                    checks[i, rank] = self._checks.submit(shared.store.contains, hashes[i])
+        def held(i: int) -> bool:
+            tier = self._check(hashes[i])
+            if tier is not None:
+                checked[i] = tier
+            return tier is not None
 
-        try:
-            for i in range(len(hashes)):
-                # The first block alone (a cold prompt costs one check), then a window ahead:
-                # over FUSE every check is a round trip, and several run at once.
-                for j in range(i, min(len(hashes), i + (1 if i == 0 else LOOKUP_AHEAD))):
-                    check(j)
-                tier = Tier.L1
-                for rank in range(len(self._stores)):
-                    pending = checks.pop((i, rank), None)
-                    rank_tier = Tier.L1 if pending is None else pending.result()
-                    if rank_tier is None:
-                        return found
-                    tier = max(tier, rank_tier, key=TIER_ORDER.index)
-                found.append(tier)
-            return found
-        finally:
-            for pending in checks.values():
-                pending.cancel()
+        if not hashes or not held(0):
+            return []
+        known, missing = 1, len(hashes)  # held: blocks before `known`; not: `missing` on
+        if known < missing:
+            if held(missing - 1):
+                known = missing
+            else:
+                missing -= 1
+        while known < missing:
+            middle = (known + missing) // 2
+            if held(middle):
+                known = middle + 1
+            else:
+                missing = middle
+        return [
+            checked[i] if i in checked else self._unchecked_tier(hashes[i]) for i in range(known)
+        ]
+
+    def _check(self, block_hash: BlockHash) -> Tier | None:
+        """The farthest tier among TP ranks holding the block now; None if one lacks it. The
+        stores of the ranks whose L1 mirror lacks it are asked (several at once)."""
+        asked = [
+            s.store for rank, s in enumerate(self._stores) if not self._mirrored(rank, block_hash)
+        ]
+        tiers: list[Tier | None]
+        if len(asked) > 1:
+            tiers = list(self._checks.map(lambda store: store.contains(block_hash), asked))
+        else:
+            tiers = [store.contains(block_hash) for store in asked]
+        if None in tiers:
+            return None
+        return max((Tier.L1, *(t for t in tiers if t is not None)), key=TIER_ORDER.index)
+
+    def _unchecked_tier(self, block_hash: BlockHash) -> Tier:
+        in_l1 = all(
+            self._mirrored(rank, block_hash) or s.store.in_l1(block_hash)
+            for rank, s in enumerate(self._stores)
+        )
+        return Tier.L1 if in_l1 else Tier.L2
+
+    def _mirrored(self, rank: int, block_hash: BlockHash) -> bool:
+        """Whether rank `rank`'s worker reported the block in its L1."""
+        with self._l1_lock:
+            return block_hash in self._l1[rank]
 
     def _plan_save(self, tracked: _Tracked, n_scheduled: int) -> SaveSpec | None:
         """The kvtier blocks this step completes (KV computed by its forward pass)."""
