@@ -21,9 +21,10 @@ likelier cause, and failing every request over to nothing would turn a pause int
 
 Stopping replicas: one that refused a request as a draining vLLM does (`Replica.stopping`, set
 by `kvtier.router.upstream`) keeps answering /health, so a good check does not bring it back.
-Each check sends it the same 1-token probe instead: a 200 means it serves again (a wrong guess
-costs one check interval). A failed check ends the state: the process is going or gone, and the
-checks above take over (a restart comes back through a good check, as any replica that was down).
+Each check sends it the same 1-token probe instead: an answer below 500 means it serves again
+(a wrong guess costs one check interval). A failed check ends the state: the process is going or
+gone, and the checks above take over (a restart comes back through a good check, as any replica
+that was down).
 
 Lost nodes: a replica out of rotation whose requests have had no byte for a check timeout is
 tested with a fresh TCP connection. A process that hangs or is only slow still has a kernel that
@@ -166,8 +167,10 @@ class HealthChecker:
             self._probes.pop(replica.name, None)
 
     async def _probe_stopping(self, replica: Replica) -> None:
-        """A stopping replica that answers a completion serves again."""
-        if await self._complete(replica, self._timeout_s) == 200 and replica.stopping:
+        """A stopping replica that answers a completion serves again; so does one answering
+        4xx, which cannot tell (a replica wanting credentials the probe lacks)."""
+        status = await self._complete(replica, self._timeout_s)
+        if status is not None and status < 500 and replica.stopping:
             log.warning("replica %s answers a completion again: back in rotation", replica.name)
             replica.stopping = False
 
