@@ -154,30 +154,28 @@ class HealthChecker:
             return False
         return replica.stalled or replica.no_progress_s(time.monotonic()) > self._stall_after_s
 
-    async def _complete(self, replica: Replica, timeout_s: float) -> int | None:
-        """The status of a 1-token completion (None: no answer within `timeout_s`)."""
+    async def _answers_probe(self, replica: Replica, timeout_s: float) -> bool:
+        """Whether a 1-token completion is answered below 500 within `timeout_s` (a 4xx cannot
+        tell: a replica wanting credentials the probe lacks)."""
         model = replica.models[0] if replica.models else ""
         body = json.dumps({"model": model, "prompt": "ping", "max_tokens": 1})
         try:
             status, _ = await self._request(replica, "/v1/completions", timeout_s, body.encode())
-            return status
+            return status < 500
         except (TimeoutError, OSError):
-            return None
+            return False
         finally:
             self._probes.pop(replica.name, None)
 
     async def _probe_stopping(self, replica: Replica) -> None:
-        """A stopping replica that answers a completion serves again; so does one answering
-        4xx, which cannot tell (a replica wanting credentials the probe lacks)."""
-        status = await self._complete(replica, self._timeout_s)
-        if status is not None and status < 500 and replica.stopping:
+        """A stopping replica that answers a completion serves again."""
+        if await self._answers_probe(replica, self._timeout_s) and replica.stopping:
             log.warning("replica %s answers a completion again: back in rotation", replica.name)
             replica.stopping = False
 
     async def _probe(self, replica: Replica) -> None:
         """One 1-token completion: answered, the replica makes progress; not, it stalled."""
-        status = await self._complete(replica, self._stall_after_s)
-        if status is not None and status < 500:
+        if await self._answers_probe(replica, self._stall_after_s):
             replica.last_progress = time.monotonic()
             if replica.stalled:
                 log.warning("replica %s answers again: back in rotation", replica.name)
