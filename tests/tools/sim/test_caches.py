@@ -61,3 +61,18 @@ def test_discard_removes_a_block() -> None:
 def test_bad_settings_are_config_errors(policy: str, capacity: float, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         make_cache(policy, capacity)
+
+
+def test_janitor_keeps_recency_from_writes_and_throttled_l2_reads_only() -> None:
+    """kvtier's L2: a block written again, or served elsewhere, keeps its recency; a read
+    refreshes it once `JANITOR_TOUCH_S` has passed; above the high watermark (9 of 10) the
+    least recent go down to the low one (7.5 of 10: 7 kept)."""
+    cache = make_cache("janitor", 10)
+    for b in range(9):
+        assert cache.put(b, now=float(b)) == []
+    assert cache.put(0, now=100.0) == []  # held: no rewrite, no refresh
+    cache.touch(1, now=30.0)  # read 29 s after its write: too soon to refresh
+    cache.touch(2, now=62.5)  # 60.5 s after: refreshed
+    assert cache.put(9, now=70.0) == [0, 1, 3]
+    assert sorted(b for b in range(10) if b in cache) == [2, 4, 5, 6, 7, 8, 9]
+    assert cache.put(10, now=71.0) == [] and len(cache) == 8

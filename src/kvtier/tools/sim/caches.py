@@ -4,13 +4,19 @@ Each cache is a small class with a `name`, looked up in `EVICTION`:
 
 - `lru`: least recently used goes first; a hit or a re-admission refreshes the block.
 - `fifo`: first admitted goes first; hits do not refresh (cheap, scan-resistant-ish baseline).
+- `janitor`: kvtier's shared L2 directory under its capacity janitor
+  (`kvtier.core.tiers.janitor`): recency is set when a block is first written and refreshed by
+  a read from this tier at most once per `JANITOR_TOUCH_S`; a block written again while held
+  keeps its recency (the connector does not rewrite it), and so does one served from a faster
+  tier. Above `JANITOR_HIGH` of the capacity the least recent blocks go, down to `JANITOR_LOW`.
 
 Operations (called by the fleet simulator only, one thread):
 
 - `block in cache`: membership, no side effect (the router-style lookup);
-- `touch(block)`: the block was read (a hit);
-- `put(block)`: admit or refresh the block; returns the blocks evicted to make room (possibly
-  the block itself when the capacity is 0), so the caller can publish removal events;
+- `touch(block, now)`: the block was read (a hit) at simulated time `now` (seconds; only
+  `janitor` reads it);
+- `put(block, now)`: admit or refresh the block; returns the blocks evicted to make room
+  (possibly the block itself when the capacity is 0), so the caller can publish removal events;
 - `discard(block)`: drop it if present.
 
 Capacities count blocks of the trace; `math.inf` means unbounded. Keys are the trace's int ids
@@ -24,8 +30,17 @@ from collections import OrderedDict
 from typing import ClassVar, Protocol
 
 from kvtier.core.errors import ConfigError
+from kvtier.core.settings import StoreSettings
 
-__all__ = ["EVICTION", "BlockCache", "FIFOCache", "LRUCache", "make_cache"]
+__all__ = ["EVICTION", "BlockCache", "FIFOCache", "JanitorCache", "LRUCache", "make_cache"]
+
+_DEFAULTS = StoreSettings.model_fields
+JANITOR_TOUCH_S: float = _DEFAULTS["l2_touch_interval_s"].default
+"""A read refreshes a block's recency at most this often (kvtier's default)."""
+JANITOR_HIGH: float = _DEFAULTS["l2_high_watermark"].default
+"""The fraction of capacity above which the janitor evicts (kvtier's default)."""
+JANITOR_LOW: float = _DEFAULTS["l2_low_watermark"].default
+"""The fraction it evicts down to (kvtier's default)."""
 
 
 class BlockCache(Protocol):
@@ -34,8 +49,8 @@ class BlockCache(Protocol):
 
     def __contains__(self, block: object) -> bool: ...
     def __len__(self) -> int: ...
-    def touch(self, block: int) -> None: ...
-    def put(self, block: int) -> list[int]: ...
+    def touch(self, block: int, now: float = 0.0) -> None: ...
+    def put(self, block: int, now: float = 0.0) -> list[int]: ...
     def discard(self, block: int) -> None: ...
 
 
@@ -59,13 +74,13 @@ class _OrderedCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def touch(self, block: int) -> None:
+    def touch(self, block: int, now: float = 0.0) -> None:
         if self.refresh_on_hit and block in self._blocks:
             self._blocks.move_to_end(block)
 
-    def put(self, block: int) -> list[int]:
+    def put(self, block: int, now: float = 0.0) -> list[int]:
         if block in self._blocks:
-            self.touch(block)
+            self.touch(block, now)
             return []
         self._blocks[block] = None
         evicted: list[int] = []
@@ -87,9 +102,46 @@ class FIFOCache(_OrderedCache):
     refresh_on_hit = False
 
 
+class JanitorCache(_OrderedCache):
+    """kvtier's L2 directory as its janitor keeps it (see the module docstring)."""
+
+    name = "janitor"
+    refresh_on_hit = False
+
+    def __init__(self, capacity: float) -> None:
+        super().__init__(capacity)
+        self._refreshed: dict[int, float] = {}
+        """Block -> when its recency was last set (written, or touched by a read)."""
+
+    def touch(self, block: int, now: float = 0.0) -> None:
+        last = self._refreshed.get(block)
+        if last is not None and now - last >= JANITOR_TOUCH_S:
+            self._blocks.move_to_end(block)
+            self._refreshed[block] = now
+
+    def put(self, block: int, now: float = 0.0) -> list[int]:
+        if block in self._blocks:
+            return []
+        self._blocks[block] = None
+        self._refreshed[block] = now
+        if len(self._blocks) <= self.capacity * JANITOR_HIGH:
+            return []
+        evicted: list[int] = []
+        while len(self._blocks) > self.capacity * JANITOR_LOW:
+            victim = self._blocks.popitem(last=False)[0]
+            del self._refreshed[victim]
+            evicted.append(victim)
+        return evicted
+
+    def discard(self, block: int) -> None:
+        super().discard(block)
+        self._refreshed.pop(block, None)
+
+
 EVICTION: dict[str, type[_OrderedCache]] = {
     LRUCache.name: LRUCache,
     FIFOCache.name: FIFOCache,
+    JanitorCache.name: JanitorCache,
 }
 
 

@@ -145,7 +145,8 @@ def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
             f"--{tier}-eviction",
             choices=sorted(EVICTION),
             default="lru",
-            help=f"eviction policy of {tier} (default lru)",
+            help=f"eviction policy of {tier} (default lru; janitor: as kvtier's L2 janitor "
+            "keeps a shared directory, recency from writes and throttled L2 reads)",
         )
     parser.add_argument(
         "--costs",

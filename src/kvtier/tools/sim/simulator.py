@@ -227,7 +227,7 @@ class _Fleet:
         loaded = {Tier.L1: 0, Tier.L2: 0}
         cached = 0
         for block, tokens in zip(request.blocks, counts, strict=True):
-            tier = self._holder(replica, block)
+            tier = self._holder(replica, block, now)
             if tier is None or not self.loadable[tier]:
                 break
             self.hit_blocks[tier] += 1
@@ -247,11 +247,11 @@ class _Fleet:
         replica.prefill_tokens += computed
         self._schedule(done, _PREFILL_DONE, replica, job)
 
-    def _holder(self, replica: _Replica, block: int) -> Tier | None:
+    def _holder(self, replica: _Replica, block: int, now: float) -> Tier | None:
         """Best tier holding `block` for this replica, touching it there (a read)."""
         for tier, cache in replica.tiers:
             if block in cache:
-                cache.touch(block)
+                cache.touch(block, now)
                 return tier
         return None
 
@@ -267,7 +267,7 @@ class _Fleet:
             for block, h in zip(request.blocks, request.hashes, strict=True):
                 if block not in cache:
                     stored.append(h)
-                evicted += cache.put(block)
+                evicted += cache.put(block, now)
             self._publish(replica, tier, stored, evicted, now)
         self._schedule(now + self.costs.decode_s(request.output_tokens), _DECODE_DONE, replica, job)
         replica.busy = False
