@@ -59,6 +59,12 @@ class _OrderedCache:
 
     name: ClassVar[str]
     refresh_on_hit: ClassVar[bool]
+    refresh_on_write: ClassVar[bool] = True
+    """Whether `put` of a held block counts as a use (`touch`)."""
+    evict_above: ClassVar[float] = 1.0
+    evict_to: ClassVar[float] = 1.0
+    """Eviction starts when the blocks exceed `evict_above` x capacity and goes on until they
+    are at most `evict_to` x capacity."""
 
     def __init__(self, capacity: float) -> None:
         if not (capacity >= 0 and (math.isinf(capacity) or capacity == int(capacity))):
@@ -66,7 +72,8 @@ class _OrderedCache:
                 f"capacity: must be a whole number of blocks >= 0 or inf, got {capacity}"
             )
         self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[int, float] = OrderedDict()
+        """Block -> when it was admitted or last refreshed; the first is the next victim."""
 
     def __contains__(self, block: object) -> bool:
         return block in self._blocks
@@ -77,15 +84,18 @@ class _OrderedCache:
     def touch(self, block: int, now: float = 0.0) -> None:
         if self.refresh_on_hit and block in self._blocks:
             self._blocks.move_to_end(block)
+            self._blocks[block] = now
 
     def put(self, block: int, now: float = 0.0) -> list[int]:
         if block in self._blocks:
-            self.touch(block, now)
+            if self.refresh_on_write:
+                self.touch(block, now)
             return []
-        self._blocks[block] = None
+        self._blocks[block] = now
         evicted: list[int] = []
-        while len(self._blocks) > self.capacity:
-            evicted.append(self._blocks.popitem(last=False)[0])
+        if len(self._blocks) > self.capacity * self.evict_above:
+            while len(self._blocks) > self.capacity * self.evict_to:
+                evicted.append(self._blocks.popitem(last=False)[0])
         return evicted
 
     def discard(self, block: int) -> None:
@@ -106,36 +116,15 @@ class JanitorCache(_OrderedCache):
     """kvtier's L2 directory as its janitor keeps it (see the module docstring)."""
 
     name = "janitor"
-    refresh_on_hit = False
-
-    def __init__(self, capacity: float) -> None:
-        super().__init__(capacity)
-        self._refreshed: dict[int, float] = {}
-        """Block -> when its recency was last set (written, or touched by a read)."""
+    refresh_on_hit = True
+    refresh_on_write = False
+    evict_above = JANITOR_HIGH
+    evict_to = JANITOR_LOW
 
     def touch(self, block: int, now: float = 0.0) -> None:
-        last = self._refreshed.get(block)
+        last = self._blocks.get(block)
         if last is not None and now - last >= JANITOR_TOUCH_S:
-            self._blocks.move_to_end(block)
-            self._refreshed[block] = now
-
-    def put(self, block: int, now: float = 0.0) -> list[int]:
-        if block in self._blocks:
-            return []
-        self._blocks[block] = None
-        self._refreshed[block] = now
-        if len(self._blocks) <= self.capacity * JANITOR_HIGH:
-            return []
-        evicted: list[int] = []
-        while len(self._blocks) > self.capacity * JANITOR_LOW:
-            victim = self._blocks.popitem(last=False)[0]
-            del self._refreshed[victim]
-            evicted.append(victim)
-        return evicted
-
-    def discard(self, block: int) -> None:
-        super().discard(block)
-        self._refreshed.pop(block, None)
+            super().touch(block, now)
 
 
 EVICTION: dict[str, type[_OrderedCache]] = {
