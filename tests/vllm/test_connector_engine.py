@@ -57,6 +57,8 @@ LOCAL_HITS = "vllm:prefix_cache_hits_total"
 LOADED = "kvtier_connector_loaded_blocks_total"
 HIT_TOKENS = "kvtier_connector_hit_tokens_total"
 SNAPSHOTS = "kvtier_connector_event_snapshots_total"
+LAYERED = "kvtier_connector_layered_copy_seconds_total"
+FAILED = "kvtier_connector_load_failed_blocks_total"
 L1, L2 = {"tier": "l1"}, {"tier": "l2"}
 
 LENGTHS = {
@@ -233,8 +235,13 @@ def test_l1_hit_after_l0_eviction_gives_identical_tokens(
     external_before = metric(replica_a, EXTERNAL_HITS)
     l1_before = metric(replica_a, LOADED, L1)
     l1_tokens_before = metric(replica_a, HIT_TOKENS, L1)
+    layered_before = metric(replica_a, LAYERED)
+    failed_before = metric(replica_a, FAILED)
 
     assert complete(replica_a, tokens) == expected["l1", HITS["l1"][1]]
+    # copied beside the forward pass, which waited for every layer (else: recomputed)
+    assert metric(replica_a, LAYERED) > layered_before
+    assert metric(replica_a, FAILED) == failed_before
 
     assert metric(replica_a, LOCAL_HITS) == local_before  # L0 really lost it
     assert metric(replica_a, EXTERNAL_HITS) - external_before == _usable(tokens)
@@ -288,12 +295,12 @@ def test_a_corrupt_or_missing_l2_block_fails_its_load_and_is_recomputed(
         bad.write_bytes(bytes(data))
     else:
         bad.unlink()
-    failed_before = metric(replica_b, "kvtier_connector_load_failed_blocks_total")
+    failed_before = metric(replica_b, FAILED)
     external_before = metric(replica_b, EXTERNAL_HITS)
 
     assert complete(replica_b, tokens) == expected[damage, HITS[damage][1]]
 
-    assert metric(replica_b, "kvtier_connector_load_failed_blocks_total") - failed_before >= 1
+    assert metric(replica_b, FAILED) - failed_before >= 1
     assert metric(replica_b, LOADED, L2) >= 2  # the blocks before it
     assert metric(replica_b, EXTERNAL_HITS) > external_before
     # the bad file was removed (or was gone), and the recompute saved a good one in its place:

@@ -75,6 +75,13 @@ def _save(
         time.sleep(0.01)
 
 
+def _forward(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+    """What vLLM does around a forward pass: wait for each layer, then `wait_for_save`."""
+    for name in caches:
+        side.wait_for_layer(name)
+    side.submit_saves(KvtierMetadata())
+
+
 def _close(side: WorkerSide) -> None:
     side.close()
     side._store.close()
@@ -216,6 +223,114 @@ def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
         assert b.load_errors() == set()  # reported once
     finally:
         release.set()
+        _close(a)
+        _close(b)
+
+
+def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path: Path) -> None:
+    """A synchronous L1 hit returns from `start_loads` before any copy; the forward pass's
+    wait for layer i returns once layer i (and not yet i + 1) of every block is written."""
+    a, caches = _replica(tmp_path)
+    names = list(caches)
+    gates = [threading.Event() for _ in names]
+    scatter_layer = a._require_kv().scatter_layer
+
+    def gated(layer: int, pending: object) -> None:
+        assert gates[layer].wait(30)
+        scatter_layer(layer, pending)  # type: ignore[arg-type]
+
+    a._require_kv().scatter_layer = gated  # type: ignore[method-assign]
+    try:
+        _save(a, "computed", (7, 8, 9))
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
+        a.start_loads(KvtierMetadata(loads=[load]))  # returns: nothing copied yet
+        for name in names:
+            assert not torch.equal(caches[name][1:4], caches[name][7:10])
+        for layer, name in enumerate(names):
+            gates[layer].set()
+            a.wait_for_layer(name)
+            assert torch.equal(caches[name][1:4], caches[name][7:10])
+            if layer + 1 < len(names):
+                after = names[layer + 1]
+                assert not torch.equal(caches[after][1:4], caches[after][7:10])
+        a.submit_saves(KvtierMetadata())
+        totals = a._counters.totals()
+        assert totals["load_blocks_l1"] == 3 and totals["layered_copy_seconds"] > 0
+        assert totals.get("phase_copy_seconds", 0) == 0  # nothing copied before the forward
+        assert a.load_errors() == set()
+    finally:
+        for gate in gates:
+            gate.set()
+        _close(a)
+
+
+def test_a_layered_copy_the_forward_pass_did_not_wait_for_is_recomputed(tmp_path: Path) -> None:
+    """A forward pass that skipped `wait_for_layer_load` may have read blocks not yet written:
+    they are reported failed (vLLM drops the step's output and recomputes them), and later
+    hits are copied before the forward."""
+    a, caches = _replica(tmp_path)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
+        a.start_loads(KvtierMetadata(loads=[load]))
+        a.wait_for_layer(next(iter(caches)))  # layer 0 only
+        a.submit_saves(KvtierMetadata())
+        assert a.load_errors() == {1, 2, 3}
+        load = LoadSpec("again", CHAIN, (4, 5, 6), 0, (Tier.L1,) * 3, asynchronous=False)
+        a.start_loads(KvtierMetadata(loads=[load]))  # copied before returning now
+        for name in caches:
+            assert torch.equal(caches[name][4:7], caches[name][7:10])
+        assert a.load_errors() == set()
+    finally:
+        _close(a)
+
+
+def test_a_layered_copy_that_fails_reports_its_blocks_and_never_hangs_the_forward(
+    tmp_path: Path,
+) -> None:
+    a, caches = _replica(tmp_path)
+
+    def broken(layer: int, pending: object) -> None:
+        raise MemoryError("copy failed")
+
+    try:
+        _save(a, "computed", (7, 8, 9))
+        a._require_kv().scatter_layer = broken  # type: ignore[method-assign]
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
+        a.start_loads(KvtierMetadata(loads=[load]))
+        for name in caches:
+            a.wait_for_layer(name)
+        assert a.load_errors() == {1, 2, 3}
+        _save(a, "hit", (1, 2, 3))  # this step's save skips the blocks never written
+        assert a._counters.totals()["save_skipped_blocks"] == 0
+    finally:
+        _close(a)
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
+    tmp_path: Path, layerwise: bool
+) -> None:
+    """L1 hits go to the layered copy, L2 hits are copied from the staging buffer at once."""
+    a, a_caches = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path, load_layerwise=layerwise, load_read_threads=2)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        load = LoadSpec("first", CHAIN[:1], (4,), 0, (Tier.L2,), asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _save(b, "first", (4,), promote=frozenset({0}))  # block 0 reaches b's L1
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) + (Tier.L2,) * 2, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _forward(b, b_caches)
+        assert b.load_errors() == set()
+        for name in a_caches:
+            assert torch.equal(b_caches[name][1:4], a_caches[name][7:10])
+        totals = b._counters.totals()
+        assert totals["load_blocks_l1"] == 1 and totals["load_blocks_l2"] == 3
+        assert (totals.get("layered_copy_seconds", 0) > 0) == layerwise
+        assert totals["phase_copy_seconds"] > 0  # the L2 hits
+    finally:
         _close(a)
         _close(b)
 

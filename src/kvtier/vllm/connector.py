@@ -8,9 +8,11 @@ Loaded by vLLM from the transfer config (one instance in the scheduler, one per 
         "kv_connector_extra_config": {"l1_bytes": 4294967296, "l2_path": "/mnt/kv"}}'
 
 This class only routes vLLM's hooks: scheduler-role hooks to `SchedulerSide`, worker-role hooks
-to `WorkerSide`, counters to `stats`. Loads are asynchronous (a hit waits in vLLM's
-WAITING_FOR_REMOTE_KVS while a worker thread fills its blocks), saves run on a worker thread
-after the forward pass, and a request with saves in flight keeps its blocks until they finish.
+to `WorkerSide`, counters to `stats`. Loads are synchronous by default (read before the forward
+pass of the step that computes the rest of the prompt; L1 hits copied layer by layer during it)
+or asynchronous (a hit waits in vLLM's WAITING_FOR_REMOTE_KVS while a worker thread fills its
+blocks), saves run on a worker thread after the forward pass, and a request with saves in
+flight keeps its blocks until they finish.
 Failed loads are reported by engine block id; with `kv_load_failure_policy: "recompute"` vLLM
 recomputes them (with vLLM's default "fail" the request fails).
 """
@@ -117,6 +119,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 load_staging=self.config.load_staging,
                 load_read_threads=self.config.load_read_threads,
                 load_deadline_s=self.config.load_deadline_s,
+                load_layerwise=self.config.load_layerwise,
             )
         self.counters.watch(
             (s.store for s in self._stores),
@@ -149,7 +152,7 @@ class KvtierConnector(KVConnectorBase_V1):
         self._worker_side().start_loads(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete before the request is scheduled (asynchronous loading)
+        self._worker_side().wait_for_layer(layer_name)
 
     def save_kv_layer(
         self,

@@ -156,9 +156,16 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
         "counter",
         "Seconds cache hits spent per phase: lookup (the scheduler's existence checks), "
         "lookup_wait (requests waiting for lookup answers), queue (a planned load waiting for "
-        "its loader), open, read, checksum (L2 reads), copy (into vLLM's KV cache).",
+        "its loader), open, read, checksum (L2 reads), copy (into vLLM's KV cache, before "
+        "the forward pass), layer_wait (the forward pass waiting for the layered copy).",
         ("phase",),
-        "phase: lookup, lookup_wait, queue, open, read, checksum, copy",
+        "phase: lookup, lookup_wait, queue, open, read, checksum, copy, layer_wait",
+    ),
+    MetricDef(
+        "kvtier_connector_layered_copy_seconds",
+        "counter",
+        "Seconds the copier spent copying L1 hits into vLLM's KV cache layer by layer, beside "
+        "the forward passes that read them (load_layerwise).",
     ),
     MetricDef(
         "kvtier_connector_lookup_deferred_steps",
@@ -298,6 +305,8 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "phase_read_seconds": ("kvtier_connector_hit_phase_seconds", ("read",)),
     "phase_checksum_seconds": ("kvtier_connector_hit_phase_seconds", ("checksum",)),
     "phase_copy_seconds": ("kvtier_connector_hit_phase_seconds", ("copy",)),
+    "phase_layer_wait_seconds": ("kvtier_connector_hit_phase_seconds", ("layer_wait",)),
+    "layered_copy_seconds": ("kvtier_connector_layered_copy_seconds", ()),
     "lookup_deferred": ("kvtier_connector_lookup_deferred_steps", ()),
     "save_cpu_seconds": ("kvtier_connector_save_cpu_seconds", ()),
     "l2_write_cpu_seconds": ("kvtier_connector_l2_write_cpu_seconds", ()),

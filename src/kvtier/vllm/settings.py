@@ -73,6 +73,10 @@ class ConnectorSettings(StoreSettings):
     reported failed and recomputed, and the load's late reads are discarded. It bounds how long
     a slow or hung L2 (a stalled FUSE mount) stalls an engine step (synchronous loads) or
     holds a request (asynchronous ones); set it near the time a long prompt takes to compute."""
+    load_layerwise: bool = True
+    """Synchronous loads on a CPU engine: copy L1 hits into vLLM's KV cache layer by layer on
+    a background CPU while the forward pass runs, which waits only for the layer it reads next
+    (off: copy them before the forward). L2 hits are copied before the forward either way."""
     load_staging: bool = True
     """Read L2 hits into a staging buffer each loader reuses, then copy them into vLLM's KV
     cache; they reach L1 afterwards, when the request's blocks are saved. Off: read each into a

@@ -10,10 +10,12 @@ what another replica with the same namespace (same backend, geometry, dtype) rea
 
 Called only from the worker side's background threads (`worker_side`): `gather` by the saver,
 `scatter` by the loader. On CPU `gather` is `index_select` per layer, and `scatter` copies
-block by block through numpy byte views of the tensors. On CUDA, `gather` copies device blocks
-into a pinned host buffer and `scatter` stages the payload in a pinned buffer, each on a side
-stream with a non-blocking copy, synchronising only that stream; the forward pass on the
-default stream is never blocked. (CI has no GPU: the CUDA path is not run.)
+block by block through numpy byte views of the tensors; `scatter_layer` copies one layer of a
+`PendingScatter` (the layered copy beside the forward pass, `kvtier.vllm.layered_copy`). On
+CUDA, `gather` copies device blocks into a pinned host buffer and `scatter` stages the payload
+in a pinned buffer, each on a side stream with a non-blocking copy, synchronising only that
+stream; the forward pass on the default stream is never blocked. (CI has no GPU: the CUDA
+path is not run.)
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class PagedKV:
             raise ConfigError("kv_caches: vLLM registered no KV cache tensors")
         names = sorted(kv_caches, key=_layer_order)
         self.layers = [kv_caches[n] for n in names]
+        self.layer_index = {name: i for i, name in enumerate(names)}
+        """Layer position by vLLM's layer name (the forward pass runs them in this order)."""
         first = self.layers[0]
         for name, t in zip(names, self.layers, strict=True):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
@@ -115,12 +119,7 @@ class PagedKV:
         The first `skip` engine blocks of the kvtier block are left alone (they already hold
         locally computed KV); fewer ids than the rest of the block write only a leading part.
         """
-        if len(engine_block_ids) > self.layout.per_block - skip:
-            raise ValueError(
-                f"at most {self.layout.per_block - skip} engine block ids, got "
-                f"{len(engine_block_ids)}"
-            )
-        self._check_ids(engine_block_ids, len(engine_block_ids))
+        self._check_scatter(engine_block_ids, skip)
         if not engine_block_ids:
             return
         end = skip + len(engine_block_ids)
@@ -132,12 +131,45 @@ class PagedKV:
             for layer, cache in enumerate(self._host):
                 cache[block] = payload[layer, j]
 
+    def pending_scatter(
+        self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0
+    ) -> PendingScatter:
+        """A `scatter` to run later, one layer at a time (`scatter_layer`); CPU only."""
+        if self._cuda is not None:
+            raise ValueError("a layered scatter runs on CPU caches only")
+        self._check_scatter(engine_block_ids, skip)
+        return PendingScatter(_bytes_array(src), tuple(engine_block_ids), skip)
+
+    def scatter_layer(self, layer: int, pending: PendingScatter) -> None:
+        """Write `layer` of a pending scatter's blocks."""
+        cache, payload = self._host[layer], pending.payload[layer]
+        for j, block in enumerate(pending.engine_block_ids, start=pending.skip):
+            cache[block] = payload[j]
+
+    def _check_scatter(self, engine_block_ids: Sequence[int], skip: int) -> None:
+        if len(engine_block_ids) > self.layout.per_block - skip:
+            raise ValueError(
+                f"at most {self.layout.per_block - skip} engine block ids, got "
+                f"{len(engine_block_ids)}"
+            )
+        self._check_ids(engine_block_ids, len(engine_block_ids))
+
     def _check_ids(self, ids: Sequence[int], expected: int) -> None:
         if len(ids) != expected:
             raise ValueError(f"expected {expected} engine block ids, got {len(ids)}")
         n = self.num_engine_blocks
         if any(not 0 <= i < n for i in ids):
             raise ValueError(f"engine block id outside 0..{n - 1}: {list(ids)}")
+
+
+@dataclass(frozen=True, slots=True)
+class PendingScatter:
+    """A payload's engine blocks `skip`, `skip + 1`, ... bound for `engine_block_ids`."""
+
+    payload: Any
+    """The payload's bytes (a numpy uint8 array, indexed [layer, engine block])."""
+    engine_block_ids: tuple[int, ...]
+    skip: int
 
 
 def _bytes_array(t: torch.Tensor) -> Any:

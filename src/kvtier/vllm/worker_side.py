@@ -7,10 +7,14 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
                                rest is dropped and counted); it waits only for a block being
                                copied out, never for the store (a slow L2 cannot stall it).
     start_loads(meta)          queues this step's loads on the loader thread(s) and returns
-                               (synchronous loads, if configured, are waited for here, at most
-                               `load_deadline_s`).
-    submit_saves(meta)         after the forward (`wait_for_save`): queues this step's saves on
-                               the saver thread and returns; the forward pass never waits. Past
+                               (synchronous loads, the default, are waited for here, at most
+                               `load_deadline_s`; with `load_layerwise` their L1 hits are
+                               copied into the engine's blocks during the forward pass).
+    wait_for_layer(name)       before each attention layer: waits until that layer of the
+                               step's layered copy is written.
+    submit_saves(meta)         after the forward (`wait_for_save`): ends the layered copy, then
+                               queues this step's saves on the saver thread and returns; the
+                               forward pass never waits for them. Past
                                `save_backlog_blocks` waiting blocks, new saves are dropped and
                                counted: a finished request holds its KV blocks until its saves
                                are done, so a saver that cannot keep up must not hold them.
@@ -30,12 +34,15 @@ Background threads (owned here, stopped by `close`):
 - loader: `store.load_into`: an L1 hit is copied (`scatter`) from L1 into the request's engine
   blocks (allocated to it alone while it waits for the load); an L2 hit is read into this
   thread's staging buffer (reused: a fresh buffer per block costs page faults that exceed the
-  read itself), checksummed, then copied into the engine blocks. L2 hits are not promoted into
+  read itself), checksummed, then copied into the engine blocks. With the layered copy, a
+  synchronous load's L1 hits are left to the copier. L2 hits are not promoted into
   L1 here, on the request's critical path: the save plan offers the loaded blocks again once
   the request computed on, and the saver copies them into L1 from the engine's cache;
 - saver: for each block of a save no tier holds (for a block the request loaded from L2: that
   L1 does not hold), `gather` its engine blocks into a fresh host buffer that L1 adopts (one
-  copy) and `store.save` it (written through to L2 asynchronously by the store's writers).
+  copy) and `store.save` it (written through to L2 asynchronously by the store's writers);
+- copier: the layered copy of a step's synchronous loads (`kvtier.vllm.layered_copy`), beside
+  the forward pass, which waits for each layer before reading it.
 
 Placement: vLLM's CPU worker binds its threads, and so every thread they start, to the engine's
 cores. The saver, the store's L2 writers and asynchronous loaders move to `background_cpus`
@@ -43,10 +50,12 @@ cores. The saver, the store's L2 writers and asynchronous loaders move to `backg
 CPU time is counted (`save_cpu_seconds`, the store's `l2_write_cpu_seconds`). They keep the
 engine's priority: vLLM keeps stepping (busy) while a finished request's save is pending, so a
 niced saver starves behind the very engines that wait for it. Synchronous loaders stay on the
-engine's cores: the engine waits for them.
+engine's cores: the engine waits for them. The copier runs on `background_cpus`: on the
+engine's cores it would take turns with the forward pass instead of running beside it.
 
 Timing: each load reports its phases (queue: from the scheduler's plan to the loader's start;
-open, read, checksum: the L2 reads; copy: into the engine's blocks) to `ConnectorCounters`.
+open, read, checksum: the L2 reads; copy: into the engine's blocks before the forward;
+layer_wait: the forward waiting for the layered copy) to `ConnectorCounters`.
 """
 
 from __future__ import annotations
@@ -67,11 +76,12 @@ from kvtier.core.keys import BlockHash
 from kvtier.core.store import LoadedBlock
 from kvtier.core.tiers.base import ReadTimes, Tier
 from kvtier.vllm.compat import EngineGeometry
+from kvtier.vllm.layered_copy import LayeredCopy
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import ProcessStore
 from kvtier.vllm.settings import parse_cpu_list
 from kvtier.vllm.stats import ConnectorCounters
-from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
+from kvtier.vllm.transfer import PagedKV, PendingScatter, host_bytes, payload_view
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +132,10 @@ class _LoadRun:
         self.queued_at = time.monotonic()
         self._lock = threading.Lock()
         self.written = 0
-        """Engine block ids of `spec` written so far (only the loader thread changes it)."""
+        """Engine block ids of `spec` written so far, or handed to the layered copy (only the
+        loader thread changes it)."""
+        self.deferred: list[PendingScatter] = []
+        """Blocks for the step's layered copy."""
         self._settled = False
 
     def write(self, n_ids: int, scatter: Callable[[], None]) -> None:
@@ -132,6 +145,19 @@ class _LoadRun:
                 raise _Settled
             scatter()
             self.written += n_ids
+
+    def defer(self, pending: PendingScatter) -> None:
+        """Hand the next engine blocks to the layered copy unless settled."""
+        with self._lock:
+            if self._settled:
+                raise _Settled
+            self.deferred.append(pending)
+            self.written += len(pending.engine_block_ids)
+
+    def take_deferred(self) -> list[PendingScatter]:
+        """The blocks handed to the layered copy (once settled, no more are added)."""
+        with self._lock:
+            return list(self.deferred)
 
     def settle(self) -> tuple[int, ...] | None:
         """The engine block ids never written, the first time; None once already settled."""
@@ -182,10 +208,11 @@ class WorkerSide:
         load_staging: bool = True,
         load_read_threads: int = 0,
         load_deadline_s: float = 2.0,
+        load_layerwise: bool = True,
     ) -> None:
         """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
         there too when `loads_in_background`. `load_staging`, `load_read_threads`,
-        `load_deadline_s`: see `ConnectorSettings`."""
+        `load_deadline_s`, `load_layerwise`: see `ConnectorSettings`."""
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -220,6 +247,15 @@ class WorkerSide:
             thread_name_prefix="kvtier-save",
             initializer=thread_placer(cpus),
         )
+        self._copier = ThreadPoolExecutor(
+            1, thread_name_prefix="kvtier-copy", initializer=thread_placer(cpus)
+        )
+        self._layerwise = load_layerwise
+        self._layered: LayeredCopy | None = None
+        """This step's layered copy (only the worker's execute thread uses it)."""
+        self._forward_waits: list[int | None] = []
+        """The layers the forward pass waited for this step (None: an unknown layer name,
+        waited for as every layer)."""
         self._backlog_limit = save_backlog_blocks
         self._load_staging = load_staging
         self._deadline_s = load_deadline_s
@@ -286,8 +322,59 @@ class WorkerSide:
             _, late = wait(sync, timeout=self._deadline_s)
             for future in late:
                 self._settle(sync[future], missed_deadline=True)
+            self._start_layered([p for run in sync.values() for p in run.take_deferred()])
+
+    def _start_layered(self, pending: list[PendingScatter]) -> None:
+        if not pending:
+            return
+        job = self._layered = LayeredCopy(self._require_kv(), pending)
+        self._forward_waits = []
+        try:
+            self._copier.submit(job.run)
+        except RuntimeError:  # closed: copy here
+            job.run()
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Return once the layer `layer_name` of this step's layered copy is written."""
+        job = self._layered
+        if job is None:
+            return
+        layer = self._require_kv().layer_index.get(layer_name)
+        self._forward_waits.append(layer)
+        waited = job.wait(layer)
+        if waited:
+            self._counters.add(phase_layer_wait_seconds=waited)
+
+    def _end_layered(self) -> None:
+        """Wait for this step's layered copy. A failed one, or one the forward pass did not
+        wait for layer by layer (it may have read blocks not yet written), is reported as
+        failed loads; the latter also turns the layered copy off for good."""
+        job, self._layered = self._layered, None
+        if job is None:
+            return
+        waited = job.wait()
+        self._counters.add(phase_layer_wait_seconds=waited, layered_copy_seconds=job.copy_s)
+        waits = self._forward_waits
+        layers = self._require_kv().layout.num_layers
+        unguarded = not (waits and waits[0] is None) and not set(range(layers)) <= set(waits)
+        if unguarded and self._layerwise:
+            self._layerwise = False
+            log.warning(
+                "kvtier: the forward pass did not wait for every layer of a layered copy (%d "
+                "of %d); its blocks are recomputed, and hits are copied before the forward "
+                "from now on",
+                len(set(waits)),
+                layers,
+            )
+        if job.failed or unguarded:
+            failed = job.engine_block_ids
+            self._counters.add(load_failed_blocks=len(failed))
+            with self._lock:
+                self._load_errors.update(failed)
+                self._unwritten.update(failed)
 
     def submit_saves(self, meta: KvtierMetadata) -> None:
+        self._end_layered()
         with self._lock:
             unwritten, self._unwritten = self._unwritten, set()
         dropped = 0
@@ -344,12 +431,14 @@ class WorkerSide:
         return KvtierWorkerMeta([(self._rank, c) for c in changes]) if changes else None
 
     def load_errors(self) -> set[int]:
+        self._end_layered()  # (vLLM may ask before `wait_for_save`)
         with self._lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
+        self._copier.shutdown(wait=True)
         if self._readers is not None:
             self._readers.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
@@ -382,16 +471,19 @@ class WorkerSide:
                 raise _LayoutMismatch
             skip = spec.skip if counts[Tier.L1] + counts[Tier.L2] == 0 else 0
             ids = spec.engine_block_ids[run.written : run.written + p - skip]
-            t = time.perf_counter()
-            run.write(
-                len(ids), lambda: kv.scatter(payload_view(block.payload, kv.layout), ids, skip)
-            )
-            copy_s += time.perf_counter() - t
+            src = payload_view(block.payload, kv.layout)
+            if layered and block.tier is Tier.L1:  # L1's views stay valid: copied later
+                run.defer(kv.pending_scatter(src, ids, skip))
+            else:
+                t = time.perf_counter()
+                run.write(len(ids), lambda: kv.scatter(src, ids, skip))
+                copy_s += time.perf_counter() - t
             counts[block.tier] += 1
             loaded_bytes += block.payload.nbytes
 
         try:
             kv = self._require_kv()
+            layered = self._layerwise and not spec.asynchronous and kv.device.type == "cpu"
             staging = self._staging(kv) if self._load_staging else []
             self._store.load_into(
                 spec.hashes, consume, staging=staging, pool=self._readers, times=times

@@ -43,7 +43,8 @@ def test_samples_are_keyed_by_phase_or_tier_and_summed_over_engines() -> None:
 
 
 def _hit(ttft: float, load: float, **phases: float) -> Breakdown:
-    ms = dict.fromkeys(("lookup", "lookup_wait", "queue", "open", "read", "checksum", "copy"), 0.0)
+    measured = ("lookup", "lookup_wait", "queue", "open", "read", "checksum", "copy", "layer_wait")
+    ms = dict.fromkeys(measured, 0.0)
     return Breakdown("kvtier", 2500, ttft, ms | phases, load, 0.0, 19.0)
 
 
@@ -53,6 +54,12 @@ def test_a_breakdown_adds_up_to_the_ttft() -> None:
     assert split["load_other"] == pytest.approx(5.0)
     assert split["engine"] == pytest.approx(745.0)
     assert sum(split.values()) == pytest.approx(800.0)
+
+
+def test_the_forward_pass_waiting_for_the_layered_copy_is_not_engine_time() -> None:
+    split = _hit(100.0, 10.0, read=8.0, layer_wait=3.0).split()
+    assert (split["layer_wait"], split["engine"]) == pytest.approx((3.0, 87.0))
+    assert sum(split.values()) == pytest.approx(100.0)
 
 
 def test_parallel_reads_are_scaled_down_to_the_loads_wall_time() -> None:
@@ -78,11 +85,13 @@ def test_ratios_are_paired_per_prompt() -> None:
         (PLAIN, 512, "cold"): Row(PLAIN, 512, "cold", [100.0, 200.0, 330.0]),
         (PLAIN, 512, "l0"): Row(PLAIN, 512, "l0", [50.0, 50.0, 50.0]),
         ("kvtier-juicefs", 512, "l2_cross"): Row("kvtier-juicefs", 512, "l2_cross", [60.0] * 3),
+        ("kvtier-juicefs", 512, "l1"): Row("kvtier-juicefs", 512, "l1", [40.0, 55.0, 60.0]),
     }
     by_name = {r["ratio"]: r for r in paired_ratios(rows, ["kvtier", "kvtier-juicefs"])}
     cold = by_name["kvtier cold / vLLM cold"]
     assert (cold["median"], cold["min"], cold["max"]) == (1.0, pytest.approx(0.909, abs=1e-3), 1.1)
     assert by_name["kvtier-juicefs L2 / vLLM L0"]["median"] == 1.2
+    assert by_name["kvtier-juicefs L1 / vLLM L0"]["median"] == 1.1  # its own L1 hits
     assert "kvtier L2 / vLLM L0" not in by_name  # no such row: not invented
 
 

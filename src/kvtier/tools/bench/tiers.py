@@ -28,7 +28,8 @@ Order: runs go round by round; in each, every length gets a fresh document of ex
 tokens (real text, `kvtier.tools.bench.corpus`), sent with max_tokens=1 and streamed (TTFT =
 time to the first streamed token): cold on A and on plain vLLM, then L0 on both (which of the
 two goes first alternates from run to run), L1 on A after emptying its L0 through vLLM's
-`/reset_prefix_cache`, then the L2 hits on every reader (in an order that rotates). So slow
+`/reset_prefix_cache`, then the L2 hits on every reader (in an order that rotates), each reader
+but B followed by its own L1 hit (the blocks it just loaded reach its L1). So slow
 drifts of a shared machine hit every system alike, and each ratio is taken within one prompt
 (paired); rows report the median and the min-max of the runs, ratios the median and min-max
 of the paired ratios.
@@ -77,7 +78,8 @@ RATIOS = (
     ("kvtier L2 / kvtier L0", ("kvtier", "l2_cross"), ("kvtier", "l0")),
     ("vLLM cold / kvtier L2", (PLAIN, "cold"), ("kvtier", "l2_cross")),
 )
-"""Paired ratios reported for kvtier; every L2 reader gets its "L2 / vLLM L0" too."""
+"""Paired ratios reported for kvtier; every other L2 reader gets its "L2 / vLLM L0" and
+"L1 / vLLM L0" too."""
 
 
 @dataclass(slots=True)
@@ -206,7 +208,13 @@ def paired_ratios(
 ) -> list[dict[str, Any]]:
     """Median and min-max of per-prompt ratios (both TTFTs of one prompt, taken close in time)."""
     specs = list(RATIOS) + [
-        (f"{s} L2 / vLLM L0", (s, "l2_cross"), (PLAIN, "l0")) for s in l2_systems if s != "kvtier"
+        spec
+        for s in l2_systems
+        if s != "kvtier"
+        for spec in (
+            (f"{s} L2 / vLLM L0", (s, "l2_cross"), (PLAIN, "l0")),
+            (f"{s} L1 / vLLM L0", (s, "l1"), (PLAIN, "l0")),
+        )
     ]
     out: list[dict[str, Any]] = []
     for tokens in sorted({t for _, t, _ in rows}):
@@ -468,6 +476,9 @@ class _S1:
                 # the replica copies the loaded blocks into its L1 in the background: let it
                 # finish before it is frozen, so it never runs during another measurement
                 time.sleep(0.3 + 0.01 * len(files))
+                if system != "kvtier":  # the reader's own L1 hit (its connector settings)
+                    reset_l0(url)
+                    self.hit(url, system, n, "l1", tokens)
 
     def hit(self, url: str, system: str, n: int, scenario: str, tokens: list[int]) -> None:
         """Time one cache hit; with `--breakdown`, split it (an L1 hit as system "X L1")."""

@@ -10,10 +10,11 @@ Around each L2 hit the benchmark reads the replica's `/metrics` before and after
     open         opening files, reading and validating headers
     read         reading payloads (from the page cache, or through FUSE)
     checksum     hashing payloads
-    copy         copying payloads into vLLM's KV cache
+    copy         copying payloads into vLLM's KV cache before the forward pass
     load_other   the rest of the load (per-block bookkeeping)
                  (with reads in parallel, open/read/checksum/copy are thread-seconds, scaled
                  down to the load's wall time when they add up to more)
+    layer_wait   the forward pass waiting for the layered copy (`load_layerwise`)
     engine       everything else: vLLM computing the prompt's tail, sampling, the HTTP response
                  (compare with plain vLLM's L0 hit, which is all "engine")
 
@@ -43,8 +44,18 @@ __all__ = [
     "write_chart",
 ]
 
-PHASES = ("lookup_wait", "queue", "open", "read", "checksum", "copy", "load_other", "engine")
-_MEASURED = ("lookup", "lookup_wait", "queue", "open", "read", "checksum", "copy")
+PHASES = (
+    "lookup_wait",
+    "queue",
+    "open",
+    "read",
+    "checksum",
+    "copy",
+    "load_other",
+    "layer_wait",
+    "engine",
+)
+_MEASURED = ("lookup", "lookup_wait", "queue", "open", "read", "checksum", "copy", "layer_wait")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 _KEYED_BY = ("phase", "tier")
@@ -148,7 +159,9 @@ class Breakdown:
         scale = min(1.0, self.load_ms / sum(io.values())) if sum(io.values()) else 1.0
         parts.update({k: v * scale for k, v in io.items()})
         parts["load_other"] = max(0.0, self.load_ms - sum(io.values()) * scale)
-        parts["engine"] = max(0.0, self.ttft_ms - p["lookup_wait"] - p["queue"] - self.load_ms)
+        parts["layer_wait"] = p["layer_wait"]
+        waited = p["lookup_wait"] + p["queue"] + self.load_ms + p["layer_wait"]
+        parts["engine"] = max(0.0, self.ttft_ms - waited)
         return parts
 
 
@@ -185,7 +198,7 @@ def breakdown_table(rows: Sequence[dict[str, Any]]) -> str:
             str(r["tokens"]),
             str(r["breakdown"])[:11],
             f"{r['ttft_ms']:.1f}",
-            *(f"{r[f'{p}_ms']:.1f}" for p in PHASES),
+            *(f"{r.get(f'{p}_ms', 0.0):.1f}" for p in PHASES),
             f"{r['load_ms']:.1f}",
             f"{r['lookup_ms']:.2f}",
             f"{r['deferred_steps']:g}",
@@ -203,12 +216,12 @@ def write_chart(rows: Sequence[dict[str, Any]], path: Path, title: str | None = 
     import matplotlib.pyplot as plt
 
     colors = ["#8c564b", "#e377c2", "#bcbd22", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"]
-    colors.append("#c7c7c7")  # engine: what an L0 hit costs too
+    colors += ["#d62728", "#c7c7c7"]  # layer_wait; engine: what an L0 hit costs too
     labels = [f"{r['tokens']} tok  {r['breakdown']}" for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
     left = [0.0] * len(rows)
     for phase, color in zip(PHASES, colors, strict=True):
-        widths = [float(r[f"{phase}_ms"]) for r in rows]
+        widths = [float(r.get(f"{phase}_ms", 0.0)) for r in rows]  # (older rows lack some)
         ax.barh(labels, widths, left=left, color=color, label=phase)
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.invert_yaxis()
