@@ -261,8 +261,13 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
     _wait_for_files(_block_files(l2_dir, tokens))
     external_before = metric(replica_b, EXTERNAL_HITS)
     l2_tokens_before = metric(replica_b, HIT_TOKENS, L2)
+    layered_before = metric(replica_b, LAYERED)
+    failed_before = metric(replica_b, FAILED)
 
     assert complete(replica_b, tokens) == expected["l2", HITS["l2"][1]]
+    # read layer by layer beside the forward pass, and every block verified
+    assert metric(replica_b, LAYERED) > layered_before
+    assert metric(replica_b, FAILED) == failed_before
 
     external = metric(replica_b, EXTERNAL_HITS) - external_before
     full_engine_block_tokens = len(tokens) // 128 * 128

@@ -75,10 +75,15 @@ def _save(
         time.sleep(0.01)
 
 
-def _forward(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
-    """What vLLM does around a forward pass: wait for each layer, then `wait_for_save`."""
+def _layers(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+    """What a forward pass does: wait for each layer before reading it."""
     for name in caches:
         side.wait_for_layer(name)
+
+
+def _forward(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+    """What vLLM does around a forward pass: wait for each layer, then `wait_for_save`."""
+    _layers(side, caches)
     side.submit_saves(KvtierMetadata())
 
 
@@ -89,7 +94,10 @@ def _close(side: WorkerSide) -> None:
 
 def test_blocks_saved_on_one_replica_load_byte_for_byte_on_another(tmp_path: Path) -> None:
     a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, save_backlog_blocks=64, load_read_threads=2)
+    # the copy before the forward pass, from the staging buffer (the layered path: below)
+    b, b_caches = _replica(
+        tmp_path, save_backlog_blocks=64, load_read_threads=2, load_layerwise=False
+    )
     try:
         _save(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
@@ -165,6 +173,7 @@ def test_a_step_never_saves_the_blocks_its_load_left_unwritten(tmp_path: Path) -
         _save(b, "cut", (5, 6))  # still reported finished, or vLLM would never free its blocks
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
         _save(b, "hit", (1, 2, 3))  # the same step: before vLLM has seen the load errors
         assert b.load_errors() == {2, 3, 5, 6}
         assert b._store.flush(30)
@@ -189,7 +198,7 @@ def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
     """An L2 whose reads hang (a stalled mount) past the first block: the load is settled at
     its deadline, the hung blocks are recomputed, and the late reads never touch the cache."""
     a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, load_deadline_s=2.0, load_read_threads=2)
+    b, b_caches = _replica(tmp_path, load_deadline_s=2.0, load_read_threads=2, load_layerwise=False)
     release = threading.Event()
     try:
         _save(a, "computed", (7, 8, 9))
@@ -311,7 +320,8 @@ def test_a_layered_copy_that_fails_reports_its_blocks_and_never_hangs_the_forwar
 def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
     tmp_path: Path, layerwise: bool
 ) -> None:
-    """L1 hits go to the layered copy, L2 hits are copied from the staging buffer at once."""
+    """An L1 hit and L2 hits (read in pieces from a local directory) through the layered copy,
+    or copied before the forward pass."""
     a, a_caches = _replica(tmp_path)
     b, b_caches = _replica(tmp_path, load_layerwise=layerwise, load_read_threads=2)
     try:
@@ -319,6 +329,7 @@ def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
         assert a._store.flush(30)
         load = LoadSpec("first", CHAIN[:1], (4,), 0, (Tier.L2,), asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
         _save(b, "first", (4,), promote=frozenset({0}))  # block 0 reaches b's L1
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) + (Tier.L2,) * 2, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
@@ -329,8 +340,97 @@ def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
         totals = b._counters.totals()
         assert totals["load_blocks_l1"] == 1 and totals["load_blocks_l2"] == 3
         assert (totals.get("layered_copy_seconds", 0) > 0) == layerwise
-        assert totals["phase_copy_seconds"] > 0  # the L2 hits
+        assert (totals["phase_copy_seconds"] > 0) != layerwise  # the copy before the forward
     finally:
+        _close(a)
+        _close(b)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+def test_a_bad_l2_block_read_beside_the_forward_is_reported_and_removed(
+    tmp_path: Path, damage: str
+) -> None:
+    """An L2 block read layer by layer is verified once every layer is in: a payload that
+    fails its checksum (or a read cut short) is a failed load, recomputed, and a corrupt file
+    is removed; the blocks before it stand."""
+    a, a_caches = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path)
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        path = Path(a._store._l2.path(CHAIN[1]))
+        open_block = b._store._l2.open_block
+
+        def damaged(block_hash: bytes) -> object:
+            opened = open_block(block_hash)
+            if block_hash == CHAIN[1]:
+                with path.open("r+b") as f:  # after the header was validated
+                    if damage == "corrupt":
+                        f.seek(-1, os.SEEK_END)
+                        last = f.read(1)
+                        f.seek(-1, os.SEEK_END)
+                        f.write(bytes([last[0] ^ 0xFF]))
+                    else:
+                        f.truncate(path.stat().st_size - 1)
+            return opened
+
+        b._store._l2.open_block = damaged
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
+        assert b.load_errors() == {2}
+        for name in a_caches:
+            assert torch.equal(b_caches[name][1], a_caches[name][7])
+            assert torch.equal(b_caches[name][3], a_caches[name][9])
+        assert path.exists() == (damage == "truncated")  # a short read may be transient
+        assert b._counters.totals()["layered_copy_seconds"] > 0
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_a_layered_read_past_the_deadline_is_settled_and_writes_nothing_late(
+    tmp_path: Path,
+) -> None:
+    """A read that hangs beside the forward pass (a stalled disk): the forward's wait gives up
+    at the load deadline, every block not complete is recomputed, and the late read never
+    writes into the cache."""
+    a, a_caches = _replica(tmp_path)
+    b, b_caches = _replica(tmp_path, load_deadline_s=1.0)
+    release = threading.Event()
+    try:
+        _save(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        open_block = b._store._l2.open_block
+
+        def hanging(block_hash: bytes) -> object:
+            opened = open_block(block_hash)
+            if opened is not None and block_hash == CHAIN[2]:
+                read_at = opened.read_at
+
+                def slow(offset: int, out: memoryview) -> None:
+                    release.wait(30)
+                    read_at(offset, out)
+
+                opened.read_at = slow
+            return opened
+
+        b._store._l2.open_block = hanging
+        before = {n: t[3].clone() for n, t in b_caches.items()}
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        started = time.monotonic()
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
+        assert time.monotonic() - started < 10
+        assert b.load_errors() == {1, 2, 3}  # none complete: all recomputed
+        assert b._counters.totals()["load_deadline_missed"] == 1
+        release.set()
+        b._copier.shutdown(wait=True)
+        for name in b_caches:
+            assert torch.equal(b_caches[name][3], before[name])  # never written
+        assert b.load_errors() == set()
+    finally:
+        release.set()
         _close(a)
         _close(b)
 

@@ -204,7 +204,12 @@ def verify_payload(header: Header, payload: Buffer, *, checksum: int | None = No
     """Raise unless `payload` has the header's length and checksum; `checksum` is the payload's
     xxh3-64 when the caller already computed it while reading (then it is not hashed again)."""
     view = memoryview(payload)
-    if view.nbytes != header.payload_bytes:
-        raise CodecError(f"payload: {view.nbytes} bytes, header says {header.payload_bytes}")
-    if (payload_checksum(view) if checksum is None else checksum) != header.checksum:
+    verify_read(header, view.nbytes, payload_checksum(view) if checksum is None else checksum)
+
+
+def verify_read(header: Header, nbytes: int, checksum: int) -> None:
+    """Raise unless `nbytes` bytes whose xxh3-64 is `checksum` are the header's payload."""
+    if nbytes != header.payload_bytes:
+        raise CodecError(f"payload: {nbytes} bytes, header says {header.payload_bytes}")
+    if checksum != header.checksum:
         raise ChecksumError(f"payload: checksum mismatch in block {header.block_hash.hex()}")

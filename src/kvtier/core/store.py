@@ -59,6 +59,7 @@ from kvtier.core.tiers.base import (
 )
 from kvtier.core.tiers.janitor import JanitorStats
 from kvtier.core.tiers.memory import MemoryTier
+from kvtier.core.tiers.posix import OpenedBlock, PosixTier
 from kvtier.core.tiers.shared import SharedL2, open_shared_l2
 from kvtier.core.write_behind import WriteBehind
 
@@ -265,6 +266,41 @@ class TieredStore:
                 consume(LoadedBlock(rh, rblock.meta, rblock.payload, Tier.L2))
                 done += 1
         return done
+
+    @property
+    def piece_reads(self) -> bool:
+        """Whether L2 blocks should be read in pieces (`open_pieces`): a local directory."""
+        return isinstance(self._l2, PosixTier) and self._l2.piece_reads
+
+    def open_pieces(
+        self, hashes: Sequence[BlockHash], times: ReadTimes | None = None
+    ) -> list[LoadedBlock | OpenedBlock]:
+        """The leading available blocks of `hashes`: L1 hits as L1's own views, L2 hits opened
+        with their header validated, their payload for the caller to read in pieces and
+        `finish` (or `abandon`). Stops at the first block missing or invalid; `times` gets the
+        opening time."""
+        start = time.perf_counter()
+        out: list[LoadedBlock | OpenedBlock] = []
+        for h in hashes:
+            local = self._l1.get(h) if self._l1 is not None else None
+            if local is not None:
+                out.append(LoadedBlock(h, local.meta, local.payload, Tier.L1))
+                continue
+            opened = self._open_l2(h)
+            if opened is None:
+                break
+            out.append(opened)
+        if times is not None:
+            times.open_s += time.perf_counter() - start
+        return out
+
+    def _open_l2(self, block_hash: BlockHash) -> OpenedBlock | None:
+        assert isinstance(self._l2, PosixTier)
+        try:
+            return self._l2.open_block(block_hash)
+        except Exception:
+            log.exception("kvtier: L2 open failed; treating it as a miss")
+            return None
 
     def in_l1(self, block_hash: BlockHash) -> bool:
         """Whether this process's L1 holds `block_hash` (no L2 round trip)."""

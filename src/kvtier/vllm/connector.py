@@ -9,7 +9,8 @@ Loaded by vLLM from the transfer config (one instance in the scheduler, one per 
 
 This class only routes vLLM's hooks: scheduler-role hooks to `SchedulerSide`, worker-role hooks
 to `WorkerSide`, counters to `stats`. Loads are synchronous by default (read before the forward
-pass of the step that computes the rest of the prompt; L1 hits copied layer by layer during it)
+pass of the step that computes the rest of the prompt; L1 hits, and L2 hits from a local
+directory, copied layer by layer during it)
 or asynchronous (a hit waits in vLLM's WAITING_FOR_REMOTE_KVS while a worker thread fills its
 blocks), saves run on a worker thread after the forward pass, and a request with saves in
 flight keeps its blocks until they finish.

@@ -164,7 +164,8 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "kvtier_connector_layered_copy_seconds",
         "counter",
-        "Seconds the copier spent copying L1 hits into vLLM's KV cache layer by layer, beside "
+        "Seconds the copier spent reading and copying hits into vLLM's KV cache layer by layer, "
+        "beside "
         "the forward passes that read them (load_layerwise).",
     ),
     MetricDef(

@@ -75,8 +75,10 @@ class ConnectorSettings(StoreSettings):
     holds a request (asynchronous ones); set it near the time a long prompt takes to compute."""
     load_layerwise: bool = True
     """Synchronous loads on a CPU engine: copy L1 hits into vLLM's KV cache layer by layer on
-    a background CPU while the forward pass runs, which waits only for the layer it reads next
-    (off: copy them before the forward). L2 hits are copied before the forward either way."""
+    a background CPU while the forward pass runs, which waits only for the layer it reads next,
+    and read L2 hits from a local directory (`l2_profile` local) the same way, layer by layer;
+    off: read and copy them before the forward. Over other file systems L2 hits are read and
+    copied before the forward either way."""
     load_staging: bool = True
     """Read L2 hits into a staging buffer each loader reuses, then copy them into vLLM's KV
     cache; they reach L1 afterwards, when the request's blocks are saved. Off: read each into a

@@ -119,7 +119,7 @@ class PagedKV:
         The first `skip` engine blocks of the kvtier block are left alone (they already hold
         locally computed KV); fewer ids than the rest of the block write only a leading part.
         """
-        self._check_scatter(engine_block_ids, skip)
+        self.check_scatter(engine_block_ids, skip)
         if not engine_block_ids:
             return
         end = skip + len(engine_block_ids)
@@ -137,16 +137,33 @@ class PagedKV:
         """A `scatter` to run later, one layer at a time (`scatter_layer`); CPU only."""
         if self._cuda is not None:
             raise ValueError("a layered scatter runs on CPU caches only")
-        self._check_scatter(engine_block_ids, skip)
+        self.check_scatter(engine_block_ids, skip)
         return PendingScatter(_bytes_array(src), tuple(engine_block_ids), skip)
 
     def scatter_layer(self, layer: int, pending: PendingScatter) -> None:
         """Write `layer` of a pending scatter's blocks."""
-        cache, payload = self._host[layer], pending.payload[layer]
-        for j, block in enumerate(pending.engine_block_ids, start=pending.skip):
-            cache[block] = payload[j]
+        self.scatter_piece(layer, pending.payload[layer], pending.engine_block_ids, pending.skip)
 
-    def _check_scatter(self, engine_block_ids: Sequence[int], skip: int) -> None:
+    def scatter_piece(
+        self, layer: int, piece: Any, engine_block_ids: Sequence[int], skip: int = 0
+    ) -> None:
+        """Write one layer of a payload (`piece`: numpy bytes indexed by engine block, as
+        `piece_buffer` makes) into engine blocks `skip`.. (ids `pending_scatter` accepted)."""
+        cache = self._host[layer]
+        for j, block in enumerate(engine_block_ids, start=skip):
+            cache[block] = piece[j]
+
+    def piece_buffer(self) -> Any:
+        """A host buffer for one layer of one payload (numpy bytes indexed by engine block)."""
+        return _bytes_array(torch.empty(self.layout.shape[1:], dtype=self.layout.dtype))
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one layer of one payload."""
+        return self.layout.payload_bytes // self.layout.num_layers
+
+    def check_scatter(self, engine_block_ids: Sequence[int], skip: int) -> None:
+        """Raise ValueError unless `scatter` takes these ids with this skip."""
         if len(engine_block_ids) > self.layout.per_block - skip:
             raise ValueError(
                 f"at most {self.layout.per_block - skip} engine block ids, got "

@@ -8,8 +8,9 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
                                copied out, never for the store (a slow L2 cannot stall it).
     start_loads(meta)          queues this step's loads on the loader thread(s) and returns
                                (synchronous loads, the default, are waited for here, at most
-                               `load_deadline_s`; with `load_layerwise` their L1 hits are
-                               copied into the engine's blocks during the forward pass).
+                               `load_deadline_s`; with `load_layerwise` their L1 hits, and L2
+                               hits from a local directory, are copied into the engine's blocks
+                               during the forward pass).
     wait_for_layer(name)       before each attention layer: waits until that layer of the
                                step's layered copy is written.
     submit_saves(meta)         after the forward (`wait_for_save`): ends the layered copy, then
@@ -35,9 +36,14 @@ Background threads (owned here, stopped by `close`):
   blocks (allocated to it alone while it waits for the load); an L2 hit is read into this
   thread's staging buffer (reused: a fresh buffer per block costs page faults that exceed the
   read itself), checksummed, then copied into the engine blocks. With the layered copy, a
-  synchronous load's L1 hits are left to the copier. L2 hits are not promoted into
-  L1 here, on the request's critical path: the save plan offers the loaded blocks again once
-  the request computed on, and the saver copies them into L1 from the engine's cache;
+  synchronous load leaves its L1 hits to the copier, and its L2 hits too where the L2 tier
+  reads in pieces (a local directory): it opens their files and validates their headers, the
+  copier reads them layer by layer and verifies each checksum at the end of the step (a
+  mismatch is a failed load, recomputed), and a wait past the load deadline settles the copy
+  (nothing written afterwards; every block not complete is recomputed). L2 hits are not
+  promoted into L1 here, on the request's critical path: the save plan offers the loaded
+  blocks again once the request computed on, and the saver copies them into L1 from the
+  engine's cache;
 - saver: for each block of a save no tier holds (for a block the request loaded from L2: that
   L1 does not hold), `gather` its engine blocks into a fresh host buffer that L1 adopts (one
   copy) and `store.save` it (written through to L2 asynchronously by the store's writers);
@@ -75,13 +81,14 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
 from kvtier.core.store import LoadedBlock
 from kvtier.core.tiers.base import ReadTimes, Tier
+from kvtier.core.tiers.posix import OpenedBlock
 from kvtier.vllm.compat import EngineGeometry
-from kvtier.vllm.layered_copy import LayeredCopy
+from kvtier.vllm.layered_copy import LayeredCopy, Pending, PendingRead
 from kvtier.vllm.metadata import KvtierMetadata, KvtierWorkerMeta, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import ProcessStore
 from kvtier.vllm.settings import parse_cpu_list
 from kvtier.vllm.stats import ConnectorCounters
-from kvtier.vllm.transfer import PagedKV, PendingScatter, host_bytes, payload_view
+from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +141,7 @@ class _LoadRun:
         self.written = 0
         """Engine block ids of `spec` written so far, or handed to the layered copy (only the
         loader thread changes it)."""
-        self.deferred: list[PendingScatter] = []
+        self.deferred: list[Pending] = []
         """Blocks for the step's layered copy."""
         self._settled = False
 
@@ -146,7 +153,7 @@ class _LoadRun:
             scatter()
             self.written += n_ids
 
-    def defer(self, pending: PendingScatter) -> None:
+    def defer(self, pending: Pending) -> None:
         """Hand the next engine blocks to the layered copy unless settled."""
         with self._lock:
             if self._settled:
@@ -154,7 +161,7 @@ class _LoadRun:
             self.deferred.append(pending)
             self.written += len(pending.engine_block_ids)
 
-    def take_deferred(self) -> list[PendingScatter]:
+    def take_deferred(self) -> list[Pending]:
         """The blocks handed to the layered copy (once settled, no more are added)."""
         with self._lock:
             return list(self.deferred)
@@ -253,6 +260,8 @@ class WorkerSide:
         self._layerwise = load_layerwise
         self._layered: LayeredCopy | None = None
         """This step's layered copy (only the worker's execute thread uses it)."""
+        self._layered_until = 0.0
+        """Its deadline (monotonic): the step's earliest load start plus `load_deadline_s`."""
         self._forward_waits: list[int | None] = []
         """The layers the forward pass waited for this step (None: an unknown layer name,
         waited for as every layer)."""
@@ -322,12 +331,15 @@ class WorkerSide:
             _, late = wait(sync, timeout=self._deadline_s)
             for future in late:
                 self._settle(sync[future], missed_deadline=True)
-            self._start_layered([p for run in sync.values() for p in run.take_deferred()])
+            pending = [p for run in sync.values() for p in run.take_deferred()]
+            started = min(run.queued_at for run in sync.values())
+            self._start_layered(pending, started + self._deadline_s)
 
-    def _start_layered(self, pending: list[PendingScatter]) -> None:
+    def _start_layered(self, pending: list[Pending], until: float) -> None:
         if not pending:
             return
         job = self._layered = LayeredCopy(self._require_kv(), pending)
+        self._layered_until = until
         self._forward_waits = []
         try:
             self._copier.submit(job.run)
@@ -341,8 +353,21 @@ class WorkerSide:
             return
         layer = self._require_kv().layer_index.get(layer_name)
         self._forward_waits.append(layer)
-        waited = job.wait(layer)
-        if waited:
+        self._wait_layered(job, layer)
+
+    def _wait_layered(self, job: LayeredCopy, layer: int | None) -> None:
+        """Wait for `layer` of `job` (None: all of it) until its deadline, then settle it."""
+        if job.settled:  # past its deadline: the forward goes on, its output is dropped
+            return
+        start = time.perf_counter()
+        if not job.wait(layer, self._layered_until):
+            job.settle()
+            self._counters.add(load_deadline_missed=1)
+            log.warning(
+                "kvtier: a layered copy missed the load deadline; its blocks are recomputed"
+            )
+        waited = time.perf_counter() - start
+        if waited > 1e-6:
             self._counters.add(phase_layer_wait_seconds=waited)
 
     def _end_layered(self) -> None:
@@ -352,8 +377,8 @@ class WorkerSide:
         job, self._layered = self._layered, None
         if job is None:
             return
-        waited = job.wait()
-        self._counters.add(phase_layer_wait_seconds=waited, layered_copy_seconds=job.copy_s)
+        self._wait_layered(job, None)
+        self._counters.add(layered_copy_seconds=job.copy_s)
         waits = self._forward_waits
         layers = self._require_kv().layout.num_layers
         unguarded = not (waits and waits[0] is None) and not set(range(layers)) <= set(waits)
@@ -366,8 +391,8 @@ class WorkerSide:
                 len(set(waits)),
                 layers,
             )
-        if job.failed or unguarded:
-            failed = job.engine_block_ids
+        failed = job.engine_block_ids if unguarded else job.failed
+        if failed:
             self._counters.add(load_failed_blocks=len(failed))
             with self._lock:
                 self._load_errors.update(failed)
@@ -457,7 +482,8 @@ class WorkerSide:
         times = ReadTimes()
         copy_s = 0.0
 
-        def consume(block: LoadedBlock) -> None:
+        def consume(block: LoadedBlock | OpenedBlock) -> None:
+            """Copy `block` into the engine's blocks, or hand it to the layered copy."""
             nonlocal loaded_bytes, copy_s
             if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
                 log.warning(
@@ -471,6 +497,12 @@ class WorkerSide:
                 raise _LayoutMismatch
             skip = spec.skip if counts[Tier.L1] + counts[Tier.L2] == 0 else 0
             ids = spec.engine_block_ids[run.written : run.written + p - skip]
+            if isinstance(block, OpenedBlock):  # read layer by layer beside the forward
+                kv.check_scatter(ids, skip)
+                run.defer(PendingRead(block, tuple(ids), skip))
+                counts[Tier.L2] += 1
+                loaded_bytes += block.payload_bytes
+                return
             src = payload_view(block.payload, kv.layout)
             if layered and block.tier is Tier.L1:  # L1's views stay valid: copied later
                 run.defer(kv.pending_scatter(src, ids, skip))
@@ -484,10 +516,13 @@ class WorkerSide:
         try:
             kv = self._require_kv()
             layered = self._layerwise and not spec.asynchronous and kv.device.type == "cpu"
-            staging = self._staging(kv) if self._load_staging else []
-            self._store.load_into(
-                spec.hashes, consume, staging=staging, pool=self._readers, times=times
-            )
+            if layered and self._store.piece_reads:
+                self._hand_over(self._store.open_pieces(spec.hashes, times), consume)
+            else:
+                staging = self._staging(kv) if self._load_staging else []
+                self._store.load_into(
+                    spec.hashes, consume, staging=staging, pool=self._readers, times=times
+                )
         except (_LayoutMismatch, _Settled):
             pass
         except Exception:
@@ -506,6 +541,22 @@ class WorkerSide:
             phase_copy_seconds=copy_s,
         )
         self._settle(run, missed_deadline=False)
+
+    @staticmethod
+    def _hand_over(
+        blocks: list[LoadedBlock | OpenedBlock],
+        consume: Callable[[LoadedBlock | OpenedBlock], None],
+    ) -> None:
+        """`consume` each block in order; the opened files it did not take are closed."""
+        taken = 0
+        try:
+            for block in blocks:
+                consume(block)
+                taken += 1
+        finally:
+            for block in blocks[taken:]:
+                if isinstance(block, OpenedBlock):
+                    block.abandon()
 
     def _settle(self, run: _LoadRun, *, missed_deadline: bool) -> None:
         """Report `run`'s unwritten blocks as failed and, if asynchronous, its completion (once:

@@ -72,6 +72,33 @@ def test_round_trip_returns_the_bytes_and_meta_read_only(tmp_path: Path) -> None
     )
 
 
+def test_an_opened_block_is_read_in_pieces_in_order_and_verified(tmp_path: Path) -> None:
+    """`open_block` validates the header; pieces read in order, then `finish`, make a hit; a
+    piece out of order is refused; a payload whose checksum fails is a miss, and removed."""
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    opened = tier.open_block(h)
+    assert opened is not None and opened.meta == meta_for(NBYTES)
+    pieces = [bytearray(NBYTES // 4) for _ in range(4)]
+    with pytest.raises(ValueError, match="out of order"):
+        opened.read_at(NBYTES // 4, memoryview(pieces[1]))
+    for i, piece in enumerate(pieces):
+        opened.read_at(i * len(piece), memoryview(piece))
+    assert b"".join(pieces) == payload_for(h, NBYTES)
+    assert opened.finish()
+    assert (tier.stats().hits, tier.stats().bytes_read) == (1, NBYTES)
+
+    opened = tier.open_block(h)
+    assert opened is not None
+    path = Path(tier.path(h))
+    with path.open("r+b") as f:  # bit rot after the header was validated
+        f.seek(-1, os.SEEK_END)
+        f.write(b"\x00" if payload_for(h, NBYTES)[-1] else b"\x01")
+    opened.read_at(0, memoryview(bytearray(NBYTES)))
+    assert not opened.finish()
+    assert tier.stats().corrupt_removed == 1 and not path.exists()
+
+
 def test_second_put_of_a_block_is_skipped(tmp_path: Path) -> None:
     first, second = tier_in(tmp_path), tier_in(tmp_path)
     h = put(first, "a")

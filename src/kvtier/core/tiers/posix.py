@@ -69,10 +69,11 @@ import xxhash
 from kvtier.core.codec import (
     HEADER_BYTES,
     BlockMeta,
+    Header,
     byte_view,
     decode_header,
     encode_header,
-    verify_payload,
+    verify_read,
 )
 from kvtier.core.errors import CodecError, TierError
 from kvtier.core.keys import BlockHash, Namespace
@@ -277,6 +278,65 @@ def _dir_mode(file_mode: int) -> int:
     return file_mode | (file_mode & 0o444) >> 2
 
 
+class OpenedBlock:
+    """One L2 block file opened and its header validated (`PosixTier.open_block`): read its
+    payload in order, in pieces (`read_at`) or whole (`fd`, `hasher`), then `finish` (checksum
+    verified, the hit counted) or `abandon`; either closes the file."""
+
+    def __init__(
+        self,
+        tier: PosixTier,
+        block_hash: BlockHash,
+        path: str,
+        fd: int,
+        opened: os.stat_result,
+        header: Header,
+    ) -> None:
+        self._tier = tier
+        self.block_hash = block_hash
+        self._path = path
+        self.fd = fd
+        self.opened = opened
+        self._header = header
+        self.meta = header.meta
+        self.payload_bytes = header.payload_bytes
+        self.hasher = xxhash.xxh3_64()
+        """Hashes the payload as it is read."""
+        self._done = 0
+
+    def read_at(self, offset: int, out: memoryview) -> None:
+        """Read payload bytes `offset`.. into `out` and hash them; pieces must come in payload
+        order, each once. Raises OSError (a short read: EIO)."""
+        if offset != self._done:
+            raise ValueError(f"payload pieces out of order: {offset}, expected {self._done}")
+        got = os.preadv(self.fd, [out], HEADER_BYTES + offset)
+        if got != out.nbytes:
+            raise OSError(errno.EIO, f"short read: {got} of {out.nbytes} bytes", self._path)
+        self.hasher.update(out)
+        self._done += got
+
+    def finish(self, read_bytes: int | None = None) -> bool:
+        """Check what was read (`read_bytes`, default: the pieces read) against the header:
+        True counts a hit (and records the access), False an invalid block (its file is
+        removed)."""
+        nbytes = self._done if read_bytes is None else read_bytes
+        try:
+            verify_read(self._header, nbytes, self.hasher.intdigest())
+        except CodecError as exc:
+            self._tier._invalid(self.block_hash, self._path, self.opened, exc)
+            return False
+        else:
+            self._tier._hit(self)
+            return True
+        finally:
+            os.close(self.fd)
+
+    def abandon(self) -> None:
+        """Give up on the block (a miss; the file is left alone)."""
+        os.close(self.fd)
+        self._tier._counters.add(misses=1)
+
+
 class PosixTier:
     """Shared-directory L2 tier for one namespace (see the module docstring)."""
 
@@ -291,12 +351,14 @@ class PosixTier:
         clock: Callable[[], float] = time.monotonic,
         file_mode: int = 0o600,
         direct_reads: bool = False,
+        piece_reads: bool = False,
     ) -> None:
         """`access` records read hits in the shared access record the capacity janitor evicts
         by (`kvtier.core.tiers.janitor`); None records nothing. `file_mode`: permissions of
         the files created (directories get search permission where it grants read).
         `direct_reads`: open files to read with O_DIRECT; a file system that refuses it (EINVAL)
-        turns it off for this tier, with a warning."""
+        turns it off for this tier, with a warning. `piece_reads`: the profile's (readers may
+        read a block in pieces beside the forward pass, `open_block`)."""
         if not _HEX.fullmatch(namespace):
             raise TierError(f"namespace: {namespace!r} is not a hex digest")
         if not os.path.isdir(root):
@@ -317,6 +379,9 @@ class PosixTier:
         self._counters = TierCounters()
         self._file_mode = file_mode
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct_reads else 0)
+        self.piece_reads = piece_reads and not direct_reads
+        """Whether readers should read blocks in pieces (never with O_DIRECT, whose reads
+        must be aligned)."""
         self._dir_mode = _dir_mode(file_mode)
         try:
             self._volume = _Volume(root, file_mode, clock)
@@ -429,11 +494,44 @@ class PosixTier:
         read = self._read(block_hash, out, times)
         return None if read is None else read[0]
 
+    def open_block(self, block_hash: BlockHash) -> OpenedBlock | None:
+        """The block's file opened and its header validated, its payload still to read in
+        pieces (`OpenedBlock`); None: a miss (counted; an invalid file is removed)."""
+        return self._open_block(block_hash)
+
     def _read(
         self, block_hash: BlockHash, out: memoryview | None, times: ReadTimes | None
     ) -> tuple[BlockMeta, memoryview] | None:
         """Open, validate and read one block into `out` (None: a fresh buffer of its own)."""
         start = time.perf_counter()
+        block = self._open_block(block_hash)
+        if block is None:
+            return None
+        if out is None:
+            # Its own buffer, so L1 holds exactly the payload after promotion; uninitialised,
+            # since the read overwrites every byte (bytearray would zero it).
+            payload = np.empty(block.payload_bytes, dtype=np.uint8).data
+        elif out.nbytes == block.payload_bytes:
+            payload = out
+        else:  # the caller expects another layout: not this file's fault, leave it
+            block.abandon()
+            return None
+        if times is not None:
+            times.open_s += time.perf_counter() - start
+        # O_DIRECT: the whole payload in one call, which a FUSE client answers with fewer
+        # round trips through its daemon (each costs two context switches); the hash then
+        # runs after the read, at memory speed, far below the FUSE transfer rate.
+        chunk = payload.nbytes if self._read_flags & os.O_DIRECT else READ_CHUNK_BYTES
+        try:
+            got = _read_into(block.fd, payload, block.hasher, times, chunk)
+        except OSError as exc:
+            if not self._direct_refused(exc):
+                self._fault("read", exc)
+            block.abandon()
+            return None
+        return (block.meta, payload) if block.finish(got) else None
+
+    def _open_block(self, block_hash: BlockHash) -> OpenedBlock | None:
         if self._unusable(misses=1):
             return None
         path = self.path(block_hash)
@@ -447,6 +545,7 @@ class PosixTier:
             self._fault("open", exc)
             self._counters.add(misses=1)
             return None
+        opened: os.stat_result | None = None
         try:
             opened = os.fstat(fd)
             if opened.st_dev != self._volume.device and not self._volume.check(now=True):
@@ -461,41 +560,31 @@ class PosixTier:
                 raise CodecError(
                     f"file: {size} bytes, header says {HEADER_BYTES} + {header.payload_bytes}"
                 )
-            if out is None:
-                # Its own buffer, so L1 holds exactly the payload after promotion; uninitialised,
-                # since the read overwrites every byte (bytearray would zero it).
-                payload = np.empty(header.payload_bytes, dtype=np.uint8).data
-            elif out.nbytes == header.payload_bytes:
-                payload = out
-            else:  # the caller expects another layout: not this file's fault, leave it
-                self._counters.add(misses=1)
-                return None
-            if times is not None:
-                times.open_s += time.perf_counter() - start
-            hasher = xxhash.xxh3_64()
-            # O_DIRECT: the whole payload in one call, which a FUSE client answers with fewer
-            # round trips through its daemon (each costs two context switches); the hash then
-            # runs after the read, at memory speed, far below the FUSE transfer rate.
-            chunk = payload.nbytes if self._read_flags & os.O_DIRECT else READ_CHUNK_BYTES
-            got = _read_into(fd, payload, hasher, times, chunk)
-            verify_payload(header, payload[:got], checksum=hasher.intdigest())
-            if self._access is not None:  # on the open fd: the very inode that was read
-                self._access.record(fd, opened.st_mtime)
         except CodecError as exc:
-            self._discard(path, opened, exc)
-            self._remember(block_hash, False)
-            self._counters.add(misses=1, corrupt_removed=1)
+            os.close(fd)
+            assert opened is not None  # (fstat raises OSError)
+            self._invalid(block_hash, path, opened, exc)
             return None
         except OSError as exc:
+            os.close(fd)
             if not self._direct_refused(exc):
                 self._fault("read", exc)
             self._counters.add(misses=1)
             return None
-        finally:
-            os.close(fd)
-        self._remember(block_hash, True)
-        self._counters.add(hits=1, bytes_read=payload.nbytes)
-        return header.meta, payload
+        return OpenedBlock(self, block_hash, path, fd, opened, header)
+
+    def _invalid(
+        self, block_hash: BlockHash, path: str, opened: os.stat_result, why: CodecError
+    ) -> None:
+        self._discard(path, opened, why)
+        self._remember(block_hash, False)
+        self._counters.add(misses=1, corrupt_removed=1)
+
+    def _hit(self, block: OpenedBlock) -> None:
+        if self._access is not None:  # on the open fd: the very inode that was read
+            self._access.record(block.fd, block.opened.st_mtime)
+        self._remember(block.block_hash, True)
+        self._counters.add(hits=1, bytes_read=block.payload_bytes)
 
     def _open_to_read(self, path: str) -> int:
         try:

@@ -45,6 +45,10 @@ class L2Profile:
     """L2 reads open block files with O_DIRECT by default: through a FUSE client that needs no
     alignment this skips the kernel page cache and its copy (docs/bench_tiers.md); what was read
     stays in kvtier's L1 instead."""
+    piece_reads: bool
+    """A block may be read in pieces beside the forward pass that needs it (the connector's
+    layered copy): only where a read is local and short (over FUSE or a network each piece is
+    a round trip, and a stalled one would hold the forward until the load deadline)."""
     unlink_safe_across_nodes: bool
     """A reader on another node that has the file open keeps reading after an unlink."""
     cluster_wide_flock: bool
@@ -69,6 +73,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=True,
             direct_reads=False,
+            piece_reads=True,
             unlink_safe_across_nodes=True,
             cluster_wide_flock=True,
             recommended_object_bytes=1 * MIB,
@@ -85,6 +90,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=True,
+            piece_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -109,6 +115,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=True,
+            piece_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -131,6 +138,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=False,
+            piece_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -152,6 +160,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=False,
+            piece_reads=False,
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=8 * MIB,

@@ -94,6 +94,7 @@ def open_shared_l2(
             if config.l2_direct_reads is None
             else config.l2_direct_reads
         ),
+        piece_reads=get_profile(config.l2_profile).piece_reads,
     )
     settings = janitor_settings(config)
     janitor = None
