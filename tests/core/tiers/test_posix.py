@@ -99,6 +99,20 @@ def test_an_opened_block_is_read_in_pieces_in_order_and_verified(tmp_path: Path)
     assert tier.stats().corrupt_removed == 1 and not path.exists()
 
 
+def test_blocks_are_read_in_pieces_only_on_a_local_file_system(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The profile's `piece_reads` holds on a local disk; on FUSE or NFS (a directory named
+    with the default profile, say) blocks are read whole, and so with O_DIRECT."""
+    assert posix.file_system_of("/proc") == "proc"
+    assert PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True).piece_reads
+    assert not PosixTier(
+        str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True, direct_reads=True
+    ).piece_reads
+    monkeypatch.setattr(posix, "file_system_of", lambda path: "fuse.juicefs")
+    assert not PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True).piece_reads
+
+
 def test_second_put_of_a_block_is_skipped(tmp_path: Path) -> None:
     first, second = tier_in(tmp_path), tier_in(tmp_path)
     h = put(first, "a")

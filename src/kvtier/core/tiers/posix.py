@@ -155,6 +155,30 @@ def _read_into(
     return done
 
 
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"btrfs", "ext2", "ext3", "ext4", "f2fs", "overlay", "tmpfs", "xfs", "zfs"}
+)
+"""File systems on a local disk (or in memory): a read of a cached block cannot stall."""
+
+
+def file_system_of(path: str) -> str | None:
+    """The type of the file system `path` lies on (the deepest mount point above it in
+    /proc/mounts); None where that cannot be told."""
+    path = os.path.realpath(path)
+    best, kind = "", None
+    try:
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                point = fields[1].replace("\\040", " ")
+                inside = path == point or path.startswith(point.rstrip(os.sep) + os.sep)
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
 def publish(
     path: str, views: list[memoryview], mode: int = 0o600, device: int | None = None
 ) -> bool:
@@ -303,6 +327,7 @@ class OpenedBlock:
         self.hasher = xxhash.xxh3_64()
         """Hashes the payload as it is read."""
         self._done = 0
+        self._closed = False
 
     def read_at(self, offset: int, out: memoryview) -> None:
         """Read payload bytes `offset`.. into `out` and hash them; pieces must come in payload
@@ -329,12 +354,20 @@ class OpenedBlock:
             self._tier._hit(self)
             return True
         finally:
-            os.close(self.fd)
+            self._close()
 
     def abandon(self) -> None:
-        """Give up on the block (a miss; the file is left alone)."""
-        os.close(self.fd)
-        self._tier._counters.add(misses=1)
+        """Give up on the block (a miss; the file is left alone); nothing once closed."""
+        if not self._closed:
+            self._close()
+            self._tier._counters.add(misses=1)
+
+    def _close(self) -> None:
+        self._closed = True
+        try:
+            os.close(self.fd)
+        except OSError:  # (nothing was written: nothing to lose)
+            pass
 
 
 class PosixTier:
@@ -380,8 +413,16 @@ class PosixTier:
         self._file_mode = file_mode
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct_reads else 0)
         self.piece_reads = piece_reads and not direct_reads
-        """Whether readers should read blocks in pieces (never with O_DIRECT, whose reads
-        must be aligned)."""
+        """Whether readers should read blocks in pieces: where the profile says so, on a local
+        file system (whatever the profile claims), and never with O_DIRECT (aligned reads)."""
+        if self.piece_reads and file_system_of(root) not in LOCAL_FILE_SYSTEMS:
+            self.piece_reads = False
+            log.info(
+                "kvtier: L2 %s is on %s, not a local file system: blocks are read whole, before "
+                "the forward pass (set l2_profile to match it)",
+                root,
+                file_system_of(root),
+            )
         self._dir_mode = _dir_mode(file_mode)
         try:
             self._volume = _Volume(root, file_mode, clock)
