@@ -153,6 +153,7 @@ def replica_a(
             events_endpoint=events_endpoint,
             replica_id="replica-a",
             background_cpus=CO_LOCATED,
+            load_layerwise=True,  # (off by default where the connector has no core of its own)
         ),
     ) as server:
         yield server
@@ -173,7 +174,10 @@ def replica_b(
         tiny_cache=True,
         cpu_ids="1",
         connector=kv_transfer_config(
-            l2_path=str(l2_dir), l1_bytes=1 << 30, background_cpus=CO_LOCATED
+            l2_path=str(l2_dir),
+            l1_bytes=1 << 30,
+            background_cpus=CO_LOCATED,
+            load_layerwise=True,
         ),
     ) as server:
         yield server

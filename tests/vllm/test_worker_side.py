@@ -50,12 +50,16 @@ def _caches(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _replica(l2: Path, **worker: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """A worker side on `l2`; the layered copy on unless `worker` says otherwise (here the
+    background threads share this process's cores, where it would be off by default)."""
     config = ConnectorSettings(l1_bytes=1 << 24, l2_path=str(l2))
     identity = model_identity(config, GEOMETRY, "model", 0)
     store = TieredStore(config.store_settings(), identity)
     shared = ProcessStore(identity.namespace(), store, HashAliases(), None)
+    seed = len(str(l2)) + len(worker)
+    worker.setdefault("load_layerwise", True)
     side = WorkerSide(shared, GEOMETRY, 0, TOKENS, 1, ConnectorCounters(), **worker)  # type: ignore[arg-type]
-    caches = _caches(seed=len(str(l2)) + len(worker))
+    caches = _caches(seed=seed)
     side.register(caches)
     return side, caches
 
@@ -271,6 +275,30 @@ def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path
         for gate in gates:
             gate.set()
         _close(a)
+
+
+def test_the_layered_copy_is_on_by_default_only_with_a_core_of_its_own(tmp_path: Path) -> None:
+    """Unset, `load_layerwise` follows the placement: on when the background threads have a
+    core the engine (this thread) is not bound to, off when they stay on the engine's."""
+    config = ConnectorSettings(l1_bytes=1 << 20)
+    identity = model_identity(config, GEOMETRY, "model", 0)
+    shared = ProcessStore(
+        identity.namespace(), TieredStore(config.store_settings(), identity), HashAliases(), None
+    )
+    found: dict[str, bool] = {}
+
+    def engine_thread() -> None:
+        os.sched_setaffinity(0, {0})  # bound like vLLM's worker
+        for name, cpus in (("own core", {1}), ("engine's core", {0}), ("inherit", None)):
+            side = WorkerSide(shared, GEOMETRY, 0, TOKENS, 1, ConnectorCounters(), cpus=cpus)
+            found[name] = side._layerwise
+            side.close()
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert found == {"own core": True, "engine's core": False, "inherit": False}
+    shared.store.close()
 
 
 def test_a_layered_copy_the_forward_pass_did_not_wait_for_is_recomputed(tmp_path: Path) -> None:

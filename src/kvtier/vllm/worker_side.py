@@ -215,7 +215,7 @@ class WorkerSide:
         load_staging: bool = True,
         load_read_threads: int = 0,
         load_deadline_s: float = 2.0,
-        load_layerwise: bool = True,
+        load_layerwise: bool | None = None,
     ) -> None:
         """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
         there too when `loads_in_background`. `load_staging`, `load_read_threads`,
@@ -257,7 +257,10 @@ class WorkerSide:
         self._copier = ThreadPoolExecutor(
             1, thread_name_prefix="kvtier-copy", initializer=thread_placer(cpus)
         )
-        self._layerwise = load_layerwise
+        spare = cpus is not None and bool(cpus - os.sched_getaffinity(0))
+        self._layerwise = spare if load_layerwise is None else load_layerwise
+        """The layered copy (`load_layerwise`; unset: where the copier has a core of its own:
+        this thread is bound like the engine's)."""
         self._layered: LayeredCopy | None = None
         """This step's layered copy (only the worker's execute thread uses it)."""
         self._layered_until = 0.0
