@@ -503,18 +503,18 @@ class WorkerSide:
             if isinstance(block, OpenedBlock):  # read layer by layer beside the forward
                 kv.check_scatter(ids, skip)
                 run.defer(PendingRead(block, tuple(ids), skip))
-                counts[Tier.L2] += 1
-                loaded_bytes += block.payload_bytes
-                return
-            src = payload_view(block.payload, kv.layout)
-            if layered and block.tier is Tier.L1:  # L1's views stay valid: copied later
-                run.defer(kv.pending_scatter(src, ids, skip))
+                tier, nbytes = Tier.L2, block.payload_bytes
             else:
-                t = time.perf_counter()
-                run.write(len(ids), lambda: kv.scatter(src, ids, skip))
-                copy_s += time.perf_counter() - t
-            counts[block.tier] += 1
-            loaded_bytes += block.payload.nbytes
+                src = payload_view(block.payload, kv.layout)
+                if layered and block.tier is Tier.L1:  # L1's views stay valid: copied later
+                    run.defer(kv.pending_scatter(src, ids, skip))
+                else:
+                    t = time.perf_counter()
+                    run.write(len(ids), lambda: kv.scatter(src, ids, skip))
+                    copy_s += time.perf_counter() - t
+                tier, nbytes = block.tier, block.payload.nbytes
+            counts[tier] += 1
+            loaded_bytes += nbytes
 
         try:
             kv = self._require_kv()

@@ -161,21 +161,28 @@ LOCAL_FILE_SYSTEMS = frozenset(
 """File systems on a local disk (or in memory): a read of a cached block cannot stall."""
 
 
+def mount_table() -> list[tuple[str, str]]:
+    """(mount point, file system type) of every mount in /proc/mounts, in its order."""
+    with open("/proc/mounts", encoding="utf-8") as mounts:
+        return [
+            (fields[1].replace("\\040", " "), fields[2])
+            for fields in (line.split() for line in mounts)
+        ]
+
+
 def file_system_of(path: str) -> str | None:
     """The type of the file system `path` lies on (the deepest mount point above it in
     /proc/mounts); None where that cannot be told."""
     path = os.path.realpath(path)
     best, kind = "", None
     try:
-        with open("/proc/mounts", encoding="utf-8") as mounts:
-            for line in mounts:
-                fields = line.split()
-                point = fields[1].replace("\\040", " ")
-                inside = path == point or path.startswith(point.rstrip(os.sep) + os.sep)
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
+        table = mount_table()
     except OSError:
         return None
+    for point, fs_type in table:
+        inside = path == point or path.startswith(point.rstrip(os.sep) + os.sep)
+        if inside and len(point) >= len(best):
+            best, kind = point, fs_type
     return kind
 
 
@@ -415,13 +422,14 @@ class PosixTier:
         self.piece_reads = piece_reads and not direct_reads
         """Whether readers should read blocks in pieces: where the profile says so, on a local
         file system (whatever the profile claims), and never with O_DIRECT (aligned reads)."""
-        if self.piece_reads and file_system_of(root) not in LOCAL_FILE_SYSTEMS:
+        fs_type = file_system_of(root) if self.piece_reads else None
+        if self.piece_reads and fs_type not in LOCAL_FILE_SYSTEMS:
             self.piece_reads = False
             log.info(
                 "kvtier: L2 %s is on %s, not a local file system: blocks are read whole, before "
                 "the forward pass (set l2_profile to match it)",
                 root,
-                file_system_of(root),
+                fs_type,
             )
         self._dir_mode = _dir_mode(file_mode)
         try:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Self
 
 from kvtier.core.errors import ConfigError, TierError
+from kvtier.core.tiers.posix import mount_table
 from kvtier.net.ports import free_port
 
 
@@ -54,12 +55,9 @@ def fuse_available() -> bool:
 def mounted_under(prefix: str) -> list[str]:
     """Mount points at or below `prefix`, per /proc/mounts (deepest first)."""
     prefix = os.path.realpath(prefix)
-    found = []
-    with open("/proc/mounts", encoding="utf-8") as mounts:
-        for line in mounts:
-            point = line.split()[1].replace("\\040", " ")
-            if point == prefix or point.startswith(prefix + os.sep):
-                found.append(point)
+    found = [
+        point for point, _ in mount_table() if point == prefix or point.startswith(prefix + os.sep)
+    ]
     return sorted(found, key=len, reverse=True)
 
 
