@@ -4,10 +4,13 @@ accounting and placement hook. Real L1, real L2 directory."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -17,12 +20,13 @@ from kvtier.core.keys import ModelIdentity, block_hashes, root_hash
 from kvtier.core.settings import StoreSettings
 from kvtier.core.store import LoadedBlock, TieredStore
 from kvtier.core.tiers.base import ReadTimes, Tier
-from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.posix import OpenedBlock, PosixTier
 from tests.helpers.tiers import payload_for
 
 IDENTITY = ModelIdentity(model="store-load-into-test", block_tokens=4)
 NBYTES = 64 * 1024
 CHAIN = block_hashes(list(range(16)), 4)  # 4 chained blocks
+T = TypeVar("T")
 
 
 def meta(i: int) -> BlockMeta:
@@ -93,6 +97,40 @@ def test_reads_run_ahead_on_a_pool_and_stop_cleanly_at_a_bad_block(tmp_path: Pat
         assert [bytes(b) for b in buffers] == snapshot  # nothing still writing into them
     assert times.read_s > 0
     assert not path.exists()
+
+
+class OpensAtOnce(Executor):
+    """A pool that runs every job as it is submitted: all files are opened before the first
+    result is looked at."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        done: Future[T] = Future()
+        done.set_result(fn(*args, **kwargs))
+        return done
+
+
+@pytest.mark.parametrize("pool", [None, OpensAtOnce()])
+def test_opened_pieces_stop_at_the_first_miss_and_leave_no_file_open(
+    tmp_path: Path, pool: Executor | None
+) -> None:
+    """`open_pieces`: L1 hits as L1's views, L2 hits opened (with a pool, all at once), up to
+    the first missing block; files opened past it are closed again, and the opened ones read
+    in pieces give the blocks' bytes."""
+    written(tmp_path, 4)
+    Path(PosixTier(str(tmp_path), IDENTITY.namespace(), {}).path(CHAIN[2])).unlink()
+    fds = len(os.listdir("/proc/self/fd"))
+    with TieredStore(settings(tmp_path), IDENTITY) as reader:
+        reader.save(CHAIN[0], meta(0), payload(0))  # (an L1 hit)
+        times = ReadTimes()
+        opened = reader.open_pieces(CHAIN, NBYTES, pool=pool, times=times)
+        assert [type(b) for b in opened] == [LoadedBlock, OpenedBlock]
+        block = opened[1]
+        assert isinstance(block, OpenedBlock)
+        piece = memoryview(bytearray(NBYTES))
+        block.read_at(0, piece)
+        assert block.finish() and bytes(piece) == payload(1) and block.meta == meta(1)
+        assert times.open_s > 0
+        assert len(os.listdir("/proc/self/fd")) == fds  # block 3's file, if opened, closed
 
 
 def test_without_staging_l2_hits_are_promoted_as_load_does(tmp_path: Path) -> None:

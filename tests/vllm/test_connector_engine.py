@@ -20,6 +20,7 @@ Engines (each a real `vllm serve` on the embedded model, one pinned thread):
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from kvtier.net.kv_events import EventSubscriber
 from kvtier.net.ports import free_port
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.bench.tiers import prompt_ids
+from kvtier.tools.l2ops.juicefs import JuiceFSMount
 from kvtier.tools.vllm_server import ServerProcess
 from tests.helpers.engines import (
     complete,
@@ -70,6 +72,7 @@ LENGTHS = {
     "salted": 1200,
     "no_l2": 900,
     "events": 1000,
+    "juicefs": 1700,  # (last: each prompt's text depends on its position)
 }
 
 
@@ -278,6 +281,50 @@ def test_l2_hit_on_a_replica_that_never_saw_the_prompt_gives_identical_tokens(
     assert external >= 0.9 * full_engine_block_tokens
     assert metric(replica_b, LOADED, L2) >= _usable(tokens) // BLOCK
     assert metric(replica_b, HIT_TOKENS, L2) - l2_tokens_before == _usable(tokens)
+
+
+@pytest.mark.juicefs
+def test_an_l2_hit_through_another_juicefs_mount_is_read_beside_the_forward(
+    replica_a: ServerProcess,
+    l2_dir: Path,
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+    expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    tmp_path: Path,
+    model_dir: str,
+) -> None:
+    """Replica A's blocks land in a JuiceFS volume through one mount (copied file by file);
+    a replica on the other mount, with the juicefs profile, reads them layer by layer beside
+    the forward pass, its headers with the first layer: the tokens of an L2 hit."""
+    tokens = prompts["juicefs"]
+    assert complete(replica_a, tokens) == expected["juicefs", 0]
+    files = _block_files(l2_dir, tokens)
+    _wait_for_files(files)
+    writer, reader = two_mounts
+    for f in files:
+        copied = Path(writer.path) / f.relative_to(l2_dir)
+        copied.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, copied)
+    _wait_for_files([Path(reader.path) / f.relative_to(l2_dir) for f in files], timeout_s=30)
+    with start(
+        model_dir,
+        tmp_path,
+        "replica-juicefs",
+        tiny_cache=True,
+        cpu_ids="1",
+        connector=kv_transfer_config(
+            l2_path=reader.path,
+            l2_profile="juicefs",
+            l1_bytes=1 << 30,
+            background_cpus=CO_LOCATED,
+            load_layerwise=True,
+        ),
+    ) as server:
+        assert complete(server, tokens) == expected["juicefs", HITS["juicefs"][1]]
+        assert metric(server, LOADED, L2) == _usable(tokens) // BLOCK
+        # no L1 to copy from on a fresh replica: only piece reads are layered
+        assert metric(server, LAYERED) > 0
+        assert metric(server, FAILED) == 0
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])

@@ -374,13 +374,14 @@ def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
         _close(b)
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncated"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "header"])
 def test_a_bad_l2_block_read_beside_the_forward_is_reported_and_removed(
     tmp_path: Path, damage: str
 ) -> None:
-    """An L2 block read layer by layer is verified once every layer is in: a payload that
-    fails its checksum (or a read cut short) is a failed load, recomputed, and a corrupt file
-    is removed; the blocks before it stand."""
+    """An L2 block read layer by layer is verified as its first piece brings its header and
+    once every layer is in: a header or payload that fails its checksum (or a read cut short)
+    is a failed load, recomputed, and a corrupt file is removed; the blocks before it
+    stand."""
     a, a_caches = _replica(tmp_path)
     b, b_caches = _replica(tmp_path)
     try:
@@ -389,11 +390,13 @@ def test_a_bad_l2_block_read_beside_the_forward_is_reported_and_removed(
         path = Path(a._store._l2.path(CHAIN[1]))
         open_block = b._store._l2.open_block
 
-        def damaged(block_hash: bytes) -> object:
-            opened = open_block(block_hash)
+        def damaged(block_hash: bytes, payload_bytes: int) -> object:
+            opened = open_block(block_hash, payload_bytes)
             if block_hash == CHAIN[1]:
-                with path.open("r+b") as f:  # after the header was validated
-                    if damage == "corrupt":
+                with path.open("r+b") as f:  # after the file was opened
+                    if damage == "header":
+                        f.write(b"XXXX")
+                    elif damage == "corrupt":
                         f.seek(-1, os.SEEK_END)
                         last = f.read(1)
                         f.seek(-1, os.SEEK_END)
@@ -431,8 +434,8 @@ def test_a_layered_read_past_the_deadline_is_settled_and_writes_nothing_late(
         assert a._store.flush(30)
         open_block = b._store._l2.open_block
 
-        def hanging(block_hash: bytes) -> object:
-            opened = open_block(block_hash)
+        def hanging(block_hash: bytes, payload_bytes: int) -> object:
+            opened = open_block(block_hash, payload_bytes)
             if opened is not None and block_hash == CHAIN[2]:
                 read_at = opened.read_at
 

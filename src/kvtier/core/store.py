@@ -269,35 +269,50 @@ class TieredStore:
 
     @property
     def piece_reads(self) -> bool:
-        """Whether L2 blocks should be read in pieces (`open_pieces`): a local directory."""
+        """Whether L2 blocks should be read in pieces (`open_pieces`): on a file system the
+        L2 profile names for it."""
         return isinstance(self._l2, PosixTier) and self._l2.piece_reads
 
     def open_pieces(
-        self, hashes: Sequence[BlockHash], times: ReadTimes | None = None
+        self,
+        hashes: Sequence[BlockHash],
+        payload_bytes: int,
+        *,
+        pool: Executor | None = None,
+        times: ReadTimes | None = None,
     ) -> list[LoadedBlock | OpenedBlock]:
         """The leading available blocks of `hashes`: L1 hits as L1's own views, L2 hits opened
-        with their header validated, their payload for the caller to read in pieces and
-        `finish` (or `abandon`). Stops at the first block missing or invalid; `times` gets the
-        opening time."""
+        (`PosixTier.open_block`: files of `payload_bytes`), their header and payload for the
+        caller to read in pieces and `finish` (or `abandon`). With `pool` the files are opened
+        in parallel on it. Stops at the first block missing; `times` gets the opening time."""
         start = time.perf_counter()
+        held = [self._l1.get(h) if self._l1 is not None else None for h in hashes]
+        opening = [
+            pool.submit(self._open_l2, h, payload_bytes)
+            if pool is not None and local is None
+            else None
+            for h, local in zip(hashes, held, strict=True)
+        ]
         out: list[LoadedBlock | OpenedBlock] = []
-        for h in hashes:
-            local = self._l1.get(h) if self._l1 is not None else None
+        for h, local, job in zip(hashes, held, opening, strict=True):
             if local is not None:
                 out.append(LoadedBlock(h, local.meta, local.payload, Tier.L1))
                 continue
-            opened = self._open_l2(h)
+            opened = job.result() if job is not None else self._open_l2(h, payload_bytes)
             if opened is None:
                 break
             out.append(opened)
+        for job in opening[len(out) :]:  # opened past the first miss: closed again
+            if job is not None and not job.cancel() and (late := job.result()) is not None:
+                late.abandon()
         if times is not None:
             times.open_s += time.perf_counter() - start
         return out
 
-    def _open_l2(self, block_hash: BlockHash) -> OpenedBlock | None:
+    def _open_l2(self, block_hash: BlockHash, payload_bytes: int) -> OpenedBlock | None:
         assert isinstance(self._l2, PosixTier)
         try:
-            return self._l2.open_block(block_hash)
+            return self._l2.open_block(block_hash, payload_bytes)
         except Exception:
             log.exception("kvtier: L2 open failed; treating it as a miss")
             return None

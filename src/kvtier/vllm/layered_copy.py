@@ -3,19 +3,21 @@ the forward pass that reads them.
 
 vLLM calls `wait_for_layer_load(layer)` before each attention layer of a forward pass. A
 synchronous load hands its blocks to `LayeredCopy` instead of copying them: L1 hits as L1's own
-buffers (a view stays valid after eviction), L2 hits from a local directory as files opened
-with their header validated (`PendingRead`). On a background thread it writes layer 0 of every
-block (an L2 block's layer is read into a small buffer, hashed, then copied), then layer 1, and
-so on, while the forward computes; `wait(layer)` returns once that layer of every block is
-written. On CPU a forward pass spends longer on each layer than that takes, so on a core the
-engine does not use the copy stays ahead of the forward, and a hit costs the forward little
-more than its first layer (figures in docs/bench_tiers.md).
+buffers (a view stays valid after eviction), L2 hits (where the L2 profile reads pieces) as
+opened files (`PendingRead`). On a background thread it writes layer 0 of every block (an L2
+block's layer is read into a small buffer, hashed, then copied; its header comes with layer 0
+and is validated before anything is copied), then layer 1, and so on, while the forward
+computes; `wait(layer)` returns once that layer of every block is written. On CPU a forward
+pass spends longer on each layer than that takes, so on a core the engine does not use the
+copy stays ahead of the forward, and a hit costs the forward little more than its first layer
+(figures in docs/bench_tiers.md).
 
 `failed` lists the engine blocks to report as failed loads, which vLLM recomputes (dropping the
-step's output for the request): an L2 block whose read fails or whose checksum, known once
-every layer is read, does not match; every block when the copy raises; and, once `settle()` was
-called (a wait past the load deadline: a read may be stalled), every block not complete. After
-`settle()` nothing more is written into the engine's cache.
+step's output for the request): an L2 block whose read fails, whose header is invalid or of
+another layout, or whose checksum, known once every layer is read, does not match; every block
+when the copy raises; and, once `settle()` was called (a wait past the load deadline: a read
+may be stalled), every block not complete. After `settle()` nothing more is written into the
+engine's cache.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.errors import CodecError
 from kvtier.core.tiers.posix import OpenedBlock
 from kvtier.vllm.transfer import PagedKV, PendingScatter
 
@@ -115,19 +118,8 @@ class LayeredCopy:
                 self._cond.notify_all()
 
     def _copy(self, layer: int, k: int, pending: Pending, piece: Any) -> None:
-        if isinstance(pending, PendingRead):
-            try:
-                pending.block.read_at(layer * self._kv.piece_bytes, memoryview(piece).cast("B"))
-            except OSError as exc:
-                log.warning(
-                    "kvtier: L2 block %s: read failed (%s); vLLM recomputes it",
-                    pending.block.block_hash.hex(),
-                    exc,
-                )
-                pending.block.abandon()
-                with self._cond:
-                    self._complete[k] = False
-                return
+        if isinstance(pending, PendingRead) and not self._read(layer, k, pending.block, piece):
+            return
         with self._writing:
             if self._settled:
                 raise _Settled
@@ -135,6 +127,24 @@ class LayeredCopy:
                 self._kv.scatter_piece(layer, piece, pending.engine_block_ids, pending.skip)
             else:
                 self._kv.scatter_layer(layer, pending)
+
+    def _read(self, layer: int, k: int, block: OpenedBlock, piece: Any) -> bool:
+        """Read `layer` of block `k` into `piece`; False: the block failed (its file closed)."""
+        try:
+            block.read_at(layer * self._kv.piece_bytes, memoryview(piece).cast("B"))
+            if block.meta is None or not self._kv.layout.matches(block.meta):
+                raise CodecError(f"layout: {block.meta}, expected {self._kv.layout}")
+        except (OSError, CodecError) as exc:
+            log.warning(
+                "kvtier: L2 block %s: read failed (%s); vLLM recomputes it",
+                block.block_hash.hex(),
+                exc,
+            )
+            block.abandon()
+            with self._cond:
+                self._complete[k] = False
+            return False
+        return True
 
     @property
     def settled(self) -> bool:

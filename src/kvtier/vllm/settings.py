@@ -76,11 +76,11 @@ class ConnectorSettings(StoreSettings):
     load_layerwise: bool | None = None
     """Synchronous loads on a CPU engine: copy L1 hits into vLLM's KV cache layer by layer on
     a background CPU while the forward pass runs, which waits only for the layer it reads next,
-    and read L2 hits from a local directory (`l2_profile` local) the same way, layer by layer;
-    off: read and copy them before the forward (over other file systems L2 hits are, either
-    way). Unset: on where `background_cpus` gives the connector a core the engine is not bound
-    to (on the engine's own cores the copy would take turns with the forward, not run beside
-    it)."""
+    and read L2 hits the same way, layer by layer, where the L2 profile allows it (a local
+    directory, a JuiceFS mount); off: read and copy them before the forward (on other file
+    systems L2 hits are, either way). Unset: on where `background_cpus` gives the connector a
+    core the engine is not bound to (on the engine's own cores the copy would take turns with
+    the forward, not run beside it)."""
     load_staging: bool = True
     """Read L2 hits into a staging buffer each loader reuses, then copy them into vLLM's KV
     cache; they reach L1 afterwards, when the request's blocks are saved. Off: read each into a

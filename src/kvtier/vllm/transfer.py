@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvtier.core.codec import BlockMeta
 from kvtier.core.errors import ConfigError
 
 
@@ -50,6 +51,10 @@ class BlockLayout:
     @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
+
+    def matches(self, meta: BlockMeta) -> bool:
+        """Whether a block of `meta` has this layout."""
+        return meta.shape == self.shape and meta.dtype == self.dtype_name
 
     @property
     def payload_bytes(self) -> int:

@@ -488,7 +488,8 @@ class WorkerSide:
         def consume(block: LoadedBlock | OpenedBlock) -> None:
             """Copy `block` into the engine's blocks, or hand it to the layered copy."""
             nonlocal loaded_bytes, copy_s
-            if block.meta.shape != kv.layout.shape or block.meta.dtype != kv.layout.dtype_name:
+            # (an opened block's header comes with its first piece: the copy checks it then)
+            if block.meta is not None and not kv.layout.matches(block.meta):
                 log.warning(
                     "kvtier: block %s has layout %s %s, expected %s %s",
                     block.block_hash.hex(),
@@ -520,7 +521,10 @@ class WorkerSide:
             kv = self._require_kv()
             layered = self._layerwise and not spec.asynchronous and kv.device.type == "cpu"
             if layered and self._store.piece_reads:
-                self._hand_over(self._store.open_pieces(spec.hashes, times), consume)
+                opened = self._store.open_pieces(
+                    spec.hashes, kv.layout.payload_bytes, pool=self._readers, times=times
+                )
+                self._hand_over(opened, consume)
             else:
                 staging = self._staging(kv) if self._load_staging else []
                 self._store.load_into(

@@ -17,12 +17,16 @@ import pytest
 import xxhash
 
 from kvtier.core.codec import HEADER_BYTES
-from kvtier.core.errors import TierError
+from kvtier.core.errors import CodecError, TierError
 from kvtier.core.keys import BlockHash, Namespace
+from kvtier.core.settings import StoreSettings
 from kvtier.core.tiers import posix
 from kvtier.core.tiers.janitor import AccessRecorder
 from kvtier.core.tiers.noreplace import rename_noreplace
 from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.profiles import get_profile
+from kvtier.core.tiers.shared import open_shared_l2
+from tests.helpers.l2 import IDENTITY
 from tests.helpers.tiers import NAMESPACE, hash_of, meta_for, payload_for, variant_payload
 
 REPO = Path(__file__).resolve().parents[3]
@@ -73,25 +77,27 @@ def test_round_trip_returns_the_bytes_and_meta_read_only(tmp_path: Path) -> None
 
 
 def test_an_opened_block_is_read_in_pieces_in_order_and_verified(tmp_path: Path) -> None:
-    """`open_block` validates the header; pieces read in order, then `finish`, make a hit; a
-    piece out of order is refused; a payload whose checksum fails is a miss, and removed."""
+    """`open_block` checks the file's size; the first piece brings the header; pieces read in
+    order, then `finish`, make a hit; a piece out of order is refused; a payload whose checksum
+    fails is a miss, and removed."""
     tier = tier_in(tmp_path)
     h = put(tier, "a")
-    opened = tier.open_block(h)
-    assert opened is not None and opened.meta == meta_for(NBYTES)
+    opened = tier.open_block(h, NBYTES)
+    assert opened is not None and opened.meta is None
     pieces = [bytearray(NBYTES // 4) for _ in range(4)]
     with pytest.raises(ValueError, match="out of order"):
         opened.read_at(NBYTES // 4, memoryview(pieces[1]))
     for i, piece in enumerate(pieces):
         opened.read_at(i * len(piece), memoryview(piece))
+        assert opened.meta == meta_for(NBYTES)
     assert b"".join(pieces) == payload_for(h, NBYTES)
     assert opened.finish()
     assert (tier.stats().hits, tier.stats().bytes_read) == (1, NBYTES)
 
-    opened = tier.open_block(h)
+    opened = tier.open_block(h, NBYTES)
     assert opened is not None
     path = Path(tier.path(h))
-    with path.open("r+b") as f:  # bit rot after the header was validated
+    with path.open("r+b") as f:  # bit rot after the file was opened
         f.seek(-1, os.SEEK_END)
         f.write(b"\x00" if payload_for(h, NBYTES)[-1] else b"\x01")
     opened.read_at(0, memoryview(bytearray(NBYTES)))
@@ -99,18 +105,63 @@ def test_an_opened_block_is_read_in_pieces_in_order_and_verified(tmp_path: Path)
     assert tier.stats().corrupt_removed == 1 and not path.exists()
 
 
-def test_blocks_are_read_in_pieces_only_on_a_local_file_system(
+def test_an_opened_block_with_a_bad_header_is_removed_at_its_first_piece(
+    tmp_path: Path,
+) -> None:
+    """A header that fails validation when the first piece brings it raises CodecError, and the
+    file is removed; a file of another size is not opened and stays (another layout's)."""
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    path = Path(tier.path(h))
+    with path.open("r+b") as f:
+        f.write(b"XXXX")  # the magic
+    opened = tier.open_block(h, NBYTES)
+    assert opened is not None
+    with pytest.raises(CodecError):
+        opened.read_at(0, memoryview(bytearray(NBYTES // 2)))
+    assert tier.stats().corrupt_removed == 1 and not path.exists()
+    opened.abandon()  # (already closed: nothing more counted)
+    assert tier.stats().misses == 1
+
+    other = put(tier, "b")
+    assert tier.open_block(other, NBYTES * 2) is None
+    assert Path(tier.path(other)).exists() and tier.stats().misses == 2
+
+
+def test_blocks_are_read_in_pieces_only_on_the_file_systems_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The profile's `piece_reads` holds on a local disk; on FUSE or NFS (a directory named
-    with the default profile, say) blocks are read whole, and so with O_DIRECT."""
+    """Pieces are read where the directory lies on a file system the profile names (a local
+    disk for `local`, JuiceFS's FUSE client for `juicefs`), on no other (a JuiceFS or NFS mount
+    named with the default profile, say, reads blocks whole); with O_DIRECT on a file system
+    that needs aligned reads, never."""
     assert posix.file_system_of("/proc") == "proc"
-    assert PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True).piece_reads
-    assert not PosixTier(
-        str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True, direct_reads=True
-    ).piece_reads
+    local = get_profile("local").piece_reads
+    assert PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=local).piece_reads
+    assert not PosixTier(str(tmp_path), NAMESPACE, MANIFEST).piece_reads
     monkeypatch.setattr(posix, "file_system_of", lambda path: "fuse.juicefs")
-    assert not PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=True).piece_reads
+    assert not PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=local).piece_reads
+    juicefs = get_profile("juicefs").piece_reads
+    assert PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=juicefs).piece_reads
+    monkeypatch.setattr(posix, "file_system_of", lambda path: "nfs4")
+    assert not PosixTier(str(tmp_path), NAMESPACE, MANIFEST, piece_reads=juicefs).piece_reads
+
+
+def test_pieces_are_not_read_with_o_direct_where_it_needs_alignment(tmp_path: Path) -> None:
+    """`open_shared_l2`: the local profile reads pieces, but not with O_DIRECT reads, which a
+    local disk wants aligned; the juicefs profile's O_DIRECT needs no alignment."""
+
+    def reads_pieces(direct: bool | None) -> bool:
+        config = StoreSettings(l2_path=str(tmp_path), l2_profile="local", l2_direct_reads=direct)
+        shared = open_shared_l2(config, IDENTITY)
+        assert shared is not None and isinstance(shared.tier, PosixTier)
+        try:
+            return shared.tier.piece_reads
+        finally:
+            shared.close()
+
+    assert reads_pieces(None)
+    assert not reads_pieces(True)
 
 
 def test_second_put_of_a_block_is_skipped(tmp_path: Path) -> None:

@@ -155,12 +155,6 @@ def _read_into(
     return done
 
 
-LOCAL_FILE_SYSTEMS = frozenset(
-    {"btrfs", "ext2", "ext3", "ext4", "f2fs", "overlay", "tmpfs", "xfs", "zfs"}
-)
-"""File systems on a local disk (or in memory): a read of a cached block cannot stall."""
-
-
 def mount_table() -> list[tuple[str, str]]:
     """(mount point, file system type) of every mount in /proc/mounts, in its order."""
     with open("/proc/mounts", encoding="utf-8") as mounts:
@@ -310,9 +304,10 @@ def _dir_mode(file_mode: int) -> int:
 
 
 class OpenedBlock:
-    """One L2 block file opened and its header validated (`PosixTier.open_block`): read its
-    payload in order, in pieces (`read_at`) or whole (`fd`, `hasher`), then `finish` (checksum
-    verified, the hit counted) or `abandon`; either closes the file."""
+    """One L2 block file opened (`PosixTier.open_block`): read its payload in order, in pieces
+    (`read_at`) or whole (`fd`, `hasher`), then `finish` (checksum verified, the hit counted) or
+    `abandon`; either closes the file. Opened for pieces, its header comes with the first
+    piece (`meta` is None until then)."""
 
     def __init__(
         self,
@@ -321,7 +316,7 @@ class OpenedBlock:
         path: str,
         fd: int,
         opened: os.stat_result,
-        header: Header,
+        header: Header | None,
     ) -> None:
         self._tier = tier
         self.block_hash = block_hash
@@ -329,8 +324,8 @@ class OpenedBlock:
         self.fd = fd
         self.opened = opened
         self._header = header
-        self.meta = header.meta
-        self.payload_bytes = header.payload_bytes
+        self.meta = None if header is None else header.meta
+        self.payload_bytes = opened.st_size - HEADER_BYTES
         self.hasher = xxhash.xxh3_64()
         """Hashes the payload as it is read."""
         self._done = 0
@@ -338,10 +333,18 @@ class OpenedBlock:
 
     def read_at(self, offset: int, out: memoryview) -> None:
         """Read payload bytes `offset`.. into `out` and hash them; pieces must come in payload
-        order, each once. Raises OSError (a short read: EIO)."""
+        order, each once. The first piece of a block opened for pieces brings its header, then
+        validated (`meta` set). Raises OSError (a short read: EIO) or CodecError (an invalid
+        header: the file is removed)."""
         if offset != self._done:
             raise ValueError(f"payload pieces out of order: {offset}, expected {self._done}")
-        got = os.preadv(self.fd, [out], HEADER_BYTES + offset)
+        if self._header is None:
+            head = memoryview(bytearray(HEADER_BYTES))
+            got = os.preadv(self.fd, [head, out], 0) - HEADER_BYTES
+            self._header = self._tier._decode(self, head)
+            self.meta = self._header.meta
+        else:
+            got = os.preadv(self.fd, [out], HEADER_BYTES + offset)
         if got != out.nbytes:
             raise OSError(errno.EIO, f"short read: {got} of {out.nbytes} bytes", self._path)
         self.hasher.update(out)
@@ -353,6 +356,8 @@ class OpenedBlock:
         removed)."""
         nbytes = self._done if read_bytes is None else read_bytes
         try:
+            if self._header is None:
+                raise CodecError("header: not read")
             verify_read(self._header, nbytes, self.hasher.intdigest())
         except CodecError as exc:
             self._tier._invalid(self.block_hash, self._path, self.opened, exc)
@@ -391,14 +396,15 @@ class PosixTier:
         clock: Callable[[], float] = time.monotonic,
         file_mode: int = 0o600,
         direct_reads: bool = False,
-        piece_reads: bool = False,
+        piece_reads: frozenset[str] = frozenset(),
     ) -> None:
         """`access` records read hits in the shared access record the capacity janitor evicts
         by (`kvtier.core.tiers.janitor`); None records nothing. `file_mode`: permissions of
         the files created (directories get search permission where it grants read).
         `direct_reads`: open files to read with O_DIRECT; a file system that refuses it (EINVAL)
-        turns it off for this tier, with a warning. `piece_reads`: the profile's (readers may
-        read a block in pieces beside the forward pass, `open_block`)."""
+        turns it off for this tier, with a warning. `piece_reads`: the file systems on which
+        readers may read a block in pieces beside the forward pass (`open_block`; the
+        profile's)."""
         if not _HEX.fullmatch(namespace):
             raise TierError(f"namespace: {namespace!r} is not a hex digest")
         if not os.path.isdir(root):
@@ -419,17 +425,17 @@ class PosixTier:
         self._counters = TierCounters()
         self._file_mode = file_mode
         self._read_flags = os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct_reads else 0)
-        self.piece_reads = piece_reads and not direct_reads
-        """Whether readers should read blocks in pieces: where the profile says so, on a local
-        file system (whatever the profile claims), and never with O_DIRECT (aligned reads)."""
-        fs_type = file_system_of(root) if self.piece_reads else None
-        if self.piece_reads and fs_type not in LOCAL_FILE_SYSTEMS:
-            self.piece_reads = False
+        fs_type = file_system_of(root) if piece_reads else None
+        self.piece_reads = fs_type in piece_reads
+        """Whether readers should read blocks in pieces: only on a file system the profile
+        names, whatever the profile claims the directory is."""
+        if piece_reads and not self.piece_reads:
             log.info(
-                "kvtier: L2 %s is on %s, not a local file system: blocks are read whole, before "
-                "the forward pass (set l2_profile to match it)",
+                "kvtier: L2 %s is on %s, not %s: blocks are read whole, before the forward "
+                "pass (set l2_profile to match it)",
                 root,
                 fs_type,
+                " or ".join(sorted(piece_reads)),
             )
         self._dir_mode = _dir_mode(file_mode)
         try:
@@ -543,10 +549,11 @@ class PosixTier:
         read = self._read(block_hash, out, times)
         return None if read is None else read[0]
 
-    def open_block(self, block_hash: BlockHash) -> OpenedBlock | None:
-        """The block's file opened and its header validated, its payload still to read in
-        pieces (`OpenedBlock`); None: a miss (counted; an invalid file is removed)."""
-        return self._open_block(block_hash)
+    def open_block(self, block_hash: BlockHash, payload_bytes: int) -> OpenedBlock | None:
+        """The block's file opened, its size that of a header and `payload_bytes`, to read in
+        pieces, its header with the first (`OpenedBlock`): one round trip fewer over a network
+        file system. None: a miss (counted; a file of another size is left alone)."""
+        return self._open_block(block_hash, payload_bytes)
 
     def _read(
         self, block_hash: BlockHash, out: memoryview | None, times: ReadTimes | None
@@ -578,9 +585,14 @@ class PosixTier:
                 self._fault("read", exc)
             block.abandon()
             return None
+        assert block.meta is not None  # (opened with its header)
         return (block.meta, payload) if block.finish(got) else None
 
-    def _open_block(self, block_hash: BlockHash) -> OpenedBlock | None:
+    def _open_block(
+        self, block_hash: BlockHash, payload_bytes: int | None = None
+    ) -> OpenedBlock | None:
+        """Open the block's file; its header read and validated now unless `payload_bytes`
+        (then the file's size is checked against it, the header left to the first read)."""
         if self._unusable(misses=1):
             return None
         path = self.path(block_hash)
@@ -600,6 +612,13 @@ class PosixTier:
             if opened.st_dev != self._volume.device and not self._volume.check(now=True):
                 raise OSError(errno.ENODEV, "L2 volume not mounted", path)
             size = opened.st_size
+            if payload_bytes is not None:
+                if size == HEADER_BYTES + payload_bytes:
+                    return OpenedBlock(self, block_hash, path, fd, opened, None)
+                # another layout (or a damaged file, which a whole read removes): leave it
+                os.close(fd)
+                self._counters.add(misses=1)
+                return None
             if not HEADER_BYTES <= size <= HEADER_BYTES + MAX_PAYLOAD_BYTES:
                 raise CodecError(f"file: {size} bytes is not a plausible block")
             head = memoryview(bytearray(HEADER_BYTES))
@@ -621,6 +640,21 @@ class PosixTier:
             self._counters.add(misses=1)
             return None
         return OpenedBlock(self, block_hash, path, fd, opened, header)
+
+    def _decode(self, block: OpenedBlock, head: memoryview) -> Header:
+        """`block`'s header, read with its first piece; an invalid one is removed (raises)."""
+        try:
+            header = decode_header(head, namespace=self._namespace, block_hash=block.block_hash)
+            if header.payload_bytes != block.payload_bytes:
+                raise CodecError(
+                    f"file: {block.opened.st_size} bytes, header says {HEADER_BYTES} + "
+                    f"{header.payload_bytes}"
+                )
+        except CodecError as exc:
+            self._invalid(block.block_hash, block._path, block.opened, exc)
+            block._close()
+            raise
+        return header
 
     def _invalid(
         self, block_hash: BlockHash, path: str, opened: os.stat_result, why: CodecError

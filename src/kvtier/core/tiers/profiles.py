@@ -24,6 +24,10 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.settings import L2ProfileName
 
 MIB = 1024**2
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"btrfs", "ext2", "ext3", "ext4", "f2fs", "overlay", "tmpfs", "xfs", "zfs"}
+)
+"""File systems on a local disk (or in memory): a read of a cached block cannot stall."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +49,11 @@ class L2Profile:
     """L2 reads open block files with O_DIRECT by default: through a FUSE client that needs no
     alignment this skips the kernel page cache and its copy (docs/bench_tiers.md); what was read
     stays in kvtier's L1 instead."""
-    piece_reads: bool
-    """A block may be read in pieces beside the forward pass that needs it (the connector's
-    layered copy): only where a read is local and short (over FUSE or a network each piece is
-    a round trip, and a stalled one would hold the forward until the load deadline)."""
+    piece_reads: frozenset[str]
+    """The file systems (types as /proc/mounts names them) on which a block may be read in
+    pieces beside the forward pass that needs it (the connector's layered copy): where a
+    piece's read is short and was measured to keep ahead of the forward (a stalled one holds
+    the forward until the load deadline, then the blocks are recomputed)."""
     unlink_safe_across_nodes: bool
     """A reader on another node that has the file open keeps reading after an unlink."""
     cluster_wide_flock: bool
@@ -73,7 +78,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=True,
             direct_reads=False,
-            piece_reads=True,
+            piece_reads=LOCAL_FILE_SYSTEMS,
             unlink_safe_across_nodes=True,
             cluster_wide_flock=True,
             recommended_object_bytes=1 * MIB,
@@ -90,7 +95,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=True,
-            piece_reads=False,
+            piece_reads=frozenset({"fuse.juicefs"}),
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -115,7 +120,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=True,
-            piece_reads=False,
+            piece_reads=frozenset(),
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -138,7 +143,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=False,
-            piece_reads=False,
+            piece_reads=frozenset(),
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=4 * MIB,
@@ -160,7 +165,7 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
             o_direct=True,
             o_direct_aligned=False,
             direct_reads=False,
-            piece_reads=False,
+            piece_reads=frozenset(),
             unlink_safe_across_nodes=False,
             cluster_wide_flock=True,
             recommended_object_bytes=8 * MIB,

@@ -81,6 +81,8 @@ def open_shared_l2(
     if config.l2_path is None:
         return None
     access = AccessRecorder(config.l2_touch_interval_s)
+    profile = get_profile(config.l2_profile)
+    direct = profile.direct_reads if config.l2_direct_reads is None else config.l2_direct_reads
     tier = PosixTier(
         config.l2_path,
         namespace,
@@ -89,12 +91,9 @@ def open_shared_l2(
         access=access,
         clock=clock,
         file_mode=config.l2_file_mode,
-        direct_reads=(
-            get_profile(config.l2_profile).direct_reads
-            if config.l2_direct_reads is None
-            else config.l2_direct_reads
-        ),
-        piece_reads=get_profile(config.l2_profile).piece_reads,
+        direct_reads=direct,
+        # O_DIRECT pieces at a layer's offset would break a file system's alignment rule
+        piece_reads=frozenset() if direct and profile.o_direct_aligned else profile.piece_reads,
     )
     settings = janitor_settings(config)
     janitor = None
