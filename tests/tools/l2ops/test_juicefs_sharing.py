@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -154,6 +155,25 @@ def test_a_mount_keeps_no_block_cache_of_its_own(
     assert not cached, cached
 
 
-def test_a_negative_block_cache_is_refused_by_name() -> None:
+def test_a_mount_reads_ahead_nothing_by_default(
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
+    """The daemons run with no read-ahead (`max_readahead_mib` 0: layer-by-layer reads want
+    each block's first layer without a fetch ahead), and still read whole blocks."""
+    a, b = two_mounts
+    for mount in (a, b):  # the daemon's own view of its settings (32 MiB by default)
+        with open(os.path.join(mount.path, ".config"), encoding="utf-8") as f:
+            assert json.load(f)["Chunk"]["Readahead"] == 0
+    run_worker("write", f"posix:{a.path}", "--seed", "41", "--count", "1", "--bytes", "300000")
+    reader = PosixTier(b.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0)
+    h, _, payload = make_block(41, 0, 300000)
+    assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
+    got = reader.get(h)
+    assert got is not None and bytes(got.payload) == payload
+
+
+def test_a_negative_block_cache_or_read_ahead_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="block_cache_mib: must be >= 0, got -1"):
         JuiceFSVolumeSpec(root="/srv/jfs", block_cache_mib=-1)
+    with pytest.raises(ConfigError, match="max_readahead_mib: must be >= 0, got -2"):
+        JuiceFSVolumeSpec(root="/srv/jfs", max_readahead_mib=-2)

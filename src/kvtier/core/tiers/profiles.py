@@ -106,6 +106,11 @@ PROFILES: dict[L2ProfileName, L2Profile] = {
                 "--attr-cache 1 --entry-cache 1 --dir-entry-cache 1 (the defaults)",
                 "--cache-dir on local NVMe; objects >= the 4 MiB JuiceFS block",
                 (
+                    "--max-readahead 0: a hit read layer by layer asks for every block's "
+                    "first layer at once, and read-ahead made each of those wait "
+                    "(docs/l2.md: the cost)"
+                ),
+                (
                     "--cache-size 0 where the object store is as close as the cache disk: "
                     "else a reading node writes every block it fetches into its cache "
                     "(docs/l2.md: the cost); kvtier's L1 keeps what a replica read"

@@ -122,6 +122,11 @@ class JuiceFSVolumeSpec:
     """Each mount's local block cache (`--cache-size`). 0, the default: none. The objects
     already live on this machine's disk, and a block fetched by a reading mount would be
     written to its cache directory on every cross-mount read (docs/l2.md: the cost)."""
+    max_readahead_mib: int | None = 0
+    """Each mount's read-ahead per read session (`--max-readahead`). 0, the default: none.
+    A hit read layer by layer asks for the first layer of every block at once, and with
+    read-ahead each of those reads waited for JuiceFS to fetch further (docs/l2.md: the
+    cost); whole-block reads took the same time either way. None: JuiceFS's own default."""
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -132,6 +137,8 @@ class JuiceFSVolumeSpec:
             raise ConfigError("attr_cache_s/entry_cache_s: must be >= 0")
         if self.block_cache_mib < 0:
             raise ConfigError(f"block_cache_mib: must be >= 0, got {self.block_cache_mib}")
+        if self.max_readahead_mib is not None and self.max_readahead_mib < 0:
+            raise ConfigError(f"max_readahead_mib: must be >= 0, got {self.max_readahead_mib}")
         if self.mount_timeout_s <= 0:
             raise ConfigError(f"mount_timeout_s: must be positive, got {self.mount_timeout_s}")
 
@@ -250,6 +257,8 @@ class JuiceFSVolume:
             "--dir-entry-cache",
             f"{self.spec.entry_cache_s}s",
         ]
+        if self.spec.max_readahead_mib is not None:
+            cmd += ["--max-readahead", str(self.spec.max_readahead_mib)]
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
