@@ -159,17 +159,11 @@ def test_a_mount_reads_ahead_nothing_by_default(
     two_mounts: tuple[JuiceFSMount, JuiceFSMount],
 ) -> None:
     """The daemons run with no read-ahead (`max_readahead_mib` 0: layer-by-layer reads want
-    each block's first layer without a fetch ahead), and still read whole blocks."""
-    a, b = two_mounts
-    for mount in (a, b):  # the daemon's own view of its settings (32 MiB by default)
+    each block's first layer without a fetch ahead); the tests above read whole blocks
+    through these very mounts."""
+    for mount in two_mounts:  # the daemon's own view of its settings (32 MiB by default)
         with open(os.path.join(mount.path, ".config"), encoding="utf-8") as f:
             assert json.load(f)["Chunk"]["Readahead"] == 0
-    run_worker("write", f"posix:{a.path}", "--seed", "41", "--count", "1", "--bytes", "300000")
-    reader = PosixTier(b.path, NAMESPACE, IDENTITY.manifest(), exists_ttl_s=0)
-    h, _, payload = make_block(41, 0, 300000)
-    assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
-    got = reader.get(h)
-    assert got is not None and bytes(got.payload) == payload
 
 
 def test_a_negative_block_cache_or_read_ahead_is_refused_by_name() -> None:
