@@ -132,8 +132,8 @@ class LayeredCopy:
         """Read `layer` of block `k` into `piece`; False: the block failed (its file closed)."""
         try:
             block.read_at(layer * self._kv.piece_bytes, memoryview(piece).cast("B"))
-            if block.meta is None or not self._kv.layout.matches(block.meta):
-                raise CodecError(f"layout: {block.meta}, expected {self._kv.layout}")
+            if layer == 0 and (block.meta is None or not self._kv.layout.matches(block.meta)):
+                raise CodecError(f"layout: {block.meta}, expected {self._kv.layout}")  # (header)
         except (OSError, CodecError) as exc:
             log.warning(
                 "kvtier: L2 block %s: read failed (%s); vLLM recomputes it",

@@ -341,7 +341,14 @@ class OpenedBlock:
         if self._header is None:
             head = memoryview(bytearray(HEADER_BYTES))
             got = os.preadv(self.fd, [head, out], 0) - HEADER_BYTES
-            self._header = self._tier._decode(self, head)
+            try:
+                self._header = self._tier._checked_header(
+                    head, self.block_hash, self.opened.st_size
+                )
+            except CodecError as exc:
+                self._tier._invalid(self.block_hash, self._path, self.opened, exc)
+                self._close()
+                raise
             self.meta = self._header.meta
         else:
             got = os.preadv(self.fd, [out], HEADER_BYTES + offset)
@@ -623,11 +630,7 @@ class PosixTier:
                 raise CodecError(f"file: {size} bytes is not a plausible block")
             head = memoryview(bytearray(HEADER_BYTES))
             got = _read_into(fd, head)
-            header = decode_header(head[:got], namespace=self._namespace, block_hash=block_hash)
-            if size != HEADER_BYTES + header.payload_bytes:
-                raise CodecError(
-                    f"file: {size} bytes, header says {HEADER_BYTES} + {header.payload_bytes}"
-                )
+            header = self._checked_header(head[:got], block_hash, size)
         except CodecError as exc:
             os.close(fd)
             assert opened is not None  # (fstat raises OSError)
@@ -641,19 +644,13 @@ class PosixTier:
             return None
         return OpenedBlock(self, block_hash, path, fd, opened, header)
 
-    def _decode(self, block: OpenedBlock, head: memoryview) -> Header:
-        """`block`'s header, read with its first piece; an invalid one is removed (raises)."""
-        try:
-            header = decode_header(head, namespace=self._namespace, block_hash=block.block_hash)
-            if header.payload_bytes != block.payload_bytes:
-                raise CodecError(
-                    f"file: {block.opened.st_size} bytes, header says {HEADER_BYTES} + "
-                    f"{header.payload_bytes}"
-                )
-        except CodecError as exc:
-            self._invalid(block.block_hash, block._path, block.opened, exc)
-            block._close()
-            raise
+    def _checked_header(self, head: memoryview, block_hash: BlockHash, size: int) -> Header:
+        """The header of `block_hash`'s file of `size` bytes; CodecError unless valid."""
+        header = decode_header(head, namespace=self._namespace, block_hash=block_hash)
+        if size != HEADER_BYTES + header.payload_bytes:
+            raise CodecError(
+                f"file: {size} bytes, header says {HEADER_BYTES} + {header.payload_bytes}"
+            )
         return header
 
     def _invalid(
