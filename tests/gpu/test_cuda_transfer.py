@@ -18,7 +18,7 @@ import torch
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import ModelIdentity, block_hashes, root_hash
 from kvtier.core.settings import StoreSettings
-from kvtier.core.store import TieredStore
+from kvtier.core.store import LoadedBlock, TieredStore
 from kvtier.core.tiers.base import Tier
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
@@ -46,8 +46,9 @@ def _blocks(kv: PagedKV, ids: list[int]) -> list[torch.Tensor]:
     return [t.index_select(0, index) for t in kv.layers]
 
 
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-staging", "ordinary-memory"])
 def test_blocks_saved_on_one_gpu_replica_load_byte_for_byte_into_another(
-    tmp_path: Path,
+    tmp_path: Path, pinned: bool
 ) -> None:
     writer = PagedKV(_caches(seed=1), PER_BLOCK)
     assert writer.device.type == "cuda"
@@ -69,11 +70,20 @@ def test_blocks_saved_on_one_gpu_replica_load_byte_for_byte_into_another(
     reader = PagedKV({n: torch.zeros_like(t) for n, t in _caches(seed=2).items()}, PER_BLOCK)
     targets = [[0, 1, 2, 3], [10, 11, 12, 13], [63, 20, 21, 22]]
     with TieredStore(StoreSettings(l1_bytes=1 << 26, l2_path=str(tmp_path)), IDENTITY) as b:
-        loaded = b.load(CHAIN)  # a fresh replica: every block comes from L2
-        assert [block.tier for block in loaded] == [Tier.L2] * 3
-        for block, ids in zip(loaded, targets, strict=True):
+        # as the connector's loader: L2 reads into its pinned staging buffers, each copied in
+        # before the next read may reuse it (an L2 hit promoted to L1 is ordinary memory)
+        staging = [host_bytes(reader.new_host_buffer()) for _ in range(2)] if pinned else []
+        loaded: list[Tier] = []
+
+        def copy_in(block: LoadedBlock) -> None:
             assert reader.layout.matches(block.meta)
-            reader.scatter(payload_view(block.payload, reader.layout), ids)
+            src = payload_view(block.payload, reader.layout)
+            assert src.is_pinned() == pinned
+            reader.scatter(src, targets[len(loaded)])
+            loaded.append(block.tier)
+
+        assert b.load_into(CHAIN, copy_in, staging=staging) == 3
+        assert loaded == [Tier.L2] * 3  # a fresh replica: every block comes from L2
     torch.cuda.synchronize()
     for ids, src in zip(targets, sources, strict=True):
         for got, expected in zip(_blocks(reader, ids), _blocks(writer, src), strict=True):

@@ -241,13 +241,17 @@ class _CudaStaging:
     def scatter(
         self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int]
     ) -> None:
-        """`src`: (layers, len(ids), *engine block) in ordinary host memory."""
+        """`src`: (layers, len(ids), *engine block) in host memory, pinned or not."""
         device = layers[0].device
         n = len(ids)
         with self._lock, torch.cuda.stream(self.stream):
-            pinned, staged = self.pinned[:, :n], self.on_device[:, :n]
-            pinned.copy_(src)  # a copy from ordinary memory straight to the device is slower
-            staged.copy_(pinned, non_blocking=True)
+            staged = self.on_device[:, :n]
+            if src.is_pinned():  # an L2 read into the loader's staging: straight over the bus
+                staged.copy_(src, non_blocking=True)
+            else:  # a copy from ordinary memory straight to the device is slower than two
+                pinned = self.pinned[:, :n]
+                pinned.copy_(src)
+                staged.copy_(pinned, non_blocking=True)
             idx = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
             for layer, t in enumerate(layers):
                 t.index_copy_(0, idx, staged[layer])

@@ -6,7 +6,9 @@
 What a save and a hit move besides the store: `PagedKV.gather` copies the engine blocks of one
 kvtier block out of the per-layer KV tensors into a host buffer (the saver; pinned and reused on
 CUDA), `PagedKV.scatter` copies a payload held in ordinary host memory (L1, or a block read from
-L2) into other engine blocks (the loader). Each pass moves `--blocks` kvtier blocks at random
+L2) into other engine blocks (the loader): `scatter` from ordinary memory (an L1 hit),
+`scatter_pinned` from pinned memory (an L2 hit, which the loader reads into pinned staging on
+CUDA). Each pass moves `--blocks` kvtier blocks at random
 engine block ids and is timed to the end of its copies; beside them, in the same pass, the
 same bytes in contiguous copies: between the device and pinned host memory (`link_*`: the
 bus's speed, the ceiling) and from ordinary host memory to the device (`pageable_h2d`: where
@@ -35,7 +37,7 @@ from kvtier.core.errors import ConfigError
 
 __all__ = ["FIGURES", "TransferGeometry", "measure", "register"]
 
-FIGURES = ("gather", "scatter", "link_d2h", "link_h2d", "pageable_h2d")
+FIGURES = ("gather", "scatter", "scatter_pinned", "link_d2h", "link_h2d", "pageable_h2d")
 """GB/s figures of a row: the connector's two copies, then the floors beside them."""
 
 
@@ -83,10 +85,10 @@ def measure(
             f"--block-tokens {geometry.block_tokens}: not a multiple of --engine-block "
             f"{geometry.engine_block}"
         )
-    if blocks * geometry.per_block > geometry.engine_blocks // 2:
+    if blocks * geometry.per_block * 3 > geometry.engine_blocks:
         raise ConfigError(
-            f"{blocks} kvtier blocks need {blocks * geometry.per_block * 2} engine blocks "
-            f"(gathered and scattered ones apart); raise --engine-blocks"
+            f"{blocks} kvtier blocks need {blocks * geometry.per_block * 3} engine blocks "
+            f"(gathered and twice scattered ones apart); raise --engine-blocks"
         )
     dtype = getattr(torch, geometry.dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -129,7 +131,7 @@ def measure(
         for ids, out in zip(sources, gathered, strict=True):
             kv.gather(ids, out)
 
-    def scatter_all(targets: list[list[int]]) -> None:
+    def scatter_all(targets: list[list[int]], payloads: list[Any]) -> None:
         for ids, payload in zip(targets, payloads, strict=True):
             view = payload_view(memoryview(host_bytes(payload)).toreadonly(), kv.layout)
             kv.scatter(view, ids)
@@ -139,16 +141,22 @@ def measure(
     for repeat in range(repeats + 1):  # the first pass warms allocators and pages
         order = torch.randperm(geometry.engine_blocks, generator=rng).tolist()
         sources = [order[i * per : (i + 1) * per] for i in range(blocks)]
-        targets = [order[(blocks + i) * per : (blocks + i + 1) * per] for i in range(blocks)]
+        # loads from L1 (ordinary memory) and from L2 (read into the loader's pinned staging)
+        targets, from_pinned = (
+            [order[(k * blocks + i) * per : (k * blocks + i + 1) * per] for i in range(blocks)]
+            for k in (1, 2)
+        )
 
         samples = {"gather": timed(functools.partial(gather_all, sources))}
         for out, payload in zip(gathered, payloads, strict=True):
             payload.copy_(out)  # into L1 (the store's copy, measured by `kvtier bench store`)
-        samples["scatter"] = timed(functools.partial(scatter_all, targets))
+        samples["scatter"] = timed(functools.partial(scatter_all, targets, payloads))
+        samples["scatter_pinned"] = timed(functools.partial(scatter_all, from_pinned, gathered))
         samples["link_d2h"] = timed(contiguous(flat_pinned, flat_device))
         samples["link_h2d"] = timed(contiguous(flat_device, flat_pinned))
         samples["pageable_h2d"] = timed(contiguous(flat_device, flat_host))
         _check(kv, sources, targets, payloads)
+        _check(kv, sources, from_pinned, payloads)
         if repeat > 0:
             for name, value in samples.items():
                 figures[name].append(value)
@@ -166,6 +174,7 @@ def measure(
         row[f"{name}_gbps_range"] = [round(min(values), 3), round(max(values), 3)]
     row["gather_vs_link"] = round(row["gather_gbps"] / row["link_d2h_gbps"], 3)
     row["scatter_vs_link"] = round(row["scatter_gbps"] / row["link_h2d_gbps"], 3)
+    row["scatter_pinned_vs_link"] = round(row["scatter_pinned_gbps"] / row["link_h2d_gbps"], 3)
     row["scatter_vs_pageable"] = round(row["scatter_gbps"] / row["pageable_h2d_gbps"], 3)
     return row
 
