@@ -18,7 +18,7 @@ a foreign writer, another format version) is a miss, is deleted and is counted.
 A write is one `writev` of header and payload (the page
 cache then holds the file in large folios, which makes later reads faster than chunked writes
 would). A read goes into a small header buffer and the payload's own uninitialised buffer in
-256 KiB pieces, each hashed right after it is read, while still in the CPU cache, so verifying
+1 MiB pieces, each hashed right after it is read, while still in the CPU cache, so verifying
 the checksum costs no second pass over memory. `get` returns the payload read-only (no copy),
 adopted as is by L1; `read_into` fills a staging buffer the caller reuses instead (the
 connector's load path: fresh memory costs page faults that can exceed the read itself).
@@ -99,9 +99,10 @@ log = logging.getLogger(__name__)
 SUFFIX = ".kvt"
 MANIFEST = "manifest.json"
 _EXISTS_CACHE_MAX = 1 << 16
-READ_CHUNK_BYTES = 256 * 1024
-"""Payload read and hash granularity of buffered reads: large sequential reads that still fit
-the CPU's L2 cache (O_DIRECT reads take the payload in one call)."""
+READ_CHUNK_BYTES = 1024 * 1024
+"""Payload read and hash granularity of buffered reads: few system calls per block, and each
+piece still in the CPU's caches when it is hashed (O_DIRECT reads take the payload in one
+call). docs/store.md has the measurements."""
 MAX_PAYLOAD_BYTES = 1 << 30
 """Files larger than this are not blocks (a 256-token block of a 70B model is ~80 MiB)."""
 VOLUME_FILE = "volume.json"
