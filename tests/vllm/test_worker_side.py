@@ -17,66 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.core.keys import block_hashes, root_hash
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import Tier
-from kvtier.vllm.compat import EngineGeometry
 from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
 from kvtier.vllm.process_store import HashAliases, ProcessStore, model_identity
 from kvtier.vllm.settings import ConnectorSettings
 from kvtier.vllm.stats import ConnectorCounters
 from kvtier.vllm.worker_side import WorkerSide, background_cpus, thread_placer
-
-LAYERS, BLOCKS, TOKENS, HEADS, HEAD = 3, 12, 4, 2, 8
-GEOMETRY = EngineGeometry(
-    platform="cpu",
-    engine_block_tokens=TOKENS,
-    num_layers=LAYERS,
-    kv_heads=HEADS,
-    head_size=HEAD,
-    dtype="float32",
-    tp_size=1,
+from tests.helpers.worker_side import (
+    CHAIN,
+    PARENTS,
+    TOKENS,
+    close_replica,
+    geometry,
+    replica,
+    save_blocks,
 )
-CHAIN = tuple(block_hashes(list(range(3 * TOKENS)), TOKENS))
-PARENTS = (root_hash(), *CHAIN[:-1])
-
-
-def _caches(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        f"model.layers.{i}.attn": torch.randn(BLOCKS, 2, HEADS, TOKENS, HEAD, generator=gen)
-        for i in range(LAYERS)
-    }
-
-
-def _replica(l2: Path, **worker: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    """A worker side on `l2`; the layered copy on unless `worker` says otherwise (here the
-    background threads share this process's cores, where it would be off by default)."""
-    config = ConnectorSettings(l1_bytes=1 << 24, l2_path=str(l2))
-    identity = model_identity(config, GEOMETRY, "model", 0)
-    store = TieredStore(config.store_settings(), identity)
-    shared = ProcessStore(identity.namespace(), store, HashAliases(), None)
-    seed = len(str(l2)) + len(worker)
-    worker.setdefault("load_layerwise", True)
-    side = WorkerSide(shared, GEOMETRY, 0, TOKENS, 1, ConnectorCounters(), **worker)  # type: ignore[arg-type]
-    caches = _caches(seed=seed)
-    side.register(caches)
-    return side, caches
-
-
-def _save(
-    side: WorkerSide,
-    req: str,
-    ids: tuple[int, ...],
-    promote: frozenset[int] = frozenset(),
-    timeout_s: float = 30.0,
-) -> None:
-    spec = SaveSpec(req, CHAIN, PARENTS, ids, first_index=0, reused_blocks=0, promote=promote)
-    side.submit_saves(KvtierMetadata(saves=[spec]))
-    deadline = time.monotonic() + timeout_s
-    while (side.finished({req})[0] or set()) != {req}:
-        assert time.monotonic() < deadline, "save did not finish"
-        time.sleep(0.01)
 
 
 def _layers(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
@@ -91,19 +47,14 @@ def _forward(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
     side.submit_saves(KvtierMetadata())
 
 
-def _close(side: WorkerSide) -> None:
-    side.close()
-    side._store.close()
-
-
 def test_blocks_saved_on_one_replica_load_byte_for_byte_on_another(tmp_path: Path) -> None:
-    a, a_caches = _replica(tmp_path)
+    a, a_caches = replica(tmp_path)
     # the copy before the forward pass, from the staging buffer (the layered path: below)
-    b, b_caches = _replica(
+    b, b_caches = replica(
         tmp_path, save_backlog_blocks=64, load_read_threads=2, load_layerwise=False
     )
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         assert a._counters.totals()["save_blocks"] == 3
         assert a._counters.totals()["save_cpu_seconds"] > 0
@@ -118,22 +69,22 @@ def test_blocks_saved_on_one_replica_load_byte_for_byte_on_another(tmp_path: Pat
         assert totals["phase_read_seconds"] > 0 and totals["phase_copy_seconds"] > 0
         assert not any(b._store.has_near(h) for h in CHAIN)  # not promoted on the load
 
-        _save(b, "other", (1, 2, 3))  # not loaded by this request: L2 has them, skipped
+        save_blocks(b, "other", (1, 2, 3))  # not loaded by this request: L2 has them, skipped
         assert not any(b._store.has_near(h) for h in CHAIN)
-        _save(b, "hit", (1, 2, 3), promote=frozenset({0, 1, 2}))  # loaded: promoted into L1
+        save_blocks(b, "hit", (1, 2, 3), promote=frozenset({0, 1, 2}))  # loaded: promoted into L1
         assert all(b._store.has_near(h) for h in CHAIN)
         assert [blk.tier for blk in b._store.load(CHAIN)] == [Tier.L1] * 3
         assert b._counters.totals()["save_skipped_blocks"] == 3
     finally:
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 def test_a_load_that_skips_locally_computed_engine_blocks_keeps_them(tmp_path: Path) -> None:
-    a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, load_staging=False)
+    a, a_caches = replica(tmp_path)
+    b, b_caches = replica(tmp_path, load_staging=False)
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         before = {n: t[4].clone() for n, t in b_caches.items()}
         # per_block is 1 here, so a skip applies to nothing: load blocks 1..2 only
@@ -148,51 +99,53 @@ def test_a_load_that_skips_locally_computed_engine_blocks_keeps_them(tmp_path: P
             assert not torch.equal(b_caches[name][4], before[name])
         assert all(b._store.has_near(h) for h in CHAIN[1:])  # unstaged: promoted at once
     finally:
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 def test_a_missing_block_fails_the_rest_of_the_load(tmp_path: Path) -> None:
-    b, _ = _replica(tmp_path)
+    b, _ = replica(tmp_path)
     try:
         load = LoadSpec("miss", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
         assert b.load_errors() == {1, 2, 3}
     finally:
-        _close(b)
+        close_replica(b)
 
 
 def test_a_step_never_saves_the_blocks_its_load_left_unwritten(tmp_path: Path) -> None:
     """Block 1 of 3 is gone from L2: this step's save (which vLLM plans over every block of
     the prompt) must not copy blocks 1-2, whose engine blocks hold stale KV until vLLM
     recomputes them; the next step's save, after the recompute, does."""
-    a, _ = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path)
+    a, _ = replica(tmp_path)
+    b, b_caches = replica(tmp_path)
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         os.unlink(a._store._l2.path(CHAIN[1]))  # a corrupt file the loader removed, say
         load = LoadSpec("cut", CHAIN[1:], (5, 6), 0, (Tier.L2,) * 2, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))  # fails at its first block: nothing to save
-        _save(b, "cut", (5, 6))  # still reported finished, or vLLM would never free its blocks
+        save_blocks(
+            b, "cut", (5, 6)
+        )  # still reported finished, or vLLM would never free its blocks
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
         _layers(b, b_caches)
-        _save(b, "hit", (1, 2, 3))  # the same step: before vLLM has seen the load errors
+        save_blocks(b, "hit", (1, 2, 3))  # the same step: before vLLM has seen the load errors
         assert b.load_errors() == {2, 3, 5, 6}
         assert b._store.flush(30)
         assert [b._store.contains(h) is not None for h in CHAIN] == [True, False, True]
         for name in b_caches:  # vLLM recomputes blocks 1-2 into engine blocks 2-3
             b_caches[name][2:4] = 0.5
-        _save(b, "hit", (1, 2, 3))  # a later step: computed now
+        save_blocks(b, "hit", (1, 2, 3))  # a later step: computed now
         assert b._store.flush(30)
         (stored,) = b._store.load([CHAIN[0], CHAIN[1]])[1:]
         assert stored is not None and bytes(stored.payload) == bytes(
             torch.stack([b_caches[n][2] for n in b_caches]).numpy().tobytes()
         )
     finally:
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True])
@@ -201,11 +154,11 @@ def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
 ) -> None:
     """An L2 whose reads hang (a stalled mount) past the first block: the load is settled at
     its deadline, the hung blocks are recomputed, and the late reads never touch the cache."""
-    a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, load_deadline_s=2.0, load_read_threads=2, load_layerwise=False)
+    a, a_caches = replica(tmp_path)
+    b, b_caches = replica(tmp_path, load_deadline_s=2.0, load_read_threads=2, load_layerwise=False)
     release = threading.Event()
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         read = b._store._l2_read_into
 
@@ -236,14 +189,14 @@ def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
         assert b.load_errors() == set()  # reported once
     finally:
         release.set()
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path: Path) -> None:
     """A synchronous L1 hit returns from `start_loads` before any copy; the forward pass's
     wait for layer i returns once layer i (and not yet i + 1) of every block is written."""
-    a, caches = _replica(tmp_path)
+    a, caches = replica(tmp_path)
     names = list(caches)
     gates = [threading.Event() for _ in names]
     scatter_layer = a._require_kv().scatter_layer
@@ -254,7 +207,7 @@ def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path
 
     a._require_kv().scatter_layer = gated  # type: ignore[method-assign]
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
         a.start_loads(KvtierMetadata(loads=[load]))  # returns: nothing copied yet
         for name in names:
@@ -274,14 +227,14 @@ def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path
     finally:
         for gate in gates:
             gate.set()
-        _close(a)
+        close_replica(a)
 
 
 def test_the_layered_copy_is_on_by_default_only_with_a_core_of_its_own(tmp_path: Path) -> None:
     """Unset, `load_layerwise` follows the placement: on when the background threads have a
     core the engine (this thread) is not bound to, off when they stay on the engine's."""
     config = ConnectorSettings(l1_bytes=1 << 20)
-    identity = model_identity(config, GEOMETRY, "model", 0)
+    identity = model_identity(config, geometry(), "model", 0)
     shared = ProcessStore(
         identity.namespace(), TieredStore(config.store_settings(), identity), HashAliases(), None
     )
@@ -290,7 +243,7 @@ def test_the_layered_copy_is_on_by_default_only_with_a_core_of_its_own(tmp_path:
     def engine_thread() -> None:
         os.sched_setaffinity(0, {0})  # bound like vLLM's worker
         for name, cpus in (("own core", {1}), ("engine's core", {0}), ("inherit", None)):
-            side = WorkerSide(shared, GEOMETRY, 0, TOKENS, 1, ConnectorCounters(), cpus=cpus)
+            side = WorkerSide(shared, geometry(), 0, TOKENS, 1, ConnectorCounters(), cpus=cpus)
             found[name] = side._layerwise
             side.close()
 
@@ -305,9 +258,9 @@ def test_a_layered_copy_the_forward_pass_did_not_wait_for_is_recomputed(tmp_path
     """A forward pass that skipped `wait_for_layer_load` may have read blocks not yet written:
     they are reported failed (vLLM drops the step's output and recomputes them), and later
     hits are copied before the forward."""
-    a, caches = _replica(tmp_path)
+    a, caches = replica(tmp_path)
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
         a.start_loads(KvtierMetadata(loads=[load]))
         a.wait_for_layer(next(iter(caches)))  # layer 0 only
@@ -319,29 +272,29 @@ def test_a_layered_copy_the_forward_pass_did_not_wait_for_is_recomputed(tmp_path
             assert torch.equal(caches[name][4:7], caches[name][7:10])
         assert a.load_errors() == set()
     finally:
-        _close(a)
+        close_replica(a)
 
 
 def test_a_layered_copy_that_fails_reports_its_blocks_and_never_hangs_the_forward(
     tmp_path: Path,
 ) -> None:
-    a, caches = _replica(tmp_path)
+    a, caches = replica(tmp_path)
 
     def broken(layer: int, pending: object) -> None:
         raise MemoryError("copy failed")
 
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         a._require_kv().scatter_layer = broken  # type: ignore[method-assign]
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) * 3, asynchronous=False)
         a.start_loads(KvtierMetadata(loads=[load]))
         for name in caches:
             a.wait_for_layer(name)
         assert a.load_errors() == {1, 2, 3}
-        _save(a, "hit", (1, 2, 3))  # this step's save skips the blocks never written
+        save_blocks(a, "hit", (1, 2, 3))  # this step's save skips the blocks never written
         assert a._counters.totals()["save_skipped_blocks"] == 0
     finally:
-        _close(a)
+        close_replica(a)
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -350,15 +303,15 @@ def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
 ) -> None:
     """An L1 hit and L2 hits (read in pieces from a local directory) through the layered copy,
     or copied before the forward pass."""
-    a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, load_layerwise=layerwise, load_read_threads=2)
+    a, a_caches = replica(tmp_path)
+    b, b_caches = replica(tmp_path, load_layerwise=layerwise, load_read_threads=2)
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         load = LoadSpec("first", CHAIN[:1], (4,), 0, (Tier.L2,), asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
         _layers(b, b_caches)
-        _save(b, "first", (4,), promote=frozenset({0}))  # block 0 reaches b's L1
+        save_blocks(b, "first", (4,), promote=frozenset({0}))  # block 0 reaches b's L1
         load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L1,) + (Tier.L2,) * 2, asynchronous=False)
         b.start_loads(KvtierMetadata(loads=[load]))
         _forward(b, b_caches)
@@ -370,8 +323,8 @@ def test_a_hit_from_l1_and_l2_lands_byte_for_byte_either_way(
         assert (totals.get("layered_copy_seconds", 0) > 0) == layerwise
         assert (totals["phase_copy_seconds"] > 0) != layerwise  # the copy before the forward
     finally:
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "truncated", "header"])
@@ -382,10 +335,10 @@ def test_a_bad_l2_block_read_beside_the_forward_is_reported_and_removed(
     once every layer is in: a header or payload that fails its checksum (or a read cut short)
     is a failed load, recomputed, and a corrupt file is removed; the blocks before it
     stand."""
-    a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path)
+    a, a_caches = replica(tmp_path)
+    b, b_caches = replica(tmp_path)
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         path = Path(a._store._l2.path(CHAIN[1]))
         open_block = b._store._l2.open_block
@@ -416,8 +369,8 @@ def test_a_bad_l2_block_read_beside_the_forward_is_reported_and_removed(
         assert path.exists() == (damage == "truncated")  # a short read may be transient
         assert b._counters.totals()["layered_copy_seconds"] > 0
     finally:
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 def test_a_layered_read_past_the_deadline_is_settled_and_writes_nothing_late(
@@ -426,11 +379,11 @@ def test_a_layered_read_past_the_deadline_is_settled_and_writes_nothing_late(
     """A read that hangs beside the forward pass (a stalled disk): the forward's wait gives up
     at the load deadline, every block not complete is recomputed, and the late read never
     writes into the cache."""
-    a, a_caches = _replica(tmp_path)
-    b, b_caches = _replica(tmp_path, load_deadline_s=1.0)
+    a, a_caches = replica(tmp_path)
+    b, b_caches = replica(tmp_path, load_deadline_s=1.0)
     release = threading.Event()
     try:
-        _save(a, "computed", (7, 8, 9))
+        save_blocks(a, "computed", (7, 8, 9))
         assert a._store.flush(30)
         open_block = b._store._l2.open_block
 
@@ -462,12 +415,12 @@ def test_a_layered_read_past_the_deadline_is_settled_and_writes_nothing_late(
         assert b.load_errors() == set()
     finally:
         release.set()
-        _close(a)
-        _close(b)
+        close_replica(a)
+        close_replica(b)
 
 
 def test_saves_beyond_the_backlog_are_dropped_and_never_hold_the_request(tmp_path: Path) -> None:
-    a, _ = _replica(tmp_path, save_backlog_blocks=2)
+    a, _ = replica(tmp_path, save_backlog_blocks=2)
     try:
         spec = SaveSpec("big", CHAIN, PARENTS, (7, 8, 9), first_index=0, reused_blocks=0)
         a.submit_saves(KvtierMetadata(saves=[spec]))
@@ -477,14 +430,14 @@ def test_saves_beyond_the_backlog_are_dropped_and_never_hold_the_request(tmp_pat
         assert a.finished(set()) == (None, None)  # once
         assert not any(a._store.has_near(h) for h in CHAIN)
     finally:
-        _close(a)
+        close_replica(a)
 
 
 def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Path) -> None:
     """The saver is stuck in a store lookup (an L2 that answers in seconds): preempting the
     request returns at once, and no block of it is read from the engine afterwards (vLLM hands
     its blocks to other requests)."""
-    a, caches = _replica(tmp_path)
+    a, caches = replica(tmp_path)
     entered, release = threading.Event(), threading.Event()
     contains = a._store.contains
 
@@ -510,7 +463,7 @@ def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Pa
         assert not any(a._store.has_near(h) for h in CHAIN)
     finally:
         release.set()
-        _close(a)
+        close_replica(a)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
