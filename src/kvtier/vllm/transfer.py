@@ -245,6 +245,9 @@ class _CudaStaging:
         device = layers[0].device
         n = len(ids)
         with self._lock, torch.cuda.stream(self.stream):
+            # The blocks may have held another request's KV, which work queued on the default
+            # stream can still be reading: write them after it.
+            self.stream.wait_stream(torch.cuda.default_stream(device))
             staged = self.on_device[:, :n]
             if src.is_pinned():  # an L2 read into the loader's staging: straight over the bus
                 staged.copy_(src, non_blocking=True)
