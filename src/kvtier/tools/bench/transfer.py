@@ -3,17 +3,16 @@
     kvtier bench transfer --json out/transfer.json                 # CUDA when present, else CPU
     kvtier bench transfer --device cpu --layers 30 --kv-heads 3 --head-size 64 --engine-block 128
 
-What a save and a hit move besides the store: `PagedKV.gather` copies the engine blocks of one
-kvtier block out of the per-layer KV tensors into a host buffer (the saver; pinned and reused on
-CUDA), `PagedKV.scatter` copies a payload held in ordinary host memory (L1, or a block read from
-L2) into other engine blocks (the loader): `scatter` from ordinary memory (an L1 hit),
-`scatter_pinned` from pinned memory (an L2 hit, which the loader reads into pinned staging on
-CUDA). Each pass moves `--blocks` kvtier blocks at random
-engine block ids and is timed to the end of its copies; beside them, in the same pass, the
-same bytes in contiguous copies: between the device and pinned host memory (`link_*`: the
-bus's speed, the ceiling) and from ordinary host memory to the device (`pageable_h2d`: where
-a payload lives, copied naively). Every pass is checked: the gathered bytes equal the engine
-blocks, and the scattered blocks equal the payloads. (On CPU every "copy" is a memcpy.)
+What a save and a hit move besides the store. `gather` (the saver) copies the engine blocks of
+one kvtier block out of the per-layer KV tensors into a host buffer (pinned on CUDA).
+`scatter` (the loader) copies a payload into other engine blocks: from ordinary memory, as L1
+holds blocks, and, as `scatter_pinned`, from pinned memory, where the loader reads L2 hits on
+CUDA. Each pass moves `--blocks` kvtier blocks at random engine block ids and is timed to the
+end of its copies. Beside them, in the same pass, the same bytes in contiguous copies: between
+the device and pinned host memory (`link_*`: the bus's speed, the ceiling), and from ordinary
+host memory to the device (`pageable_h2d`: a naive copy). Every pass is checked: the gathered
+bytes equal the engine blocks, and the scattered blocks equal the payloads. (On CPU every
+"copy" is a memcpy.)
 
 The KV tensors have vLLM 0.32's layout (FlashAttention, Triton and CPU backends alike):
 (engine blocks, KV heads, block tokens, 2 x head size) per layer. The defaults are a Llama-3-8B
@@ -38,7 +37,7 @@ from kvtier.core.errors import ConfigError
 __all__ = ["FIGURES", "TransferGeometry", "measure", "register"]
 
 FIGURES = ("gather", "scatter", "scatter_pinned", "link_d2h", "link_h2d", "pageable_h2d")
-"""GB/s figures of a row: the connector's two copies, then the floors beside them."""
+"""GB/s figures of a row: the connector's copies, then the floors beside them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +58,6 @@ class TransferGeometry:
     @property
     def per_block(self) -> int:
         return self.block_tokens // self.engine_block
-
-    def block_bytes(self) -> int:
-        element = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}[self.dtype]
-        return (
-            (self.layers * self.per_block * self.kv_heads * self.engine_block)
-            * 2
-            * self.head_size
-            * element
-        )
 
 
 def measure(
