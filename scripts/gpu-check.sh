@@ -34,9 +34,9 @@ bench qwen7b --layers 28 --kv-heads 4
 bench smollm --layers 30 --kv-heads 3 --head-size 64  # the embedded model
 "$python" - "$out" <<'PY'
 import json, pathlib, sys
+from kvtier.tools.bench.transfer import FIGURES
 for path in sorted(pathlib.Path(sys.argv[1]).glob("transfer_*.json")):
     row = json.loads(path.read_text())[0]
-    figures = ("gather", "scatter", "scatter_pinned", "link_d2h", "link_h2d", "pageable_h2d")
-    print(path.stem, " ".join(f"{k}={row[k + '_gbps']}" for k in figures))
+    print(path.stem, " ".join(f"{k}={row[k + '_gbps']}" for k in FIGURES))
 PY
 exit $status

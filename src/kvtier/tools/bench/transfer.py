@@ -82,8 +82,12 @@ def measure(
         )
     dtype = getattr(torch, geometry.dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
-    g = geometry
-    shape = (g.engine_blocks, g.kv_heads, g.engine_block, 2 * g.head_size)
+    shape = (
+        geometry.engine_blocks,
+        geometry.kv_heads,
+        geometry.engine_block,
+        2 * geometry.head_size,
+    )
     caches = {
         f"model.layers.{i}.self_attn.attn": torch.randn(
             shape, generator=gen, device=device, dtype=torch.float32
@@ -145,8 +149,7 @@ def measure(
         samples["link_d2h"] = timed(contiguous(flat_pinned, flat_device))
         samples["link_h2d"] = timed(contiguous(flat_device, flat_pinned))
         samples["pageable_h2d"] = timed(contiguous(flat_device, flat_host))
-        _check(kv, sources, targets, payloads)
-        _check(kv, sources, from_pinned, payloads)
+        _check(kv, sources, payloads, targets, from_pinned)
         if repeat > 0:
             for name, value in samples.items():
                 figures[name].append(value)
@@ -170,17 +173,19 @@ def measure(
 
 
 def _check(
-    kv: Any, sources: list[list[int]], targets: list[list[int]], payloads: list[Any]
+    kv: Any, sources: list[list[int]], payloads: list[Any], *target_sets: list[list[int]]
 ) -> None:
-    """Every payload holds its source blocks, and every target block now holds them too."""
+    """Every payload holds its source blocks, and every block of each set of targets now
+    holds them too."""
     import torch
 
-    for src, dst, payload in zip(sources, targets, payloads, strict=True):
+    for k, (src, payload) in enumerate(zip(sources, payloads, strict=True)):
         for layer, t in enumerate(kv.layers):
             expected = t[torch.tensor(src, device=t.device)]
             assert torch.equal(payload[layer].to(t.device), expected), "gather moved wrong bytes"
-            got = t[torch.tensor(dst, device=t.device)]
-            assert torch.equal(got, expected), "scatter moved wrong bytes"
+            for targets in target_sets:
+                got = t[torch.tensor(targets[k], device=t.device)]
+                assert torch.equal(got, expected), "scatter moved wrong bytes"
 
 
 def _cmd(args: argparse.Namespace) -> int:
