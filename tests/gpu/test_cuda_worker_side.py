@@ -5,7 +5,6 @@ CUDA (CI has no GPU); `tests/gpu/conftest.py` says what stands in for vLLM where
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 from kvtier.core.tiers.base import Tier
 from kvtier.vllm.metadata import KvtierMetadata, LoadSpec
-from tests.helpers.worker_side import CHAIN, close_replica, replica, save_blocks
+from tests.helpers.worker_side import CHAIN, close_replica, replica, save_blocks, wait_loaded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -42,10 +41,7 @@ def test_blocks_saved_on_one_gpu_replica_load_on_another_from_l2_then_from_l1(
         save_blocks(b, "hit", (1, 2, 3), promote=frozenset({0, 1, 2}))
         load = LoadSpec("again", CHAIN, (4, 5, 6), 0, (Tier.L1,) * 3, asynchronous=True)
         b.start_loads(KvtierMetadata(loads=[load]))
-        deadline = time.monotonic() + 30
-        while (b.finished(set())[1] or set()) != {"again"}:
-            assert time.monotonic() < deadline, "the load did not finish"
-            time.sleep(0.01)
+        wait_loaded(b, "again")
         torch.cuda.synchronize()
         for name in a_caches:
             assert torch.equal(b_caches[name][4:7], a_caches[name][7:10])

@@ -79,6 +79,14 @@ def save_blocks(
         time.sleep(0.01)
 
 
+def wait_loaded(side: WorkerSide, req: str, timeout_s: float = 30.0) -> None:
+    """Until the worker reports `req`'s asynchronous load finished."""
+    deadline = time.monotonic() + timeout_s
+    while (side.finished(set())[1] or set()) != {req}:
+        assert time.monotonic() < deadline, "the load did not finish"
+        time.sleep(0.01)
+
+
 def close_replica(side: WorkerSide) -> None:
     side.close()
     side._store.close()

@@ -32,6 +32,7 @@ from tests.helpers.worker_side import (
     geometry,
     replica,
     save_blocks,
+    wait_loaded,
 )
 
 
@@ -90,10 +91,7 @@ def test_a_load_that_skips_locally_computed_engine_blocks_keeps_them(tmp_path: P
         # per_block is 1 here, so a skip applies to nothing: load blocks 1..2 only
         load = LoadSpec("hit", CHAIN[1:], (4, 5), 0, (Tier.L2,) * 2, asynchronous=True)
         b.start_loads(KvtierMetadata(loads=[load]))
-        deadline = time.monotonic() + 30
-        while (b.finished(set())[1] or set()) != {"hit"}:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_loaded(b, "hit")
         for name in a_caches:
             assert torch.equal(b_caches[name][4:6], a_caches[name][8:10])
             assert not torch.equal(b_caches[name][4], before[name])
