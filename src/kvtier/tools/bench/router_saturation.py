@@ -3,8 +3,8 @@
     kvtier bench router-saturation --json saturation.json
 
 Every router under test (kvtier's strategies, sglang-router and vllm-router when installed)
-runs at once, each pinned to `--router-cpu` (its threads and children inherit the affinity, so
-the Rust routers' runtimes see one core), in front of two fake replicas
+runs at once, each pinned to the first of `--router-cpus` (its threads and children inherit the
+affinity, so the Rust routers' runtimes see one core), in front of `--replicas` fake replicas
 (`kvtier.tools.fake_replica`, answering at once) pinned to `--harness-cpus` with the load
 generator. In turns, `--rounds` times over, each router gets a closed loop of `--concurrency`
 keep-alive clients sending non-streaming completions for `--seconds` (after one second of
@@ -15,21 +15,32 @@ Row per router: the median requests/s of its turns, the min-max, the share of it
 used (about 1.0 when it is the bottleneck), and failed requests. The row "direct" is the same
 load on one fake replica without a router: the harness's own ceiling. A router within ~10% of
 it is bounded by the harness, not by itself, and its figure is a lower bound.
+
+Scale-out (`--processes N`): every kvtier router also runs as N processes in front of the same
+replicas, process i alone on the i-th core of `--router-cpus`, each driven by a load generator
+of its own (as a Service spreads connections over router pods), and is measured in the same
+turns as row "NAME xN": the requests/s of all N together and `scale_out`, their ratio to the
+one-process row. "direct xN" is the harness's ceiling with N generators. The generators run in
+processes of their own (`--processes` of them, on the harness's cores), one per router process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from kvtier.core.errors import KvtierError
 from kvtier.tools.bench.monitoring_cost import cpu_seconds
 from kvtier.tools.bench.router_peers import Replica, RouterProcess, start_fake_replica
 
@@ -83,17 +94,56 @@ async def closed_loop(
     return ok, failed
 
 
-async def one_turn(
-    url: str, pid: int | None, prompts: Sequence[str], concurrency: int, seconds: float
-) -> dict[str, float]:
-    await closed_loop(url, prompts, concurrency, 1.0)  # warm-up: connections, caches
-    cpu_before = cpu_seconds(psutil.Process(pid)) if pid is not None else 0.0
+_PROMPTS: Sequence[str] = ()
+"""The prompts of this load generator process (`_keep_prompts`)."""
+
+
+def _keep_prompts(prompts: Sequence[str]) -> None:
+    global _PROMPTS
+    _PROMPTS = prompts
+
+
+def _drive(url: str, concurrency: int, seconds: float) -> tuple[int, int, float]:
+    """In a load generator process: `closed_loop` on `url`; (ok, failed, seconds it took)."""
     start = time.perf_counter()
-    ok, failed = await closed_loop(url, prompts, concurrency, seconds)
+    ok, failed = asyncio.run(closed_loop(url, _PROMPTS, concurrency, seconds))
+    return ok, failed, time.perf_counter() - start
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What one row measures: the URLs its generators load (one each), the router pids, and
+    for several processes the row of one process they scale (`alone`)."""
+
+    name: str
+    urls: list[str]
+    pids: list[int]
+    alone: str | None = None
+
+
+def one_turn(
+    generators: Executor, target: Target, concurrency: int, seconds: float
+) -> dict[str, float]:
+    """One turn of load on `target`: a second of warm-up (connections, caches), then
+    `seconds` measured, every URL by its own generator at once."""
+
+    def drive_all(seconds: float) -> list[tuple[int, int, float]]:
+        jobs = [generators.submit(_drive, url, concurrency, seconds) for url in target.urls]
+        return [job.result() for job in jobs]
+
+    drive_all(1.0)
+    processes = [psutil.Process(pid) for pid in target.pids]
+    cpu_before = sum(cpu_seconds(p) for p in processes)
+    start = time.perf_counter()
+    results = drive_all(seconds)
     elapsed = time.perf_counter() - start
-    turn = {"rps": ok / elapsed, "failed": float(failed)}
-    if pid is not None:
-        turn["cpu_share"] = (cpu_seconds(psutil.Process(pid)) - cpu_before) / elapsed
+    turn = {
+        "rps": sum(ok / took for ok, _, took in results),
+        "failed": float(sum(failed for _, failed, _ in results)),
+    }
+    if processes:
+        used = sum(cpu_seconds(p) for p in processes) - cpu_before
+        turn["cpu_share"] = used / elapsed / len(processes)
     return turn
 
 
@@ -111,20 +161,43 @@ def summarize(name: str, turns: Sequence[dict[str, float]]) -> dict[str, Any]:
     return row
 
 
-async def measure(
-    routers: dict[str, RouterProcess],
-    direct_url: str,
-    prompts: Sequence[str],
-    args: argparse.Namespace,
+def measure(
+    targets: Sequence[Target], prompts: Sequence[str], args: argparse.Namespace
 ) -> list[dict[str, Any]]:
-    turns: dict[str, list[dict[str, float]]] = {name: [] for name in [DIRECT, *routers]}
-    for _ in range(args.rounds):
-        for name in turns:
-            router = routers.get(name)
-            url = router.url if router else direct_url
-            pid = router.pid if router else None
-            turns[name].append(await one_turn(url, pid, prompts, args.concurrency, args.seconds))
-    return [summarize(name, t) for name, t in turns.items()]
+    """Every target in turns, `args.rounds` times over; a row each (`summarize`), and on the
+    rows of several processes `scale_out`, against the row of the same name alone."""
+    turns: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}
+    spawn = multiprocessing.get_context("spawn")
+    width = max(len(t.urls) for t in targets)
+    with ProcessPoolExecutor(width, spawn, _keep_prompts, (prompts,)) as generators:
+        for _ in range(args.rounds):
+            for target in targets:
+                turns[target.name].append(
+                    one_turn(generators, target, args.concurrency, args.seconds)
+                )
+    rows = {name: summarize(name, t) for name, t in turns.items()}
+    for target in targets:
+        alone = rows.get(target.alone or "")
+        if alone is not None and alone["rps_median"] > 0:
+            scaled = rows[target.name]["rps_median"] / alone["rps_median"]
+            rows[target.name]["scale_out"] = round(scaled, 2)
+    return list(rows.values())
+
+
+def scaled(target: Target, urls: list[str], pids: list[int]) -> Target:
+    """The row of `target` served by several processes, one URL each."""
+    return Target(f"{target.name} x{len(urls)}", urls, pids, target.name)
+
+
+def _cpus(text: str, what: str) -> list[int]:
+    try:
+        cpus = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise KvtierError(f"{what}: expected comma-separated core numbers, got {text!r}") from None
+    usable = os.sched_getaffinity(0)
+    if missing := [c for c in cpus if c not in usable]:
+        raise KvtierError(f"{what}: no core {missing[0]} here (usable: {sorted(usable)})")
+    return cpus
 
 
 def _cmd(args: argparse.Namespace) -> int:
@@ -137,30 +210,58 @@ def _cmd(args: argparse.Namespace) -> int:
     from kvtier.tools.bench.report import write_json
     from kvtier.tools.embedded_model import resolve_model
 
-    router_cpus = {args.router_cpu}
-    harness_cpus = {int(c) for c in args.harness_cpus.split(",")}
+    router_cpus = _cpus(args.router_cpus, "--router-cpus")
+    harness_cpus = set(_cpus(args.harness_cpus, "--harness-cpus"))
+    if args.processes < 1:
+        raise KvtierError(f"--processes: at least 1, got {args.processes}")
+    if args.replicas < 1:
+        raise KvtierError(f"--replicas: at least 1, got {args.replicas}")
+    if args.processes > len(router_cpus):
+        raise KvtierError(
+            f"--processes {args.processes}: needs as many cores in --router-cpus, "
+            f"got {args.router_cpus!r}"
+        )
     corpus = Corpus(AutoTokenizer.from_pretrained(resolve_model(None)))
     prompts = build_prompts(corpus, args.prefixes, args.prompt_tokens, 4096)
     work_dir = Path(args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
-    os.sched_setaffinity(0, harness_cpus)  # the load generator (this process)
-    fakes = [start_fake_replica(work_dir, harness_cpus) for _ in range(2)]
-    routers: dict[str, RouterProcess] = {}
-    rows: list[dict[str, Any]] = []
+    os.sched_setaffinity(0, harness_cpus)  # this process and the load generators it spawns
+    fakes: list[Any] = []
+    started: list[RouterProcess] = []
+    errors: list[dict[str, Any]] = []
+
+    def start(name: str, cpu: int) -> RouterProcess:
+        router = RouterProcess(name, replicas, work_dir, {cpu})
+        started.append(router)
+        asyncio.run(router.ready())
+        return router
+
     try:
+        for _ in range(args.replicas):
+            fakes.append(start_fake_replica(work_dir, harness_cpus))
         replicas = [Replica(url) for _, url in fakes]
+        direct = Target(DIRECT, [replicas[0].url], [])
+        targets = [direct]
+        if args.processes > 1:  # each generator on a fake of its own
+            urls = [replicas[i % len(replicas)].url for i in range(args.processes)]
+            targets.append(scaled(direct, urls, []))
         for name in args.routers:
+            group = args.processes if name.startswith("kvtier-") else 1
             try:
-                router = RouterProcess(name, replicas, work_dir, router_cpus)
-                routers[name] = router
-                asyncio.run(router.ready())
+                router = start(name, router_cpus[0])
+                alone = Target(name, [router.url], [router.pid])
+                targets.append(alone)
+                if group > 1:
+                    routers = [start(name, cpu) for cpu in router_cpus[:group]]
+                    targets.append(
+                        scaled(alone, [r.url for r in routers], [r.pid for r in routers])
+                    )
             except Exception as exc:  # noqa: BLE001 - a peer that cannot run is recorded
-                rows.append({"router": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
-                if name in routers:
-                    routers.pop(name).stop()
-        rows = asyncio.run(measure(routers, fakes[0][1], prompts, args)) + rows
+                errors.append({"router": name, "error": f"{type(exc).__name__}: {exc}"[:500]})
+                targets = [t for t in targets if name not in (t.name, t.alone)]
+        rows = measure(targets, prompts, args) + errors
     finally:
-        for router in routers.values():
+        for router in started:
             router.stop()
         for proc, _ in fakes:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -186,11 +287,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         choices=SATURATION_ROUTERS,
         help="routers to compare (default: all; peers not installed get an error row)",
     )
-    p.add_argument("--router-cpu", type=int, default=0, help="the routers' core (default 0)")
+    p.add_argument(
+        "--router-cpus",
+        default="0",
+        help="the routers' cores, comma-separated: every router on the first, and with "
+        "--processes N the i-th of a kvtier router's N processes on the i-th (default 0)",
+    )
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="also run each kvtier router as this many processes, one per core of "
+        "--router-cpus, each with its own load generator: the scale-out rows (default 1: none)",
+    )
     p.add_argument(
         "--harness-cpus",
         default="1",
-        help="cores of the fake replicas and the load generator, comma-separated (default 1)",
+        help="cores of the fake replicas and the load generators, comma-separated (default 1)",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=2, help="fake replicas behind every router (default 2)"
     )
     p.add_argument("--concurrency", type=int, default=32, help="clients (default 32)")
     p.add_argument("--seconds", type=float, default=10.0, help="load per turn (default 10)")
