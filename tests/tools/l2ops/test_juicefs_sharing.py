@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import time
 
@@ -166,8 +167,37 @@ def test_a_mount_reads_ahead_nothing_by_default(
             assert json.load(f)["Chunk"]["Readahead"] == 0
 
 
-def test_a_negative_block_cache_or_read_ahead_is_refused_by_name() -> None:
+def test_a_whole_block_read_reaches_the_daemon_in_mebibyte_requests(
+    two_mounts: tuple[JuiceFSMount, JuiceFSMount],
+) -> None:
+    """`max_fuse_io_kib` 1024: an O_DIRECT read of 2 MiB is two FUSE requests of 1 MiB (the
+    daemon's access log shows each request's size; JuiceFS alone asks for 128 KiB ones)."""
+    a, b = two_mounts
+    payload = os.urandom(2048 * KIB)
+    with open(os.path.join(a.path, "whole-read"), "wb") as f:
+        f.write(payload)
+    path = os.path.join(b.path, "whole-read")
+    poll(lambda: os.path.exists(path) and os.path.getsize(path) == len(payload) or None, 10.0)
+    log = os.open(os.path.join(b.path, ".accesslog"), os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = memoryview(mmap.mmap(-1, len(payload)))  # page-aligned: no split at the start
+            assert os.preadv(fd, [buf], 0) == len(payload) and buf == payload
+        finally:
+            os.close(fd)
+        time.sleep(0.2)  # the daemon logs each request as it answers it
+        lines = os.read(log, 1 << 20).decode().splitlines()
+    finally:
+        os.close(log)
+    sizes = [int(line.split(" read (")[1].split(",")[1]) for line in lines if " read (" in line]
+    assert sizes == [1024 * KIB, 1024 * KIB], lines
+
+
+def test_a_negative_block_cache_read_ahead_or_fuse_request_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="block_cache_mib: must be >= 0, got -1"):
         JuiceFSVolumeSpec(root="/srv/jfs", block_cache_mib=-1)
     with pytest.raises(ConfigError, match="max_readahead_mib: must be >= 0, got -2"):
         JuiceFSVolumeSpec(root="/srv/jfs", max_readahead_mib=-2)
+    with pytest.raises(ConfigError, match=r"max_fuse_io_kib: must be 4..1024 .*, got 2048"):
+        JuiceFSVolumeSpec(root="/srv/jfs", max_fuse_io_kib=2048)
