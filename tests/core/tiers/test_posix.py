@@ -128,6 +128,33 @@ def test_an_opened_block_with_a_bad_header_is_removed_at_its_first_piece(
     assert Path(tier.path(other)).exists() and tier.stats().misses == 2
 
 
+def test_a_read_into_a_buffer_removes_damaged_files_and_leaves_other_layouts(
+    tmp_path: Path,
+) -> None:
+    """`read_into` a buffer: a bad header, or a file torn short of what its header says, is
+    removed; a valid block whose payload is not the buffer's size (another layout's) stays."""
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    out = memoryview(bytearray(NBYTES))
+    assert tier.read_into(h, out) == meta_for(NBYTES) and bytes(out) == payload_for(h, NBYTES)
+
+    assert tier.read_into(h, memoryview(bytearray(NBYTES // 2))) is None  # another layout
+    assert Path(tier.path(h)).exists() and tier.stats().corrupt_removed == 0
+
+    bad = put(tier, "b")
+    with Path(tier.path(bad)).open("r+b") as f:
+        f.write(b"XXXX")  # the magic
+    assert tier.read_into(bad, out) is None
+    assert not Path(tier.path(bad)).exists() and tier.stats().corrupt_removed == 1
+
+    torn = put(tier, "c")
+    path = Path(tier.path(torn))
+    path.write_bytes(path.read_bytes()[:-1])
+    assert tier.read_into(torn, out) is None
+    assert not path.exists() and tier.stats().corrupt_removed == 2
+    assert (tier.stats().hits, tier.stats().misses) == (1, 3)
+
+
 def test_blocks_are_read_in_pieces_only_on_the_file_systems_named(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

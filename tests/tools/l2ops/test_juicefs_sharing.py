@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvtier.core.codec import HEADER_BYTES
 from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.posix import PosixTier
 from kvtier.tools.l2ops.juicefs import JuiceFSMount, JuiceFSVolumeSpec, mounted_under
@@ -129,11 +130,12 @@ def test_direct_reads_through_the_other_mount_return_the_bytes(
     assert poll(lambda: reader.contains(h) or None, VISIBLE_WITHIN_S)
     got = reader.get(h)
     assert got is not None and bytes(got.payload) == payload and got.meta == meta
+    assert reads == [HEADER_BYTES, 300000]  # the header, then the payload in one call
     h, meta, payload = make_block(seed, 1, 300000)
     out = memoryview(bytearray(300000 + offset))[offset:]
     reads.clear()
     assert reader.read_into(h, out) == meta and bytes(out) == payload
-    assert reads[1:] == [300000]  # after the header: the payload in one call
+    assert reads == [HEADER_BYTES, 300000]
     assert flags and all(f & os.O_DIRECT for f in flags)
     assert reader.stats().errors == 0
 
