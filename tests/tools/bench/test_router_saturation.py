@@ -93,7 +93,7 @@ def test_generator_processes_load_every_url_and_rows_of_several_get_their_scale_
     ("options", "message"),
     [
         (["--processes", "2", "--router-cpus", "0"], "--processes 2: needs as many cores"),
-        (["--router-cpus", "0,x"], "--router-cpus: expected comma-separated core numbers"),
+        (["--router-cpus", "0,x"], "--router-cpus: expected CPU ids like 0,2-3, got '0,x'"),
         (["--harness-cpus", "4096"], "--harness-cpus: no core 4096 here"),
         (["--replicas", "0"], "--replicas: at least 1"),
     ],

@@ -3,7 +3,7 @@
     kvtier bench router-saturation --json saturation.json
 
 Every router under test (kvtier's strategies, sglang-router and vllm-router when installed)
-runs at once, each pinned to the first of `--router-cpus` (its threads and children inherit the
+runs at once, each pinned to the lowest of `--router-cpus` (its threads and children inherit the
 affinity, so the Rust routers' runtimes see one core), in front of `--replicas` fake replicas
 (`kvtier.tools.fake_replica`, answering at once) pinned to `--harness-cpus` with the load
 generator. In turns, `--rounds` times over, each router gets a closed loop of `--concurrency`
@@ -17,11 +17,12 @@ load on one fake replica without a router: the harness's own ceiling. A router w
 it is bounded by the harness, not by itself, and its figure is a lower bound.
 
 Scale-out (`--processes N`): every kvtier router also runs as N processes in front of the same
-replicas, process i alone on the i-th core of `--router-cpus`, each driven by a load generator
-of its own (as a Service spreads connections over router pods), and is measured in the same
-turns as row "NAME xN": the requests/s of all N together and `scale_out`, their ratio to the
-one-process row. "direct xN" is the harness's ceiling with N generators. The generators run in
-processes of their own (`--processes` of them, on the harness's cores), one per router process.
+replicas, process i alone on the i-th lowest core of `--router-cpus`, each driven by a load
+generator of its own (as a Service spreads connections over router pods), and is measured in
+the same turns as row "NAME xN": the requests/s of all N together and `scale_out`, their ratio
+to the one-process row. "direct xN" is the harness's ceiling with N generators. The generators
+run in processes of their own (`--processes` of them, on the harness's cores), one per router
+process.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import multiprocessing
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor
@@ -43,6 +45,7 @@ import psutil
 from kvtier.core.errors import KvtierError
 from kvtier.tools.bench.monitoring_cost import cpu_seconds
 from kvtier.tools.bench.router_peers import Replica, RouterProcess, start_fake_replica
+from kvtier.vllm.settings import parse_cpu_list
 
 __all__ = ["register"]
 
@@ -190,10 +193,12 @@ def scaled(target: Target, urls: list[str], pids: list[int]) -> Target:
 
 
 def _cpus(text: str, what: str) -> list[int]:
+    """The cores of a list like "0,2-5", in order; a KvtierError naming `what` for a bad list
+    or a core this process cannot run on."""
     try:
-        cpus = [int(c) for c in text.split(",")]
-    except ValueError:
-        raise KvtierError(f"{what}: expected comma-separated core numbers, got {text!r}") from None
+        cpus = sorted(parse_cpu_list(text))
+    except ValueError as exc:
+        raise KvtierError(f"{what}: {exc}") from None
     usable = os.sched_getaffinity(0)
     if missing := [c for c in cpus if c not in usable]:
         raise KvtierError(f"{what}: no core {missing[0]} here (usable: {sorted(usable)})")
@@ -226,20 +231,20 @@ def _cmd(args: argparse.Namespace) -> int:
     work_dir = Path(args.work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, harness_cpus)  # this process and the load generators it spawns
-    fakes: list[Any] = []
+    fakes: list[tuple[subprocess.Popen[bytes], str]] = []
     started: list[RouterProcess] = []
     errors: list[dict[str, Any]] = []
-
-    def start(name: str, cpu: int) -> RouterProcess:
-        router = RouterProcess(name, replicas, work_dir, {cpu})
-        started.append(router)
-        asyncio.run(router.ready())
-        return router
-
     try:
         for _ in range(args.replicas):
             fakes.append(start_fake_replica(work_dir, harness_cpus))
         replicas = [Replica(url) for _, url in fakes]
+
+        def start(name: str, cpu: int) -> RouterProcess:
+            router = RouterProcess(name, replicas, work_dir, {cpu})
+            started.append(router)
+            asyncio.run(router.ready())
+            return router
+
         direct = Target(DIRECT, [replicas[0].url], [])
         targets = [direct]
         if args.processes > 1:  # each generator on a fake of its own
@@ -290,8 +295,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--router-cpus",
         default="0",
-        help="the routers' cores, comma-separated: every router on the first, and with "
-        "--processes N the i-th of a kvtier router's N processes on the i-th (default 0)",
+        help="the routers' cores, a list like 0,2-3: every router on the lowest, and with "
+        "--processes N the i-th of a kvtier router's N processes on the i-th lowest (default 0)",
     )
     p.add_argument(
         "--processes",
@@ -303,7 +308,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--harness-cpus",
         default="1",
-        help="cores of the fake replicas and the load generators, comma-separated (default 1)",
+        help="cores of the fake replicas and the load generators, a list like 2-7 (default 1)",
     )
     p.add_argument(
         "--replicas", type=int, default=2, help="fake replicas behind every router (default 2)"
