@@ -66,7 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 EXTRAS = {
-    "uvicorn": "router",
     "httptools": "router",
     "prometheus_client": "router",
     "msgspec": "router",

@@ -136,7 +136,7 @@ def test_a_terminated_router_lets_its_streams_finish_and_takes_no_new_connection
             chunks = stream.iter_raw()
             first = next(chunks)
             router.terminate()
-            time.sleep(4)  # past uvicorn's default graceful wait (2 s)
+            time.sleep(4)  # past the default drain (2 s): --drain-s 20 holds
             assert router.poll() is None  # still draining
             with pytest.raises(httpx.ConnectError):
                 httpx.get(url + "/health", timeout=5)

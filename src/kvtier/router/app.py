@@ -13,7 +13,7 @@ replicas accept) is answered 4xx with an OpenAI error body
 `{"error": {"message", "type", "param", "code"}}`; any unexpected fault becomes a 500 with the
 same shape, never a crashed router. With an API key, `/v1/*` needs `Authorization: Bearer KEY`.
 
-`Router` is the ASGI application (served by uvicorn, see `kvtier.router.asgi`); it owns
+`Router` is the request handler (served by `kvtier.net.http_server`); it owns
 everything with a lifetime (client session and pool, health task, event feed) between
 `start()` and `stop()`. `serving()` runs it on a port; `serve()` until a signal stops it.
 """
@@ -37,17 +37,14 @@ import msgspec
 
 from kvtier.core.errors import ConfigError, RoutingError
 from kvtier.net.http_client import HttpPool
-from kvtier.router.asgi import (
+from kvtier.net.http_server import (
     JSON_HEADERS,
     BodyTimeout,
     BodyTooLarge,
     ClientGone,
     Exchange,
+    HttpServer,
     Limits,
-    Receive,
-    Scope,
-    Send,
-    server,
 )
 from kvtier.router.auth import ApiKeys, Denied
 from kvtier.router.dashboard import Dashboard
@@ -203,13 +200,10 @@ class Router:
             sizes["routed"] = len(self.policy.speculative)
         return sizes
 
-    # ----- ASGI entry: routing by path, auth, errors, request metrics -----
+    # ----- entry: routing by path, auth, errors, request metrics -----
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return  # no lifespan or websocket protocol here
+    async def __call__(self, exchange: Exchange) -> None:
         started = time.perf_counter()
-        exchange = Exchange(scope, receive, send)
         route = self._routes.get(exchange.path)
         status = 500
         try:
@@ -224,11 +218,6 @@ class Router:
     async def _answer(self, exchange: Exchange, route: tuple[str, Handler] | None) -> int:
         """Run the handler; map every failure to an OpenAI error body. Returns the status."""
         try:
-            # a head that arrived whole in one read (a trickled one is cut by GuardedHttp)
-            if sum(len(k) + len(v) for k, v in exchange.headers.items()) > (
-                self.config.max_header_bytes
-            ):
-                raise BadRequest(431, f"request head exceeds {self.config.max_header_bytes} bytes")
             if route is None:
                 raise BadRequest(404, f"no such endpoint: {exchange.path}")
             method, handler = route
@@ -414,9 +403,9 @@ async def serving(
                 router.config.client_timeout_s,
                 router.config.max_connections,
             )
-            uvicorn_server = server(router, host, port, limits, drain_s)
-            task = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
-            while not uvicorn_server.started:
+            http = HttpServer(router, limits, drain_s)
+            task = asyncio.create_task(http.serve(sock))
+            while not http.started:
                 if task.done():
                     await task  # raises what stopped it
                     raise RuntimeError(f"the router could not serve on {host}:{port}")
@@ -424,7 +413,7 @@ async def serving(
             try:
                 yield Listening(f"http://{host}:{sock.getsockname()[1]}", task)
             finally:
-                uvicorn_server.should_exit = True
+                http.stop()
                 await task
         finally:
             await router.stop()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kvtier.core.errors import RoutingError
 from kvtier.net.http_client import HttpPool, Response
-from kvtier.router.asgi import Exchange, Header
+from kvtier.net.http_server import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Policy, RouteRequest, work_tokens
 from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet

@@ -37,8 +37,8 @@ def without_torch() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvtier.router.app import Router, serve  # uvicorn and transformers: only when serving
-    from kvtier.router.asgi import fast_loop_factory
+    from kvtier.net.http_server import fast_loop_factory
+    from kvtier.router.app import Router, serve  # transformers: only when serving
     from kvtier.tools.embedded_model import resolve_model
 
     settings = settings_from_args(args)

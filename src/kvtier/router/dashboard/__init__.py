@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from kvtier.net.http_client import HttpPool
-from kvtier.router.asgi import JSON_HEADERS, Exchange
+from kvtier.net.http_server import JSON_HEADERS, Exchange
 from kvtier.router.dashboard.sampler import FleetSampler
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.replicas import ReplicaSet

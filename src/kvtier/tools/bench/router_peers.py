@@ -186,23 +186,14 @@ class RouterProcess:
 def _passthrough_main(port: int, upstream: str) -> None:
     """Forward every completion to `upstream` untouched, on the router's own HTTP stack and
     event loop: the floor next to which the routers' overheads can be read."""
+    import socket
+
     from kvtier.net.http_client import HttpPool
-    from kvtier.router.asgi import (
-        JSON_HEADERS,
-        Exchange,
-        Receive,
-        Scope,
-        Send,
-        fast_loop_factory,
-        server,
-    )
+    from kvtier.net.http_server import JSON_HEADERS, Exchange, HttpServer, fast_loop_factory
 
     pool = HttpPool(5.0, 60.0)
 
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        exchange = Exchange(scope, receive, send)
+    async def forward(exchange: Exchange) -> None:
         if exchange.path == "/health":
             await exchange.respond(200, b"ok", [])
             return
@@ -215,8 +206,11 @@ def _passthrough_main(port: int, upstream: str) -> None:
         finally:
             resp.close()
 
-    with asyncio.Runner(loop_factory=fast_loop_factory()) as runner:
-        runner.run(server(app, "127.0.0.1", port).serve())
+    with (
+        socket.create_server(("127.0.0.1", port)) as sock,
+        asyncio.Runner(loop_factory=fast_loop_factory()) as runner,
+    ):
+        runner.run(HttpServer(forward).serve(sock))
 
 
 def start_fake_replica(

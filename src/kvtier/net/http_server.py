@@ -1,0 +1,582 @@
+"""A lean HTTP/1.1 server: the router's face to its clients.
+
+Why not uvicorn (the router's server until 2026-12-06): per request uvicorn builds an ASGI
+scope, a response cycle, `receive`/`send` message dicts and, for a handler that must notice a
+client hanging up, a task of its own waiting for `http.disconnect`; together that was a quarter
+of the router's added latency (docs/router.md, "HTTP path"). Here a request is an `Exchange`
+that writes straight to its connection's transport, the request parsed by `httptools` (llhttp,
+as in uvicorn) and a hang-up cancels the handler from `connection_lost`.
+
+What one client may make the server hold is bounded (`Limits`): the request head in size (431)
+and in time from the connection's start or a request's first byte (408), the number of
+connections (503 beyond), and, by the handler's `Exchange.body(limit, timeout_s)`, the body.
+An idle keep-alive connection is closed after `keep_alive_s`. Requests on one connection are
+answered in order (a pipelined request waits, its connection no longer read, until the one
+before is answered). `HttpServer.serve` stops on `stop()` or SIGINT/SIGTERM (main thread only):
+it stops accepting, closes idle connections and gives the requests in flight `drain_s` to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import Any, TypeVar, cast
+from urllib.parse import unquote
+
+import httptools
+
+__all__ = [
+    "JSON_HEADERS",
+    "BodyTimeout",
+    "BodyTooLarge",
+    "ClientGone",
+    "Exchange",
+    "Handler",
+    "Header",
+    "HttpServer",
+    "Limits",
+    "fast_loop_factory",
+]
+
+Header = tuple[bytes, bytes]
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+JSON_HEADERS: list[Header] = [(b"content-type", b"application/json")]
+
+_BODY_PAUSE_BYTES = 1 << 20
+"""Unread request-body bytes at which the connection stops being read."""
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body exceeds {limit} bytes")
+
+
+class BodyTimeout(Exception):
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"request body not received within {timeout_s:g} s")
+
+
+class ClientGone(Exception):
+    """The client hung up before its answer was complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one client may make the server hold (see the module docstring)."""
+
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 30.0
+    max_connections: int | None = None
+    keep_alive_s: float = 5.0
+
+
+def fast_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop factory when present (faster), else None."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def error_response(status: int, message: str) -> bytes:
+    """A whole answer with an OpenAI-style error body that closes the connection."""
+    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
+    body = json.dumps({"error": error}).encode()
+    return (
+        _status_line(status) + b"content-type: application/json\r\n"
+        b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
+    )
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase.encode()
+    except ValueError:
+        reason = b"Status"
+    return b"HTTP/1.1 %d %s\r\n" % (status, reason)
+
+
+class _Date:
+    """The `date` header, formatted once per second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._header = b""
+
+    def header(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._header = b"date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._header
+
+
+_date = _Date()
+
+
+class Exchange:
+    """One request and its answer: headers, the body, a whole or streamed (chunked) answer."""
+
+    __slots__ = (
+        "_body",
+        "_body_done",
+        "_body_size",
+        "_body_waiter",
+        "_close",
+        "_conn",
+        "_continue",
+        "_guarded",
+        "_head_only",
+        "_streaming",
+        "client_gone",
+        "done",
+        "headers",
+        "method",
+        "path",
+        "started",
+        "tenant",
+    )
+
+    def __init__(
+        self,
+        conn: _Connection,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        keep_alive: bool,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.path = path
+        self.headers = headers
+        """Request headers by lower-case name (a repeated header keeps its last value)."""
+        self.started = False
+        """True once the status line is sent: errors can no longer be answered."""
+        self.done = False
+        """True once the answer is complete as the client reads it: its last body byte, or
+        the event that ends a stream (`write(..., complete=True)`), handed to the transport."""
+        self.client_gone = False
+        """True once the client hung up before the answer was complete."""
+        self.tenant: str | None = None
+        """The tenant of the request's API key (`kvtier.router.auth`); None: shared."""
+        self._close = not keep_alive
+        self._head_only = method == "HEAD"
+        self._continue = headers.get("expect", "").lower() == "100-continue"
+        self._body: deque[bytes] = deque()
+        self._body_size = 0
+        self._body_done = False
+        self._body_waiter: asyncio.Future[None] | None = None
+        self._guarded: asyncio.Task[Any] | None = None
+        self._streaming = False
+
+    # ----- the request body (fed by the connection) -----
+
+    def _feed(self, data: bytes) -> None:
+        self._body.append(data)
+        self._body_size += len(data)
+        self._wake()
+
+    def _end_body(self) -> None:
+        self._body_done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._body_waiter is not None and not self._body_waiter.done():
+            self._body_waiter.set_result(None)
+
+    def _hang_up(self) -> None:
+        """The connection was lost: wake a body read, cancel the guarded work."""
+        if self.done:
+            return
+        self.client_gone = True
+        self._wake()
+        if self._guarded is not None:
+            self._guarded.cancel()
+
+    async def body(self, limit: int, timeout_s: float | None = None) -> bytes:
+        """The whole body; BodyTooLarge beyond `limit` bytes, BodyTimeout when it takes longer
+        than `timeout_s` to arrive, ClientGone when the client hangs up first."""
+        length = self.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise BodyTooLarge(limit)
+        if not self._body_done:
+            if self._continue:
+                self._continue = False
+                self._conn.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._await_body(limit)
+            except TimeoutError:
+                assert timeout_s is not None
+                raise BodyTimeout(timeout_s) from None
+        if self._body_size > limit:
+            raise BodyTooLarge(limit)
+        body = b"".join(self._body)
+        self._body.clear()
+        return body
+
+    async def _await_body(self, limit: int) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._body_done:
+            if self.client_gone:
+                raise ClientGone
+            if self._body_size > limit:
+                raise BodyTooLarge(limit)
+            self._conn.resume_reading()  # the handler is reading: let the body in
+            self._body_waiter = loop.create_future()
+            try:
+                await self._body_waiter
+            finally:
+                self._body_waiter = None
+
+    # ----- the answer -----
+
+    def _head(self, status: int, headers: Iterable[Header], framing: bytes) -> bytes:
+        lines = [_status_line(status)]
+        for name, value in headers:
+            if name.lower() == b"connection" and value.lower() == b"close":
+                self._close = True
+                continue
+            lines.append(name + b": " + value + b"\r\n")
+        lines.append(_date.header())
+        lines.append(framing)
+        self._close = self._close or self._conn.server.stopping  # draining: the last answer
+        lines.append(b"connection: close\r\n\r\n" if self._close else b"\r\n")
+        return b"".join(lines)
+
+    async def respond(self, status: int, body: bytes, headers: Iterable[Header]) -> None:
+        """Answer whole: status, headers (a `connection: close` among them ends the
+        connection after it) and body."""
+        self.started = True
+        head = self._head(status, headers, b"content-length: %d\r\n" % len(body))
+        self.done = True
+        self._conn.write(head if self._head_only else head + body)
+
+    async def respond_json(self, status: int, doc: object, *, close: bool = False) -> None:
+        """Answer `doc` as JSON; `close` ends the connection after it (the client may still
+        be sending a request body nobody will read)."""
+        headers = [*JSON_HEADERS, (b"connection", b"close")] if close else JSON_HEADERS
+        await self.respond(status, json.dumps(doc).encode(), headers)
+
+    async def start(self, status: int, headers: Iterable[Header]) -> None:
+        """Begin a streamed response (chunked transfer encoding)."""
+        self.started = True
+        self._streaming = True
+        self._conn.write(self._head(status, headers, b"transfer-encoding: chunked\r\n"))
+
+    async def write(self, chunk: bytes, *, complete: bool = False) -> None:
+        """Send a body chunk, waiting while the client reads slower than it comes; `complete`:
+        the client has its whole answer with it (SSE's `[DONE]`), so a hang-up after it is not
+        a lost answer."""
+        if chunk and not self._head_only:
+            self._conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        self.done = self.done or complete
+        await self._conn.drained()
+
+    async def finish(self) -> None:
+        """End a streamed response."""
+        self.done = True
+        if not self._head_only:
+            self._conn.write(b"0\r\n\r\n")
+
+    async def cancel_on_disconnect(self, work: Awaitable[T]) -> T:
+        """Await `work` (after the body was read); if the client hangs up before the answer is
+        complete, cancel it and raise ClientGone."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._guarded = task
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self.client_gone and task.uncancel() == 0:
+                raise ClientGone from None
+            raise
+        finally:
+            self._guarded = None
+
+
+Handler = Callable[[Exchange], Awaitable[None]]
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, runs the handler for each in turn."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpRequestParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timing_head = False
+        self._in_head = True
+        self._head_bytes = 0
+        self._url = b""
+        self._headers: list[Header] = []
+        self._current: Exchange | None = None  # the request being parsed
+        self._active: Exchange | None = None  # the request being answered
+        self._task: asyncio.Task[None] | None = None
+        self._queue: deque[Exchange] = deque()
+        self._reading_paused = False
+        self._writable: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self.closed = False
+
+    @property
+    def idle(self) -> bool:
+        return self._active is None and self._in_head and self._head_bytes == 0
+
+    # ----- transport callbacks -----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # (uvloop's is not a subclass)
+        self.server.connections.add(self)
+        self._time_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_head:
+            self._head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+            return
+        except httptools.HttpParserError as exc:
+            self._refuse(400, f"malformed HTTP request: {exc}")
+            return
+        if self._in_head and self._head_bytes > self.server.limits.max_head_bytes:
+            self._refuse(431, f"request head exceeds {self.server.limits.max_head_bytes} bytes")
+
+    def eof_received(self) -> bool | None:
+        return None  # the client is done: close (a hang-up for a request in flight)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._disarm()
+        self.server.connections.discard(self)
+        if self._active is not None:
+            self._active._hang_up()
+        self._queue.clear()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+
+    # ----- httptools callbacks -----
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._url = b""
+        self._headers = []
+        if self._active is None:
+            self._time_head()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        self._disarm()
+        limits = self.server.limits
+        if sum(len(k) + len(v) for k, v in self._headers) > limits.max_head_bytes:
+            # a head that came whole in one read (a trickled one is cut in data_received)
+            self._refuse(431, f"request head exceeds {limits.max_head_bytes} bytes")
+            return
+        path = httptools.parse_url(self._url).path.decode("latin-1")
+        exchange = Exchange(
+            self,
+            self._parser.get_method().decode("ascii"),
+            unquote(path) if "%" in path else path,
+            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._headers},
+            self._parser.should_keep_alive(),
+        )
+        self._current = exchange
+        limit = limits.max_connections
+        if limit is not None and len(self.server.connections) > limit:
+            self._refuse(503, "the router has too many connections; retry later")
+            return
+        if self._active is None:
+            self._begin(exchange)
+        else:  # pipelined: answered after the one in flight
+            self._queue.append(exchange)
+            self.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        assert self._current is not None
+        self._current._feed(body)
+        if self._current._body_size > _BODY_PAUSE_BYTES:
+            self.pause_reading()
+
+    def on_message_complete(self) -> None:
+        assert self._current is not None
+        self._current._end_body()
+        self._current = None
+
+    # ----- running requests -----
+
+    def _begin(self, exchange: Exchange) -> None:
+        self._active = exchange
+        self._task = self._loop.create_task(self._run(exchange))
+
+    async def _run(self, exchange: Exchange) -> None:
+        try:
+            await self.server.handler(exchange)
+        except (asyncio.CancelledError, ClientGone):
+            pass
+        except Exception:  # a handler's bug: the client gets a 500, the server goes on
+            log.exception("unhandled error answering %s %s", exchange.method, exchange.path)
+            if not exchange.started:
+                self.write(error_response(500, "internal server error"))
+            exchange._close = True
+        finally:
+            self._active = None
+            self._task = None
+        if exchange._close or self.server.stopping or not exchange._body_done:
+            self.close()
+        elif self._queue:
+            self.resume_reading()
+            self._begin(self._queue.popleft())
+        elif not self.closed:
+            self.resume_reading()
+            self._arm(self.server.limits.keep_alive_s, self.close)
+
+    def write(self, data: bytes) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.write(data)
+
+    async def drained(self) -> None:
+        """Return once the transport takes more (at once unless the client reads slowly)."""
+        while self._write_paused and not self.closed:
+            self._writable = self._loop.create_future()
+            await self._writable
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None and not self.closed:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self._transport is not None and not self.closed:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        self._disarm()
+        if self._transport is not None and not self.closed:
+            self._transport.close()
+
+    def abort(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.abort()
+
+    async def finished(self) -> None:
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
+    # ----- timers and refusals -----
+
+    def _time_head(self) -> None:
+        """Bound the time to a complete head, from now (unless already bounded)."""
+        if not self._timing_head:
+            self._arm(self.server.limits.head_timeout_s, self._head_expired)
+            self._timing_head = True
+
+    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
+        self._disarm()
+        self._timer = self._loop.call_later(delay_s, callback)
+
+    def _disarm(self) -> None:
+        self._timing_head = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_expired(self) -> None:
+        self._timer = None
+        self._timing_head = False
+        if self._in_head and self._active is None:
+            limit = self.server.limits.head_timeout_s
+            self._refuse(408, f"request head not received within {limit:g} s")
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._disarm()
+        if self._active is None:  # else the answer in flight owns the stream
+            self.write(error_response(status, message))
+        self.close()
+
+
+class HttpServer:
+    """Serves `handler` on a listening socket (see the module docstring)."""
+
+    def __init__(self, handler: Handler, limits: Limits | None = None, drain_s: float = 2) -> None:
+        self.handler = handler
+        self.limits = limits or Limits()
+        self.drain_s = drain_s
+        self.connections: set[_Connection] = set()
+        self.started = False
+        self.stopping = False
+        self._stop: asyncio.Event | None = None
+
+    def stop(self) -> None:
+        """Begin the shutdown (thread-unsafe: call it on the server's loop)."""
+        self.stopping = True
+        if self._stop is not None:
+            self._stop.set()
+
+    async def serve(self, sock: Any) -> None:
+        """Serve until `stop()` or a signal, then drain (see the module docstring)."""
+        loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        if self.stopping:
+            self._stop.set()
+        listener = await loop.create_server(lambda: _Connection(self), sock=sock, backlog=2048)
+        signals = (signal.SIGINT, signal.SIGTERM)
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            for number in signals:
+                loop.add_signal_handler(number, self.stop)
+        self.started = True
+        try:
+            await self._stop.wait()
+        finally:
+            self.stopping = True
+            listener.close()
+            if on_main:
+                for number in signals:
+                    loop.remove_signal_handler(number)
+            await self._drain()
+
+    async def _drain(self) -> None:
+        for conn in list(self.connections):
+            if conn.idle:
+                conn.close()
+        busy = [asyncio.ensure_future(conn.finished()) for conn in list(self.connections)]
+        if busy:
+            await asyncio.wait(busy, timeout=self.drain_s)
+        for conn in list(self.connections):
+            conn.abort()  # their handlers see the hang-up: let them end
+        if busy:
+            await asyncio.wait(busy, timeout=1.0)
+        for waiter in busy:
+            waiter.cancel()

@@ -1,0 +1,276 @@
+"""The router's HTTP server on raw sockets: framing, keep-alive, pipelining, 100-continue,
+flow control, hang-ups, a handler's crash and the drain on stop. (Its limits on what a client
+may make it hold are tested through the router in tests/security/test_router_input.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvtier.net.http_server import JSON_HEADERS, ClientGone, Exchange, HttpServer, Limits
+from tests.helpers.aio import run
+
+
+class Handler:
+    """Answers by path: /echo the body, /stream N chunks, /slow after a release, /crash."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.streamed = asyncio.Event()
+        self.seen: list[str] = []
+
+    async def __call__(self, exchange: Exchange) -> None:
+        self.seen.append(exchange.path)
+        if exchange.path == "/echo":
+            await exchange.respond(200, await exchange.body(1 << 20, 5.0), JSON_HEADERS)
+        elif exchange.path == "/stream":
+            await exchange.start(200, [(b"content-type", b"text/plain")])
+            for i in range(int(exchange.headers.get("x-chunks", "3"))):
+                await exchange.write(b"%d" % i * 65536)
+            await exchange.finish()
+            self.streamed.set()
+        elif exchange.path == "/slow":
+            try:
+                await exchange.cancel_on_disconnect(self.release.wait())
+            except ClientGone:
+                self.cancelled.set()
+                raise
+            await exchange.respond(200, b"late", [])
+        elif exchange.path == "/crash":
+            raise RuntimeError("a handler bug")
+        else:
+            await exchange.respond(404, b"", [])
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    limits: Limits | None = None, drain_s: float = 2
+) -> AsyncIterator[tuple[HttpServer, Handler, int]]:
+    handler = Handler()
+    server = HttpServer(handler, limits, drain_s)
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    task = asyncio.create_task(server.serve(sock))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield server, handler, port
+    finally:
+        server.stop()
+        await task
+        sock.close()
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    """One answer: status line, headers, body (by content-length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status, *lines = head[:-4].split(b"\r\n")
+    headers = dict(line.lower().split(b": ", 1) for line in lines)
+    if b"content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers[b"content-length"]))
+    body = bytearray()
+    while size := int((await reader.readline()).strip(), 16):
+        body += await reader.readexactly(size)
+        await reader.readline()
+    await reader.readline()
+    return status, headers, bytes(body)
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+        % (
+            path.encode(),
+            len(body),
+            extra,
+        )
+        + body
+    )
+
+
+def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/echo", b"first") + post("/nowhere", b"") + post("/echo", b"3rd"))
+            answers = [await read_answer(reader) for _ in range(3)]
+            assert [(a[0], a[2]) for a in answers] == [
+                (b"HTTP/1.1 200 OK", b"first"),
+                (b"HTTP/1.1 404 Not Found", b""),
+                (b"HTTP/1.1 200 OK", b"3rd"),
+            ]
+            assert handler.seen == ["/echo", "/nowhere", "/echo"]
+            assert b"date" in answers[0][1] and b"connection" not in answers[0][1]
+            writer.close()
+
+    run(scenario())
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = post("/echo", b"payload", b"Expect: 100-continue\r\n")
+            writer.write(request[: -len(b"payload")])  # the head only
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(b"payload")
+            assert (await read_answer(reader))[2] == b"payload"
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_head_request_gets_headers_without_the_body() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n" + post("/echo", b"next"))
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head
+            # no chunks follow: the next bytes are the next answer
+            assert (await read_answer(reader))[2] == b"next"
+            writer.close()
+
+    run(scenario())
+
+
+def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            for request in (
+                b"POST /echo HTTP/1.0\r\nContent-Length: 2\r\n\r\nhi",
+                post("/echo", b"hi", b"Connection: close\r\n"),
+            ):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(request)
+                _, headers, body = await read_answer(reader)
+                assert body == b"hi" and headers[b"connection"] == b"close"
+                assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+                writer.close()
+
+    run(scenario())
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
+    async def scenario() -> None:
+        async with serving(Limits(keep_alive_s=0.3)) as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/echo", b"x"))
+            await read_answer(reader)
+            closed_at = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            assert asyncio.get_running_loop().time() - closed_at >= 0.2
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_stream_to_a_client_that_does_not_read_waits_and_then_arrives_whole() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            chunks = 400  # 50 MB: far beyond the sockets' buffers
+            writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\nX-Chunks: %d\r\n\r\n" % chunks)
+            await asyncio.sleep(0.5)  # not reading: the handler must wait, not buffer it all
+            assert not handler.streamed.is_set()
+            _, _, body = await read_answer(reader)
+            assert body == b"".join(b"%d" % i * 65536 for i in range(chunks))
+            assert handler.streamed.is_set()
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_client_hanging_up_cancels_the_guarded_work() -> None:
+    async def scenario() -> None:
+        async with serving() as (server, handler, port):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.close()
+            await asyncio.wait_for(handler.cancelled.wait(), 5)
+            await asyncio.sleep(0.05)
+            assert not server.connections
+
+    run(scenario())
+
+
+def test_a_handler_crash_is_a_500_and_the_server_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /crash HTTP/1.1\r\nHost: x\r\n\r\n")
+            status, headers, body = await read_answer(reader)
+            assert status.startswith(b"HTTP/1.1 500") and b"error" in body
+            assert headers[b"connection"] == b"close"
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/echo", b"still here"))
+            assert (await read_answer(reader))[2] == b"still here"
+            writer.close()
+
+    run(scenario())
+    assert "a handler bug" in caplog.text
+
+
+def test_a_malformed_request_is_a_400_and_closes() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 5)
+            assert answer.startswith(b"HTTP/1.1 400") and b"malformed" in answer
+            assert handler.seen == []
+            writer.close()
+
+    run(scenario())
+
+
+def test_stopping_drains_the_request_in_flight_and_refuses_new_connections() -> None:
+    async def scenario() -> None:
+        handler = Handler()
+        server = HttpServer(handler, drain_s=5)
+        sock = socket.create_server(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        task = asyncio.create_task(server.serve(sock))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        idle_reader, idle_writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.1)
+        server.stop()
+        assert await asyncio.wait_for(idle_reader.read(), 5) == b""  # idle: closed at once
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+        assert not task.done()  # draining
+        handler.release.set()
+        status, headers, body = await read_answer(reader)
+        assert (status, body, headers[b"connection"]) == (b"HTTP/1.1 200 OK", b"late", b"close")
+        await asyncio.wait_for(task, 5)
+        writer.close()
+        idle_writer.close()
+        sock.close()
+
+    run(scenario())
+
+
+def test_the_drain_deadline_cuts_requests_that_do_not_finish() -> None:
+    async def scenario() -> None:
+        async with serving(drain_s=0.2) as (server, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.sleep(0.1)
+            server.stop()
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # cut, never answered
+            writer.close()
+        assert handler.cancelled.is_set()
+
+    run(scenario())
