@@ -395,6 +395,8 @@ class _Connection(asyncio.Protocol):
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.closed:  # refused or closing: what follows in the same read goes unanswered
+            return
         self._in_head = False
         self._head_bytes = 0
         self._disarm()
@@ -423,15 +425,16 @@ class _Connection(asyncio.Protocol):
             self.pause_reading()
 
     def on_body(self, body: bytes) -> None:
-        assert self._current is not None
+        if self._current is None:
+            return
         self._current._feed(body)
         if self._current._body_size > _BODY_PAUSE_BYTES:
             self.pause_reading()
 
     def on_message_complete(self) -> None:
-        assert self._current is not None
-        self._current._end_body()
-        self._current = None
+        if self._current is not None:
+            self._current._end_body()
+            self._current = None
 
     # ----- running requests -----
 
@@ -482,12 +485,16 @@ class _Connection(asyncio.Protocol):
             self._transport.resume_reading()
 
     def close(self) -> None:
+        """Close once what was written is sent; nothing more is written or read."""
         self._disarm()
         if self._transport is not None and not self.closed:
+            self.closed = True
             self._transport.close()
 
     def abort(self) -> None:
-        if self._transport is not None and not self.closed:
+        """Drop the connection now, unsent bytes too."""
+        if self._transport is not None:
+            self.closed = True
             self._transport.abort()
 
     async def finished(self) -> None:

@@ -24,7 +24,7 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
   every router on 2 cores (most likely cold CPU caches).
 
 A last row, "passthrough", gives the same figures for a proxy on kvtier's own HTTP stack
-(uvicorn server, `HttpPool` client) that neither parses nor routes: the floor of that stack on
+(`HttpServer`, `HttpPool` client) that neither parses nor routes: the floor of that stack on
 this machine now, so kvtier's overhead minus it is the routing work, and absolute figures can be
 compared across machines of different speed.
 
