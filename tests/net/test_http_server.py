@@ -274,3 +274,15 @@ def test_the_drain_deadline_cuts_requests_that_do_not_finish() -> None:
         assert handler.cancelled.is_set()
 
     run(scenario())
+
+
+def test_a_long_url_counts_against_the_head_limit() -> None:
+    async def scenario() -> None:
+        async with serving(Limits(max_head_bytes=4096)) as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /%s HTTP/1.1\r\nHost: x\r\n\r\n" % (b"a" * 6000))  # one read
+            answer = await asyncio.wait_for(reader.read(), 5)
+            assert answer.startswith(b"HTTP/1.1 431") and handler.seen == []
+            writer.close()
+
+    run(scenario())

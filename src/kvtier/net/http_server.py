@@ -263,6 +263,7 @@ class Exchange:
         head = self._head(status, headers, b"content-length: %d\r\n" % len(body))
         self.done = True
         self._conn.write(head if self._head_only else head + body)
+        await self._conn.drained()
 
     async def respond_json(self, status: int, doc: object, *, close: bool = False) -> None:
         """Answer `doc` as JSON; `close` ends the connection after it (the client may still
@@ -401,7 +402,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._disarm()
         limits = self.server.limits
-        if sum(len(k) + len(v) for k, v in self._headers) > limits.max_head_bytes:
+        if len(self._url) + sum(len(k) + len(v) for k, v in self._headers) > limits.max_head_bytes:
             # a head that came whole in one read (a trickled one is cut in data_received)
             self._refuse(431, f"request head exceeds {limits.max_head_bytes} bytes")
             return
