@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -433,6 +434,7 @@ class _Connection(asyncio.Protocol):
             self.pause_reading()
 
     def on_message_complete(self) -> None:
+        self._in_head = True  # what comes next is the next request's head
         if self._current is not None:
             self._current._end_body()
             self._current = None
@@ -552,7 +554,7 @@ class HttpServer:
         if self._stop is not None:
             self._stop.set()
 
-    async def serve(self, sock: Any) -> None:
+    async def serve(self, sock: socket.socket) -> None:
         """Serve until `stop()` or a signal, then drain (see the module docstring)."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
