@@ -2,8 +2,8 @@
 
 Why not uvicorn (the router's server until 2026-12-06): per request uvicorn builds an ASGI
 scope, a response cycle, `receive`/`send` message dicts and, for a handler that must notice a
-client hanging up, a task of its own waiting for `http.disconnect`; together that was a quarter
-of the router's added latency (docs/router.md, "HTTP path"). Here a request is an `Exchange`
+client hanging up, a task of its own waiting for `http.disconnect` (what that cost the router's
+hop: docs/router.md, "HTTP path"). Here a request is an `Exchange`
 that writes straight to its connection's transport, the request parsed by `httptools` (llhttp,
 as in uvicorn) and a hang-up cancels the handler from `connection_lost`.
 
@@ -19,6 +19,7 @@ it stops accepting, closes idle connections and gives the requests in flight `dr
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 JSON_HEADERS: list[Header] = [(b"content-type", b"application/json")]
 
 _BODY_PAUSE_BYTES = 1 << 20
-"""Unread request-body bytes at which the connection stops being read."""
+"""Body bytes of one request received at which the connection stops being read until its
+handler reads the body."""
 
 
 class BodyTooLarge(Exception):
@@ -101,6 +103,7 @@ def error_response(status: int, message: str) -> bytes:
     )
 
 
+@functools.cache
 def _status_line(status: int) -> bytes:
     try:
         reason = HTTPStatus(status).phrase.encode()
@@ -140,7 +143,6 @@ class Exchange:
         "_continue",
         "_guarded",
         "_head_only",
-        "_streaming",
         "client_gone",
         "done",
         "headers",
@@ -180,7 +182,6 @@ class Exchange:
         self._body_done = False
         self._body_waiter: asyncio.Future[None] | None = None
         self._guarded: asyncio.Task[Any] | None = None
-        self._streaming = False
 
     # ----- the request body (fed by the connection) -----
 
@@ -275,7 +276,6 @@ class Exchange:
     async def start(self, status: int, headers: Iterable[Header]) -> None:
         """Begin a streamed response (chunked transfer encoding)."""
         self.started = True
-        self._streaming = True
         self._conn.write(self._head(status, headers, b"transfer-encoding: chunked\r\n"))
 
     async def write(self, chunk: bytes, *, complete: bool = False) -> None:
