@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from kvtier.core.errors import ConfigError
+from kvtier.net.deadline import Deadline
 
 __all__ = ["HttpPool", "Response"]
 
@@ -47,7 +48,7 @@ class ReplicaConnection(asyncio.Protocol):
         self._read_timeout_s = read_timeout_s
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(loop)
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self.closed = False
@@ -72,7 +73,7 @@ class ReplicaConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
-        if self._timer is not None:
+        if self._deadline.armed:
             self._arm_timer()
         try:
             self._parser.feed_data(data)
@@ -83,7 +84,7 @@ class ReplicaConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._cancel_timer()
+        self._deadline.close()
         if self.headers_done and not self.complete and self._ends_at_eof():
             self.on_message_complete()  # a body delimited by the connection's close
         elif not self.complete and self.error is None:
@@ -113,7 +114,7 @@ class ReplicaConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self._cancel_timer()
+        self._deadline.disarm()
         self._wake()
 
     # ----- used by Response and HttpPool -----
@@ -146,7 +147,7 @@ class ReplicaConnection(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
-        self._cancel_timer()
+        self._deadline.close()
         if self._transport is not None:
             self._transport.abort()
 
@@ -164,17 +165,10 @@ class ReplicaConnection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     def _arm_timer(self) -> None:
-        self._cancel_timer()
         assert self._read_timeout_s is not None
-        self._timer = self._loop.call_later(self._read_timeout_s, self._timed_out)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.arm(self._read_timeout_s, self._timed_out)
 
     def _timed_out(self) -> None:
-        self._timer = None
         self._fail(TimeoutError(f"no byte from the replica in {self._read_timeout_s:g} s"))
 
 

@@ -36,6 +36,8 @@ from urllib.parse import unquote
 
 import httptools
 
+from kvtier.net.deadline import Deadline
+
 __all__ = [
     "JSON_HEADERS",
     "BodyTimeout",
@@ -320,12 +322,13 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(self._loop)
         self._timing_head = False
         self._in_head = True
         self._head_bytes = 0
         self._url = b""
-        self._headers: list[Header] = []
+        self._headers: dict[str, str] = {}
+        self._header_bytes = 0
         self._current: Exchange | None = None  # the request being parsed
         self._active: Exchange | None = None  # the request being answered
         self._task: asyncio.Task[None] | None = None
@@ -365,7 +368,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._disarm()
+        self._timing_head = False
+        self._deadline.close()
         self.server.connections.discard(self)
         if self._active is not None:
             self._active._hang_up()
@@ -386,7 +390,8 @@ class _Connection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._in_head = True
         self._url = b""
-        self._headers = []
+        self._headers = {}
+        self._header_bytes = 0
         if self._active is None:
             self._time_head()
 
@@ -394,7 +399,8 @@ class _Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name, value))
+        self._header_bytes += len(name) + len(value)
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         if self.closed:  # refused or closing: what follows in the same read goes unanswered
@@ -403,7 +409,7 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._disarm()
         limits = self.server.limits
-        if len(self._url) + sum(len(k) + len(v) for k, v in self._headers) > limits.max_head_bytes:
+        if len(self._url) + self._header_bytes > limits.max_head_bytes:
             # a head that came whole in one read (a trickled one is cut in data_received)
             self._refuse(431, f"request head exceeds {limits.max_head_bytes} bytes")
             return
@@ -412,7 +418,7 @@ class _Connection(asyncio.Protocol):
             self,
             self._parser.get_method().decode("ascii"),
             unquote(path) if "%" in path else path,
-            {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._headers},
+            self._headers,
             self._parser.should_keep_alive(),
         )
         self._current = exchange
@@ -513,17 +519,14 @@ class _Connection(asyncio.Protocol):
             self._timing_head = True
 
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._disarm()
-        self._timer = self._loop.call_later(delay_s, callback)
+        self._timing_head = False
+        self._deadline.arm(delay_s, callback)
 
     def _disarm(self) -> None:
         self._timing_head = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.disarm()
 
     def _head_expired(self) -> None:
-        self._timer = None
         self._timing_head = False
         if self._in_head and self._active is None:
             limit = self.server.limits.head_timeout_s

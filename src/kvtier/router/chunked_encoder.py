@@ -55,7 +55,7 @@ class ChunkedEncoder:
         self._encode = encode
         self.min_chars = min_chars
         self._chunks: Lru[str, list[int]] = Lru(max_chunks)
-        self._heads: Lru[str, list[int]] = Lru(max_head_chars, lambda head, _: len(head))
+        self._heads: Lru[str, tuple[int, ...]] = Lru(max_head_chars, lambda head, _: len(head))
         """Ids of whole heads (text up to the last cut) of recent prompts."""
         self.encoded_chunks = 0
         """Chunks encoded so far (cache misses), for tests and tuning."""
@@ -76,21 +76,21 @@ class ChunkedEncoder:
         """Ids of a tail `split` left unencoded."""
         return self._encode(tail) if tail else []
 
-    def split(self, text: str) -> tuple[list[int], str, str]:
+    def split(self, text: str) -> tuple[tuple[int, ...], str, str]:
         """Ids of `text` up to its last chunk cut, that text (the head), and the rest (the
-        tail) unencoded."""
+        tail) unencoded. The ids of a memoized head are the memo's own (immutable) tuple."""
         if not self.exact or len(text) < 2 * self.min_chars:
-            return self._encode(text), text, ""
+            return tuple(self._encode(text)), text, ""
         cuts = self._cuts(text, self.min_chars)
         end = cuts[-1] if cuts else 0
         tail = text[end:]
         if len(tail) > 2 * self.min_chars:  # few places to cut: routing needs its blocks
-            return self._chunk_ids(text, cuts) + self._encode(tail), text, ""
+            return (*self._chunk_ids(text, cuts), *self._encode(tail)), text, ""
         head = text[:end]
         ids = self._heads.get(head)
         if ids is None:
-            ids = self._heads.put(head, self._chunk_ids(head, cuts))
-        return list(ids), head, tail
+            ids = self._heads.put(head, tuple(self._chunk_ids(head, cuts)))
+        return ids, head, tail
 
     def _chunked(self, text: str, min_chars: int) -> tuple[list[int], str]:
         cuts = self._cuts(text, min_chars)

@@ -94,13 +94,16 @@ class PrefixIndex:
             guesses.remove(replica, hashes, tier)
         bit = _BIT[tier]
         owned = self._by_replica.setdefault(replica, set())
+        lru = self._lru
         for h in hashes:
-            holders = self._holders.setdefault(h, {})
+            holders = self._holders.get(h)
+            if holders is None:
+                holders = self._holders[h] = {}
             holders[replica] = holders.get(replica, 0) | bit
             owned.add(h)
             key = (replica, h)
-            self._lru[key] = now
-            self._lru.move_to_end(key)
+            lru[key] = now
+            lru.move_to_end(key)
         while len(self._lru) > self.max_blocks:
             (old_replica, old_hash), _ = self._lru.popitem(last=False)
             self._drop(old_replica, old_hash)

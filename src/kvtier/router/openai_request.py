@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import numpy as np
@@ -38,6 +38,9 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "cache_salt": ((str,), "a string"),
     "stop": ((str, list), "a string or a list of strings"),
 }
+
+_COUNTS = frozenset({"max_tokens", "max_completion_tokens", "n"})
+"""Fields that must be at least 1."""
 
 _decode_json = msgspec.json.Decoder().decode  # much faster than json.loads on long prompts
 
@@ -96,14 +99,14 @@ def parse_body(raw: bytes, *, chat: bool) -> dict[str, Any]:
         raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    for field, (types, what) in _TYPES.items():
-        value = body.get(field)
-        if value is None:
+    for field, value in body.items():  # a body has few fields: fewer than _TYPES
+        spec = _TYPES.get(field)
+        if spec is None or value is None:
             continue
+        types, what = spec
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise BadRequest(400, f"'{field}' must be {what}", field)
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        if body.get(field) is not None and body[field] < 1:
+        if field in _COUNTS and cast(int, value) < 1:  # an int: checked just above
             raise BadRequest(400, f"'{field}' must be at least 1", field)
     if body.get("model") is None:
         raise BadRequest(400, "'model' is required", "model")

@@ -38,7 +38,7 @@ __all__ = ["Prompt", "Tokenizer"]
 class Prompt:
     """A prompt encoded as far as routing needs: exact `ids`, then `tail` still as text."""
 
-    ids: list[int]
+    ids: tuple[int, ...]
     tail: str = ""
     head: str | None = None
     """The text `ids` encode (after any special tokens), when they came from text: the key of
@@ -69,11 +69,10 @@ class Tokenizer:
         )
         """Block hashes of recent prompt heads, by (head, cache salt, ids count, block size)."""
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
-        self._specials = list(self.hf.encode("", add_special_tokens=True))
+        self._specials = tuple(self.hf.encode("", add_special_tokens=True))
         probe = SELF_CHECK[0]
-        self._specials_lead = list(
-            self.hf.encode(probe, add_special_tokens=True)
-        ) == self._specials + self.encoder(probe)
+        led = tuple(self.hf.encode(probe, add_special_tokens=True))
+        self._specials_lead = led == self._specials + tuple(self.encoder(probe))
 
     def _plain_encoder(self) -> Callable[[str], list[int]]:
         """Encoding without special tokens; the Rust backend's own `encode` when it agrees with
@@ -96,7 +95,7 @@ class Tokenizer:
         if not add_special_tokens or self._specials_lead:
             ids, head, tail = self.encoder.split(text)
             return Prompt(self._specials + ids if add_special_tokens else ids, tail, head)
-        return Prompt(list(self.hf.encode(text, add_special_tokens=True)))
+        return Prompt(tuple(self.hf.encode(text, add_special_tokens=True)))
 
     def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
         """A request's prompt encoded as far as routing needs (see the module docstring);
@@ -105,12 +104,12 @@ class Tokenizer:
             return self._split(self.chat_text(body), chat_options(body).add_special_tokens)
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
-            return Prompt(prompt)
+            return Prompt(tuple(prompt))
         return self._split(prompt, bool(body.get("add_special_tokens", True)))
 
     def tokens(self, prompt: Prompt) -> list[int]:
         """The prompt's exact token ids, as the engine computes them (encodes the tail)."""
-        return prompt.ids + self.encoder.encode_tail(prompt.tail)
+        return [*prompt.ids, *self.encoder.encode_tail(prompt.tail)]
 
     def request_tokens(self, body: Mapping[str, Any], chat: bool) -> list[int]:
         """The exact token ids of a request's (first) prompt."""

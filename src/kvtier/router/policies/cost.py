@@ -67,7 +67,8 @@ class CostPolicy:
         self.speculative = PrefixIndex(max_blocks)
         """What this policy routed, inserted as L0 at route time."""
         self._history = History(self.weights.history_half_life_s)
-        self._credits = self.weights.credits()
+        self._credits = tuple(self.weights.credits().items())
+        """(tier, credit) for L0, L1, L2."""
         self._duplicate_weight = 0.0
         """`duplicate_weight` where matches tell in-flight blocks (kvaware), else 0."""
 
@@ -79,26 +80,30 @@ class CostPolicy:
     ) -> Decision:
         w = self.weights
         healthy = healthy_sorted(replicas)
-        matches = self._match(request, [r.name for r in healthy])
-        recent = {r.name: self._history.value(r.name, now) for r in healthy}
-        mean_recent = sum(recent.values()) / len(healthy)
-        cached = {r.name: cached_tokens(matches.get(r.name, ()), request) for r in healthy}
+        names = [r.name for r in healthy]
+        matches = self._match(request, names)
+        recent = [self._history.value(name, now) for name in names]
+        mean_recent = sum(recent) / len(healthy)
+        cached = {name: cached_tokens(matches.get(name, ()), request) for name in names}
         best = max(cached.values())
+        (l0, c0), (l1, c1), (l2, c2) = self._credits
         costs: dict[str, float] = {}
         works: dict[str, float] = {}
-        for r in healthy:
+        for r, seen in zip(healthy, recent, strict=True):
+            held = cached[r.name]
             tiers = matches.get(r.name, ())
-            new = request.prompt_tokens - cached[r.name]
-            credit = request.block_tokens * sum(
-                tiers.count(tier) * credit for tier, credit in self._credits.items()
+            new = request.prompt_tokens - held
+            # (the terms in the order `sum` over the credits adds them: the same rounding)
+            credit = request.block_tokens * (
+                tiers.count(l0) * c0 + tiers.count(l1) * c1 + tiers.count(l2) * c2
             )
-            reads = max(0.0, cached[r.name] - credit)
+            reads = max(0.0, held - credit)
             works[r.name] = new + reads
-            excess = max(0.0, recent[r.name] / mean_recent - 1.0) if mean_recent > 0 else 0.0
+            excess = max(0.0, seen / mean_recent - 1.0) if mean_recent > 0 else 0.0
             costs[r.name] = (
                 new * (1.0 + w.history_weight * excess)
                 + reads
-                + self._duplicate_weight * (best - cached[r.name])
+                + self._duplicate_weight * (best - held)
                 + w.queue_weight * r.queued_prefill_tokens
                 + w.running_penalty * r.in_flight
             )
