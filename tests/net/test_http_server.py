@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 
@@ -16,7 +17,8 @@ from tests.helpers.aio import run
 
 
 class Handler:
-    """Answers by path: /echo the body, /stream N chunks, /slow after a release, /crash."""
+    """Answers by path: /echo the body, /headers the request's headers as JSON, /stream N
+    chunks, /slow after a release, /crash."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -28,6 +30,9 @@ class Handler:
         self.seen.append(exchange.path)
         if exchange.path == "/echo":
             await exchange.respond(200, await exchange.body(1 << 20, 5.0), JSON_HEADERS)
+        elif exchange.path == "/headers":
+            await exchange.body(1 << 20, 5.0)
+            await exchange.respond(200, json.dumps(exchange.headers).encode(), JSON_HEADERS)
         elif exchange.path == "/stream":
             await exchange.start(200, [(b"content-type", b"text/plain")])
             for i in range(int(exchange.headers.get("x-chunks", "3"))):
@@ -106,6 +111,24 @@ def test_pipelined_requests_are_answered_in_order_on_one_connection() -> None:
             ]
             assert handler.seen == ["/echo", "/nowhere", "/echo"]
             assert b"date" in answers[0][1] and b"connection" not in answers[0][1]
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_chunked_body_s_trailer_does_not_become_a_request_header() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /headers HTTP/1.1\r\nHost: x\r\nX-Sent: head\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n"
+                b"X-Sent: trailer\r\nAuthorization: Bearer smuggled\r\n\r\n"
+            )
+            status, _, body = await read_answer(reader)
+            headers = json.loads(body)
+            assert status == b"HTTP/1.1 200 OK" and headers["x-sent"] == "head"
+            assert "authorization" not in headers
             writer.close()
 
     run(scenario())

@@ -399,6 +399,8 @@ class _Connection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:  # a chunked body's trailer: the request's headers are set
+            return
         self._header_bytes += len(name) + len(value)
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
