@@ -31,6 +31,11 @@ class Deadline:
     def armed(self) -> bool:
         return self._expire is not None
 
+    @property
+    def expire(self) -> Callable[[], None] | None:
+        """What is armed, if anything."""
+        return self._expire
+
     def arm(self, delay_s: float, expire: Callable[[], None]) -> None:
         """Call `expire` in `delay_s` seconds (replacing what was armed)."""
         self._at = self._loop.time() + delay_s

@@ -323,7 +323,6 @@ class _Connection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._deadline = Deadline(self._loop)
-        self._timing_head = False
         self._in_head = True
         self._head_bytes = 0
         self._url = b""
@@ -368,7 +367,6 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        self._timing_head = False
         self._deadline.close()
         self.server.connections.discard(self)
         if self._active is not None:
@@ -409,7 +407,7 @@ class _Connection(asyncio.Protocol):
             return
         self._in_head = False
         self._head_bytes = 0
-        self._disarm()
+        self._deadline.disarm()
         limits = self.server.limits
         if len(self._url) + self._header_bytes > limits.max_head_bytes:
             # a head that came whole in one read (a trickled one is cut in data_received)
@@ -473,7 +471,7 @@ class _Connection(asyncio.Protocol):
             self._begin(self._queue.popleft())
         elif not self.closed:
             self.resume_reading()
-            self._arm(self.server.limits.keep_alive_s, self.close)
+            self._deadline.arm(self.server.limits.keep_alive_s, self.close)
 
     def write(self, data: bytes) -> None:
         if self._transport is not None and not self.closed:
@@ -497,7 +495,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close once what was written is sent; nothing more is written or read."""
-        self._disarm()
+        self._deadline.disarm()
         if self._transport is not None and not self.closed:
             self.closed = True
             self._transport.close()
@@ -516,26 +514,15 @@ class _Connection(asyncio.Protocol):
 
     def _time_head(self) -> None:
         """Bound the time to a complete head, from now (unless already bounded)."""
-        if not self._timing_head:
-            self._arm(self.server.limits.head_timeout_s, self._head_expired)
-            self._timing_head = True
-
-    def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._timing_head = False
-        self._deadline.arm(delay_s, callback)
-
-    def _disarm(self) -> None:
-        self._timing_head = False
-        self._deadline.disarm()
+        if self._deadline.expire != self._head_expired:
+            self._deadline.arm(self.server.limits.head_timeout_s, self._head_expired)
 
     def _head_expired(self) -> None:
-        self._timing_head = False
         if self._in_head and self._active is None:
             limit = self.server.limits.head_timeout_s
             self._refuse(408, f"request head not received within {limit:g} s")
 
     def _refuse(self, status: int, message: str) -> None:
-        self._disarm()
         if self._active is None:  # else the answer in flight owns the stream
             self.write(error_response(status, message))
         self.close()

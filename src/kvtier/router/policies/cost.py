@@ -93,7 +93,7 @@ class CostPolicy:
             held = cached[r.name]
             tiers = matches.get(r.name, ())
             new = request.prompt_tokens - held
-            # (the terms in the order `sum` over the credits adds them: the same rounding)
+            # L0, L1, L2 added in that order: another order could round differently and tip a tie
             credit = request.block_tokens * (
                 tiers.count(l0) * c0 + tiers.count(l1) * c1 + tiers.count(l2) * c2
             )
