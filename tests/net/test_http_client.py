@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -146,14 +148,55 @@ def test_a_stale_keep_alive_socket_is_retried_on_a_fresh_connection() -> None:
         await answer_ok_forever(peer)
 
     async def scenario() -> None:
+        on_way: list[int] = []
         async with raw_server(script) as (url, requests):
             pool = HttpPool(1.0, 5.0)
-            for _ in range(2):
-                resp = await pool.post(url, "/x", b"{}", [])
+            for turn in range(2):
+                resp = await pool.post(url, "/x", b"{}", [], lambda turn=turn: on_way.append(turn))
                 assert resp.status == 200 and await resp.read() == b"{}"
                 resp.close()
             pool.close()
         assert len(requests) == 3  # the second request was sent twice
+        assert on_way == [0, 1]  # ...and its bookkeeping ran once
+
+    run(scenario())
+
+
+def _waiting_bytes(sock: socket.socket) -> bytes:
+    """What the kernel holds unread on `sock`, left there."""
+    with socket.socket(fileno=os.dup(sock.fileno())) as peer:
+        try:
+            return peer.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return b""
+
+
+def test_on_way_runs_before_anything_else_after_a_kept_alive_write_or_before_a_connect() -> None:
+    server_sockets: list[socket.socket] = []
+
+    async def script(peer: Peer) -> None:
+        server_sockets.append(peer.writer.get_extra_info("socket"))
+        await answer_ok_forever(peer)
+
+    async def scenario() -> None:
+        seen: list[tuple[bool, int, bytes]] = []
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            for body in (b'{"a": 1}', b'{"b": 2}'):
+                others: list[str] = []
+                asyncio.get_running_loop().call_soon(others.append, "ran")
+
+                def on_way(others: list[str] = others) -> None:
+                    waiting = _waiting_bytes(server_sockets[0]) if server_sockets else b""
+                    seen.append((bool(others), len(server_sockets), waiting))
+
+                resp = await pool.post(url, "/x", body, [], on_way)
+                assert await resp.read() == b"{}"
+                resp.close()
+            pool.close()
+        # the first: before its connection existed; the second: written, still unread
+        assert seen[0] == (False, 0, b"")
+        assert seen[1][:2] == (False, 1) and seen[1][2].endswith(b'\r\n\r\n{"b": 2}')
 
     run(scenario())
 

@@ -24,7 +24,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -228,10 +228,15 @@ class HttpPool:
         self._addresses: dict[str, _Address] = {}
 
     async def post(
-        self, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]],
+        on_way: Callable[[], object] | None = None,
     ) -> Response:
-        """POST `body`; returns once the status line and headers are in."""
-        return await self.request("POST", base_url, path, body, headers)
+        """POST `body`; returns once the status line and headers are in (`on_way`: `request`)."""
+        return await self.request("POST", base_url, path, body, headers, on_way)
 
     async def get(
         self, base_url: str, path: str, headers: Iterable[tuple[str, str]] = ()
@@ -240,10 +245,20 @@ class HttpPool:
         return await self.request("GET", base_url, path, b"", headers)
 
     async def request(
-        self, method: str, base_url: str, path: str, body: bytes, headers: Iterable[tuple[str, str]]
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Iterable[tuple[str, str]],
+        on_way: Callable[[], object] | None = None,
     ) -> Response:
         """Send one request; returns once the status line and headers are in. Raises
-        `ConfigError` for a URL it cannot speak to, `OSError`s for the rest."""
+        `ConfigError` for a URL it cannot speak to, `OSError`s for the rest.
+
+        `on_way` runs once, before this first waits: right after the request is written to a
+        kept-alive connection, or else before a new connection is opened. The caller's
+        bookkeeping there overlaps the replica's work, and no other task runs before it."""
         address = self._address(base_url)
         fields = "".join(f"{name}: {value}\r\n" for name, value in headers)
         head = (
@@ -253,19 +268,29 @@ class HttpPool:
         conn = self._take_idle(base_url)
         if conn is not None:
             try:
-                return await self._exchange(base_url, conn, head, body)
+                return await self._exchange(base_url, conn, head, body, on_way)
             except ConnectionError:
                 if conn.got_bytes:
                     raise
                 # a stale keep-alive socket (the replica closed it while idle): retry once
+                # (`on_way` has run: a write never raises, its failure comes as `conn.error`)
+        elif on_way is not None:
+            on_way()
         conn = await self._connect(address)
-        return await self._exchange(base_url, conn, head, body)
+        return await self._exchange(base_url, conn, head, body, None)
 
     async def _exchange(
-        self, key: str, conn: ReplicaConnection, head: bytes, body: bytes
+        self,
+        key: str,
+        conn: ReplicaConnection,
+        head: bytes,
+        body: bytes,
+        on_way: Callable[[], object] | None,
     ) -> Response:
         try:
             conn.send(head, body)
+            if on_way is not None:
+                on_way()
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error

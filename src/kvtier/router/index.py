@@ -51,20 +51,12 @@ _BEST_OF_MASK: tuple[Tier | None, ...] = tuple(_best(m) for m in range(1 << len(
 _NO_HOLDERS: dict[str, int] = {}
 
 
-def _merged(holders: list[dict[BlockHash, dict[str, int]]], h: BlockHash) -> dict[str, int]:
-    """Tier bits per replica of block `h` across indexes (read in place when only one has it)."""
-    masks = _NO_HOLDERS
-    for index in holders:
-        found = index.get(h)
-        if found is None:
-            continue
-        if not masks:
-            masks = found
-            continue
-        masks = dict(masks)
-        for r, m in found.items():
-            masks[r] = masks.get(r, 0) | m
-    return masks
+def _union(masks: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    """Tier bits per replica of two indexes' entries for one block (new dict)."""
+    merged = dict(masks)
+    for r, m in more.items():
+        merged[r] = merged.get(r, 0) | m
+    return merged
 
 
 class PrefixIndex:
@@ -165,9 +157,11 @@ class PrefixIndex:
         one or two): every other replica's prefix is the shared pool's, the same for all.
         """
         indexes = (self, *also)
-        holders = [ix._holders for ix in indexes]
-        known = {r for ix in indexes for r in ix._by_replica}
-        known.update(replicas)
+        first = self._holders
+        others = [ix._holders for ix in also]
+        known = set(replicas)
+        for ix in indexes:
+            known.update(ix._by_replica)
         known.discard(SHARED)
         l2, l2_bit, best = Tier.L2, _BIT[Tier.L2], _BEST_OF_MASK
         # Replicas still matching that hold blocks of this prefix themselves; a list shorter
@@ -176,10 +170,19 @@ class PrefixIndex:
         ended: dict[str, list[Tier]] = {}
         pooled = 0  # leading blocks the shared pool holds: every other replica's prefix
         walked = 0
-        first = holders[0]
         for i, h in enumerate(hashes):
-            masks = first.get(h, _NO_HOLDERS) if len(holders) == 1 else _merged(holders, h)
+            masks = first.get(h, _NO_HOLDERS)
+            for other in others:
+                found = other.get(h)
+                if found:
+                    masks = _union(masks, found) if masks else found
             walked = i + 1
+            if own and masks.keys() == own.keys():  # the same holders as the last block
+                for r, prefix in own.items():
+                    if len(prefix) < i:
+                        prefix.extend([l2] * (i - len(prefix)))
+                    prefix.append(best[masks[r]] or l2)
+                continue
             if masks.get(SHARED, 0) & l2_bit:  # the pool holds it: nobody's prefix ends here
                 for r, mask in masks.items():
                     tiers = own.get(r)

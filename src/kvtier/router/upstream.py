@@ -31,12 +31,13 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from kvtier.core.errors import RoutingError
 from kvtier.net.http_client import HttpPool, Response
 from kvtier.net.http_server import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
-from kvtier.router.policies import Policy, RouteRequest, work_tokens
+from kvtier.router.policies import Decision, Policy, RouteRequest, work_tokens
 from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet
 
 __all__ = ["Forward", "Upstream", "UpstreamFailed", "reported_usage"]
@@ -125,17 +126,19 @@ class Upstream:
                 if not excluded:
                     raise
                 break
-            self._policy.observe_routed(fwd.route, decision, now)
-            self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
             replica = self._replicas[decision.replica]
-            self._metrics.routed.inc(replica.name)
             work = work_tokens(fwd.route, decision)
             task = asyncio.current_task()
             with self._replicas.claim(replica, work, task) as claim:
                 self._metrics.overhead.observe(time.perf_counter() - fwd.arrived)
                 try:
                     return await self._attempt(
-                        exchange, fwd, replica, claim, decision.cached_tokens
+                        exchange,
+                        fwd,
+                        replica,
+                        claim,
+                        decision.cached_tokens,
+                        partial(self._routed, fwd.route, decision, now),
                     )
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
@@ -153,16 +156,32 @@ class Upstream:
             self._metrics.failovers.labels(replica.name).inc()
         raise UpstreamFailed(f"every eligible replica failed; last: {last_error}")
 
+    def _routed(self, route: RouteRequest, decision: Decision, now: float) -> None:
+        """Record a decision acted upon: run once its request is on its way to the replica,
+        before anything else runs (`HttpPool.request`), so it overlaps the replica's work and
+        the next decision sees it."""
+        self._policy.observe_routed(route, decision, now)
+        self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
+        self._metrics.routed.inc(decision.replica)
+
     def _mark_stopping(self, replica: Replica, why: str) -> None:
         replica.stopping = True
         self._metrics.stopping.labels(replica.name).inc()
         log.warning("replica %s stopping (%s): out of rotation while it drains", replica.name, why)
 
     async def _attempt(
-        self, exchange: Exchange, fwd: Forward, replica: Replica, claim: LoadClaim, predicted: int
+        self,
+        exchange: Exchange,
+        fwd: Forward,
+        replica: Replica,
+        claim: LoadClaim,
+        predicted: int,
+        on_way: Callable[[], None],
     ) -> int:
         try:
-            resp = await self._pool.post(replica.settings.url, fwd.endpoint, fwd.body, fwd.headers)
+            resp = await self._pool.post(
+                replica.settings.url, fwd.endpoint, fwd.body, fwd.headers, on_way
+            )
         except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
         try:

@@ -20,7 +20,8 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from operator import attrgetter
+from typing import NamedTuple, Protocol
 
 from kvtier.core.errors import ConfigError, RoutingError
 from kvtier.core.keys import BlockHash
@@ -35,13 +36,12 @@ __all__ = [
     "RouteRequest",
     "cached_tokens",
     "healthy_sorted",
-    "pick_min",
+    "pick_lowest",
     "work_tokens",
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaView:
+class ReplicaView(NamedTuple):
     """A replica as the router sees it at decision time."""
 
     name: str
@@ -52,8 +52,9 @@ class ReplicaView:
     healthy: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
+class RouteRequest(NamedTuple):
+    """What a strategy sees of a request."""
+
     hashes: tuple[BlockHash, ...]
     """kvtier block hashes of the prompt (`keys.block_hashes` at the engine block size)."""
     block_tokens: int
@@ -63,8 +64,9 @@ class RouteRequest:
     """Sticky key (a header or the OpenAI `user` field), used by `session`."""
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
+    """A strategy's pick and why."""
+
     replica: str
     reason: str
     """Why: "prefix-hit", "load" (spilled off a cached replica), "cold" (no replica cached),
@@ -143,19 +145,23 @@ class Policy(Protocol):
 
 # ----- helpers shared by the strategies -----
 
+_name = attrgetter("name")
+
 
 def healthy_sorted(replicas: Sequence[ReplicaView]) -> list[ReplicaView]:
     """Healthy replicas sorted by name, so a seeded rng gives the same pick in any view order."""
-    healthy = sorted((r for r in replicas if r.healthy), key=lambda r: r.name)
+    healthy = [r for r in replicas if r.healthy]
     if not healthy:
         raise RoutingError("no healthy replica")
+    healthy.sort(key=_name)
     return healthy
 
 
-def pick_min(costs: dict[str, float], tolerance: float, rng: random.Random) -> str:
-    """A random replica among those within `tolerance` of the lowest cost."""
-    low = min(costs.values())
-    tied = sorted(name for name, cost in costs.items() if cost <= low + tolerance)
+def pick_lowest(costs: Sequence[float], tolerance: float, rng: random.Random) -> int:
+    """The position of a random cost among those within `tolerance` of the lowest; given in
+    `healthy_sorted` order, a seeded rng picks the same replica in any view order."""
+    low = min(costs)
+    tied = [i for i, cost in enumerate(costs) if cost <= low + tolerance]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

@@ -48,9 +48,8 @@ from kvtier.router.policies.base import (
     History,
     ReplicaView,
     RouteRequest,
-    cached_tokens,
     healthy_sorted,
-    pick_min,
+    pick_lowest,
     work_tokens,
 )
 
@@ -84,32 +83,32 @@ class CostPolicy:
         matches = self._match(request, names)
         recent = [self._history.value(name, now) for name in names]
         mean_recent = sum(recent) / len(healthy)
-        cached = {name: cached_tokens(matches.get(name, ()), request) for name in names}
-        best = max(cached.values())
+        prompt_tokens, block_tokens = request.prompt_tokens, request.block_tokens
+        prefixes = [matches[name] for name in names]
+        held = [min(len(tiers) * block_tokens, prompt_tokens) for tiers in prefixes]
+        best = max(held)
         (l0, c0), (l1, c1), (l2, c2) = self._credits
-        costs: dict[str, float] = {}
-        works: dict[str, float] = {}
-        for r, seen in zip(healthy, recent, strict=True):
-            held = cached[r.name]
-            tiers = matches.get(r.name, ())
-            new = request.prompt_tokens - held
+        costs: list[float] = []
+        works: list[float] = []
+        for r, tiers, cached, seen in zip(healthy, prefixes, held, recent, strict=True):
+            new = prompt_tokens - cached
             # L0, L1, L2 added in that order: another order could round differently and tip a tie
-            credit = request.block_tokens * (
+            credit = block_tokens * (
                 tiers.count(l0) * c0 + tiers.count(l1) * c1 + tiers.count(l2) * c2
             )
-            reads = max(0.0, held - credit)
-            works[r.name] = new + reads
+            reads = max(0.0, cached - credit)
+            works.append(new + reads)
             excess = max(0.0, seen / mean_recent - 1.0) if mean_recent > 0 else 0.0
-            costs[r.name] = (
+            costs.append(
                 new * (1.0 + w.history_weight * excess)
                 + reads
-                + self._duplicate_weight * (best - held)
+                + self._duplicate_weight * (best - cached)
                 + w.queue_weight * r.queued_prefill_tokens
                 + w.running_penalty * r.in_flight
             )
-        chosen = pick_min(costs, w.tie_tokens, rng)
-        reason = "cold" if best == 0 else "prefix-hit" if cached[chosen] == best else "load"
-        return Decision(chosen, reason, cached[chosen], round(works[chosen]))
+        i = pick_lowest(costs, w.tie_tokens, rng)
+        reason = "cold" if best == 0 else "prefix-hit" if held[i] == best else "load"
+        return Decision(names[i], reason, held[i], round(works[i]))
 
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
         self.speculative.insert(decision.replica, request.hashes, Tier.L0, now)

@@ -16,7 +16,7 @@ from kvtier.router.policies.base import (
     RouteRequest,
     cached_tokens,
     healthy_sorted,
-    pick_min,
+    pick_lowest,
 )
 
 __all__ = ["LeastLoadPolicy", "PrefixOnlyPolicy", "RoundRobinPolicy", "SessionPolicy"]
@@ -35,8 +35,8 @@ class PrefixOnlyPolicy:
     ) -> Decision:
         healthy = healthy_sorted(replicas)
         matches = self.index.match(request.hashes, replicas=[r.name for r in healthy])
-        lengths = {r.name: float(len(matches.get(r.name, ()))) for r in healthy}
-        chosen = pick_min({name: -n for name, n in lengths.items()}, 0.0, rng)
+        longest = pick_lowest([-len(matches[r.name]) for r in healthy], 0.0, rng)
+        chosen = healthy[longest].name
         cached = cached_tokens(matches.get(chosen, ()), request)
         return Decision(chosen, "prefix-hit" if cached else "cold", cached)
 
