@@ -10,6 +10,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import trustme
@@ -152,7 +153,7 @@ def test_a_stale_keep_alive_socket_is_retried_on_a_fresh_connection() -> None:
         async with raw_server(script) as (url, requests):
             pool = HttpPool(1.0, 5.0)
             for turn in range(2):
-                resp = await pool.post(url, "/x", b"{}", [], lambda turn=turn: on_way.append(turn))
+                resp = await pool.post(url, "/x", b"{}", [], partial(on_way.append, turn))
                 assert resp.status == 200 and await resp.read() == b"{}"
                 resp.close()
             pool.close()

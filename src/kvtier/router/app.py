@@ -323,7 +323,8 @@ class Router:
         if limit is None:
             return
         wanted = requested_tokens(body, chat=chat)
-        if prompt.max_tokens < limit and prompt.max_tokens + wanted <= limit:
+        bound = prompt.max_tokens
+        if bound < limit and bound + wanted <= limit:
             return  # fits even at one byte per token: no need to encode the tail
         assert self.tokenizer is not None
         prompt_tokens = len(self.tokenizer.tokens(prompt))

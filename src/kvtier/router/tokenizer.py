@@ -23,8 +23,7 @@ Called once per request on the router's event loop.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.lru import Lru
@@ -34,8 +33,7 @@ from kvtier.router.openai_request import BadRequest, chat_options, completion_pr
 __all__ = ["Prompt", "Tokenizer"]
 
 
-@dataclass(frozen=True, slots=True)
-class Prompt:
+class Prompt(NamedTuple):
     """A prompt encoded as far as routing needs: exact `ids`, then `tail` still as text."""
 
     ids: tuple[int, ...]

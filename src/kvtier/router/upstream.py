@@ -30,8 +30,8 @@ import random
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 from kvtier.core.errors import RoutingError
 from kvtier.net.http_client import HttpPool, Response
@@ -51,8 +51,7 @@ class UpstreamFailed(Exception):
     """Every eligible replica failed before the first byte."""
 
 
-@dataclass(frozen=True, slots=True)
-class Forward:
+class Forward(NamedTuple):
     """One request to forward: what the handler parsed, what the policy needs."""
 
     endpoint: str
