@@ -37,7 +37,7 @@ class PrefixOnlyPolicy:
         matches = self.index.match(request.hashes, replicas=[r.name for r in healthy])
         longest = pick_lowest([-len(matches[r.name]) for r in healthy], 0.0, rng)
         chosen = healthy[longest].name
-        cached = cached_tokens(matches.get(chosen, ()), request)
+        cached = cached_tokens(matches[chosen], request)
         return Decision(chosen, "prefix-hit" if cached else "cold", cached)
 
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
