@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 
@@ -18,7 +18,7 @@ from tests.helpers.aio import run
 
 class Handler:
     """Answers by path: /echo the body, /headers the request's headers as JSON, /stream N
-    chunks, /slow after a release, /crash."""
+    chunks, /flood endless chunks until the client is gone, /slow after a release, /crash."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -40,16 +40,28 @@ class Handler:
             await exchange.finish()
             self.streamed.set()
         elif exchange.path == "/slow":
-            try:
-                await exchange.cancel_on_disconnect(self.release.wait())
-            except ClientGone:
-                self.cancelled.set()
-                raise
+            await self._guarded(exchange, self.release.wait())
             await exchange.respond(200, b"late", [])
+        elif exchange.path == "/flood":
+            await exchange.start(200, [(b"content-type", b"text/plain")])
+            await self._guarded(exchange, self._flood(exchange))
         elif exchange.path == "/crash":
             raise RuntimeError("a handler bug")
         else:
             await exchange.respond(404, b"", [])
+
+    async def _guarded(self, exchange: Exchange, work: Awaitable[object]) -> None:
+        """Await `work`, cancelled (and noted) when the client is gone."""
+        try:
+            await exchange.cancel_on_disconnect(work)
+        except ClientGone:
+            self.cancelled.set()
+            raise
+
+    @staticmethod
+    async def _flood(exchange: Exchange) -> None:
+        while True:
+            await exchange.write(b"x" * 65536)
 
 
 @contextlib.asynccontextmanager
@@ -210,6 +222,21 @@ def test_a_stream_to_a_client_that_does_not_read_waits_and_then_arrives_whole() 
     run(scenario())
 
 
+def test_a_client_that_stops_reading_a_stream_is_dropped_after_the_timeout() -> None:
+    """It would otherwise hold its connection, and the work feeding its answer, forever."""
+
+    async def scenario() -> None:
+        async with serving(Limits(head_timeout_s=0.5)) as (server, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /flood HTTP/1.1\r\nHost: x\r\n\r\n")
+            await asyncio.wait_for(handler.cancelled.wait(), 10)  # cancelled as a hang-up
+            await asyncio.sleep(0.05)
+            assert not server.connections
+            writer.close()
+
+    run(scenario())
+
+
 def test_a_client_hanging_up_cancels_the_guarded_work() -> None:
     async def scenario() -> None:
         async with serving() as (server, handler, port):
@@ -251,6 +278,32 @@ def test_a_malformed_request_is_a_400_and_closes() -> None:
             answer = await asyncio.wait_for(reader.read(), 5)
             assert answer.startswith(b"HTTP/1.1 400") and b"malformed" in answer
             assert handler.seen == []
+            writer.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\n{}\r\n0\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip\r\n\r\n{}",
+        b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n",
+    ],
+    ids=["bad-chunk-size", "not-chunked", "upgrade"],
+)
+def test_a_framing_error_after_the_head_is_a_400_and_closes(request_: bytes) -> None:
+    """Found once the request's handler runs, before its answer began: still answered."""
+
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_)
+            answer = await asyncio.wait_for(reader.read(), 5)  # read to the close
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400") and b"connection: close" in head
+            assert json.loads(body)["error"]["type"] == "invalid_request_error"
             writer.close()
 
     run(scenario())
@@ -308,6 +361,25 @@ def test_a_long_url_counts_against_the_head_limit() -> None:
             writer.write(b"GET /%s HTTP/1.1\r\nHost: x\r\n\r\n" % (b"a" * 6000))  # one read
             answer = await asyncio.wait_for(reader.read(), 5)
             assert answer.startswith(b"HTTP/1.1 431") and handler.seen == []
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_framing_error_in_a_pipelined_request_is_not_answered_in_place_of_the_one_before() -> (
+    None
+):
+    """The request in flight never gets the 400 of a malformed request pipelined behind it."""
+
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n"
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+            )
+            answer = await asyncio.wait_for(reader.read(), 5)  # read to the close
+            assert b"400" not in answer
             writer.close()
 
     run(scenario())

@@ -8,7 +8,7 @@ import json
 import socket
 import ssl
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 import trustme
@@ -569,6 +569,53 @@ def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: T
     run(scenario())
 
 
+class FloodingReplica(FakeReplica):
+    """Streams 64 KiB events until its connection is cut (`cut` is set then)."""
+
+    def __init__(self) -> None:
+        super().__init__(model=MODEL, max_model_len=MAX_MODEL_LEN)
+        self.cut = asyncio.Event()
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        event = b'data: {"choices": [{"text": "%s"}]}\n\n' % (b"x" * 65536)
+        try:
+            while True:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+        except ConnectionError:
+            self.cut.set()
+            return False
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_off_and_releases_the_replica(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        replica = await FloodingReplica().start()
+        try:
+            async with running_router(tokenizer, [replica], client_timeout_s=0.5) as rr:
+                host, port = rr.url.removeprefix("http://").split(":")
+                _, writer = await asyncio.open_connection(host, int(port))
+                request = dumps(completion(stream=True))
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                    % (len(request), request)
+                )  # and never read the answer
+                await asyncio.wait_for(replica.cut.wait(), 15)  # the upstream stream aborted
+                await wait_for(lambda: in_flight(rr) == {replica.url: 0}, "in-flight release")
+                writer.close()
+                text = rr.router.metrics.render().decode()
+                assert 'kvtier_router_stream_errors_total{cause="client"} 1.0' in text
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
 def test_a_client_leaving_after_done_got_its_whole_answer(tokenizer: Tokenizer) -> None:
     """A client may close at `[DONE]`, before the body's end: that answer is served (200),
     not a hang-up (499)."""
@@ -762,6 +809,23 @@ def test_api_key_is_required_on_v1_but_not_on_health(tokenizer: Tokenizer) -> No
             assert resp.status_code == 200
             resp = await rr.client.get(rr.url + "/health")
             assert resp.status_code == 200
+
+    run(scenario())
+
+
+def test_a_shared_key_sending_a_tenant_salt_is_a_400_naming_cache_salt(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a], api_key="s3cret") as rr:
+            forged = rr.router.auth.cache_salt("alpha", None)  # computable by anyone
+            resp = await rr.client.post(
+                rr.url + "/v1/completions",
+                json=completion(cache_salt=forged),
+                headers={"Authorization": "Bearer s3cret"},
+            )
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
+            assert a.received == []
 
     run(scenario())
 

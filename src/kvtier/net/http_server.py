@@ -9,11 +9,13 @@ as in uvicorn) and a hang-up cancels the handler from `connection_lost`.
 
 What one client may make the server hold is bounded (`Limits`): the request head in size (431)
 and in time from the connection's start or a request's first byte (408), the number of
-connections (503 beyond), and, by the handler's `Exchange.body(limit, timeout_s)`, the body.
-An idle keep-alive connection is closed after `keep_alive_s`. Requests on one connection are
-answered in order (a pipelined request waits, its connection no longer read, until the one
-before is answered). `HttpServer.serve` stops on `stop()` or SIGINT/SIGTERM (main thread only):
-it stops accepting, closes idle connections and gives the requests in flight `drain_s` to end.
+connections (503 beyond), by the handler's `Exchange.body(limit, timeout_s)` the body, and
+an answer the client does not read: a write waits at most `head_timeout_s` for the client to
+take more, then the connection is dropped as if the client hung up. An idle keep-alive
+connection is closed after `keep_alive_s`. Requests on one connection are answered in order (a
+pipelined request waits, its connection no longer read, until the one before is answered).
+`HttpServer.serve` stops on `stop()` or SIGINT/SIGTERM (main thread only): it stops accepting,
+closes idle connections and gives the requests in flight `drain_s` to end.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class Limits:
 
     max_head_bytes: int = 64 * 1024
     head_timeout_s: float = 30.0
+    """For a request head to arrive, and for a client to take more of an answer."""
     max_connections: int | None = None
     keep_alive_s: float = 5.0
 
@@ -328,7 +331,8 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
-        self._current: Exchange | None = None  # the request being parsed
+        self._current: Exchange | None = None  # the request whose body is being parsed
+        self._parsed_last: Exchange | None = None  # the last request parsed, until another begins
         self._active: Exchange | None = None  # the request being answered
         self._task: asyncio.Task[None] | None = None
         self._queue: deque[Exchange] = deque()
@@ -387,6 +391,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_head = True
+        self._parsed_last = None
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
@@ -421,7 +426,7 @@ class _Connection(asyncio.Protocol):
             self._headers,
             self._parser.should_keep_alive(),
         )
-        self._current = exchange
+        self._current = self._parsed_last = exchange
         limit = limits.max_connections
         if limit is not None and len(self.server.connections) > limit:
             self._refuse(503, "the router has too many connections; retry later")
@@ -478,10 +483,23 @@ class _Connection(asyncio.Protocol):
             self._transport.write(data)
 
     async def drained(self) -> None:
-        """Return once the transport takes more (at once unless the client reads slowly)."""
-        while self._write_paused and not self.closed:
-            self._writable = self._loop.create_future()
-            await self._writable
+        """Return once the transport takes more (at once unless the client reads slowly). A
+        client that takes nothing for `Limits.head_timeout_s` is dropped: the connection is
+        aborted and its exchange hangs up (guarded work is cancelled, as for any hang-up)."""
+        if not self._write_paused or self.closed:
+            return
+        try:
+            async with asyncio.timeout(self.server.limits.head_timeout_s):
+                while self._write_paused and not self.closed:
+                    await self._writable_or_lost()
+        except TimeoutError:
+            self.abort()
+            await self._writable_or_lost()  # connection_lost follows the abort
+
+    async def _writable_or_lost(self) -> None:
+        """Wait for `resume_writing` or `connection_lost`."""
+        self._writable = self._loop.create_future()
+        await self._writable
 
     def pause_reading(self) -> None:
         if not self._reading_paused and self._transport is not None and not self.closed:
@@ -523,7 +541,14 @@ class _Connection(asyncio.Protocol):
             self._refuse(408, f"request head not received within {limit:g} s")
 
     def _refuse(self, status: int, message: str) -> None:
-        if self._active is None:  # else the answer in flight owns the stream
+        """Answer `status` with an OpenAI error body and close. With a request in flight, only
+        when the fault is in that request itself (its body, an upgrade it asks for) and its
+        answer has not begun: the error then replaces the handler's answer. A fault in a
+        pipelined request behind it is never answered in its place."""
+        active = self._active
+        if active is None or (active is self._parsed_last and not active.started):
+            if active is not None:
+                active.started = True
             self.write(error_response(status, message))
         self.close()
 

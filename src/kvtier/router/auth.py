@@ -21,7 +21,9 @@ and the kvtier connector mix into every block hash, so two tenants never share a
 client sends itself is kept *inside* its tenant's (`<tenant salt>:<client salt>`), so it can
 split its own cache further but never reach another tenant's namespace. Keys without a tenant,
 and tenants listed in `shared_cache_tenants`, share the unsalted namespace (the operator's
-choice). Without any key the router does not authenticate and leaves `cache_salt` alone.
+choice); their own salt may not begin with `t-`, the tenant salts' prefix (a 400), so it cannot
+name a tenant's namespace either. Without any key the router does not authenticate and leaves
+`cache_salt` alone.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from kvtier.core.errors import ConfigError
+from kvtier.router.openai_request import BadRequest
 
-__all__ = ["KEYS_ENV", "SALT_KEY_ENV", "ApiKeys", "Denied", "parse_keys"]
+__all__ = ["KEYS_ENV", "SALT_KEY_ENV", "TENANT_SALT_PREFIX", "ApiKeys", "Denied", "parse_keys"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ KEYS_ENV = "KVTIER_API_KEYS"
 """Environment variable holding API keys (`KEY` or `TENANT KEY` entries)."""
 SALT_KEY_ENV = "KVTIER_TENANT_SALT_KEY"
 """Environment variable holding the secret the tenant salts are derived with (optional)."""
+TENANT_SALT_PREFIX = "t-"
+"""How every tenant salt begins; a key of the shared namespace may not send a salt so."""
 RELOAD_INTERVAL_S = 1.0
 """How often, at most, the keys file is checked for a change (one stat)."""
 MAX_KEYS_FILE_BYTES = 1 << 20
@@ -58,6 +63,11 @@ class Denied(Exception):
 class _Key:
     digest: bytes
     tenant: str | None
+
+
+def _reserved(client_salt: object) -> bool:
+    """Whether a client's salt begins as tenant salts do (it could name a tenant's namespace)."""
+    return isinstance(client_salt, str) and client_salt.startswith(TENANT_SALT_PREFIX)
 
 
 def _digest(key: str) -> bytes:
@@ -177,11 +187,18 @@ class ApiKeys:
 
     def cache_salt(self, tenant: str | None, client_salt: object) -> object:
         """The `cache_salt` to forward for a request of `tenant` that carried `client_salt`
-        (returned as is for the shared namespace)."""
+        (returned as is for the shared namespace, or without keys). Raises BadRequest (400) for
+        a shared-namespace salt in the tenants' reserved prefix: it could name a tenant's."""
         if tenant is None or tenant in self._shared:
+            if self.enabled and _reserved(client_salt):
+                raise BadRequest(
+                    400,
+                    f"'cache_salt' must not start with {TENANT_SALT_PREFIX!r} (reserved)",
+                    "cache_salt",
+                )
             return client_salt
         salt = self._salts.get(tenant)
         if salt is None:
             mac = hashlib.blake2b(tenant.encode(), key=self._salt_key[:64], digest_size=16)
-            salt = self._salts.setdefault(tenant, "t-" + mac.hexdigest())
+            salt = self._salts.setdefault(tenant, TENANT_SALT_PREFIX + mac.hexdigest())
         return salt if client_salt is None else f"{salt}:{client_salt}"

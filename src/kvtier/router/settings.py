@@ -118,7 +118,8 @@ class RouterSettings(Settings):
     """Largest request head (request line and headers) accepted (431 beyond)."""
     client_timeout_s: Annotated[float, Field(gt=0)] = 30.0
     """Time a client has to send a request's head, and again its body: a connection that
-    trickles them slower is answered 408 and closed."""
+    trickles them slower is answered 408 and closed. Also the time a client may take no more of
+    an answer (a stream it stopped reading): its connection is then dropped."""
     max_connections: Annotated[int, Field(gt=0)] = 1024
     """Open client connections (and requests) served at once; beyond, new ones get a 503. With
     the two limits above this bounds the memory clients can hold in the router."""

@@ -4,7 +4,9 @@ For each attempt: the policy chooses among healthy replicas minus those already 
 request (affinity is never re-applied to a dead replica), the decision is recorded, a `LoadClaim`
 holds the replica's load counters, and the original body is POSTed. An attempt fails over when
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
-before the first body byte: nothing has reached the client yet, so another replica can serve it.
+before anything reached the client (a stream: before its first byte; a whole answer: before it
+was complete), so another replica can serve it. The replica may then have generated part or
+all of the answer for nothing: failover trades that work for an answer instead of a 502.
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
 its next good health check); one that answered 5xx is only excluded for this request. A replica
 that refused the request as a stopping vLLM does while it drains (a 500 saying its executor shut
