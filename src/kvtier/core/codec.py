@@ -177,7 +177,7 @@ def decode_header(
         raise ChecksumError("header: checksum mismatch")
     if header_bytes != HEADER_BYTES:
         raise CodecError(f"header: size {header_bytes}, expected {HEADER_BYTES}")
-    stored_ns = ns.rstrip(b"\0").decode("ascii", "replace")
+    stored_ns = _ascii_field(ns, "namespace")
     if stored_ns != namespace:
         raise CodecError(f"namespace: block is from {stored_ns!r}, reader is {namespace!r}")
     if block_hash is not None and stored_hash != block_hash:
@@ -186,7 +186,7 @@ def decode_header(
         raise CodecError(f"shape: {ndim} dims with trailing {shape[ndim:]}")
     meta = BlockMeta(
         num_tokens=num_tokens,
-        dtype=dtype.rstrip(b"\0").decode("ascii"),
+        dtype=_ascii_field(dtype, "dtype"),
         shape=tuple(shape[:ndim]),
         parent=BlockHash(parent),
     )
@@ -198,6 +198,14 @@ def decode_header(
         payload_bytes=payload_bytes,
         checksum=checksum,
     )
+
+
+def _ascii_field(raw: bytes, name: str) -> str:
+    """A NUL-padded ASCII header field as text; CodecError if it is not ASCII."""
+    try:
+        return raw.rstrip(b"\0").decode("ascii")
+    except UnicodeDecodeError:
+        raise CodecError(f"{name}: {raw!r} is not ASCII") from None
 
 
 def verify_payload(header: Header, payload: Buffer, *, checksum: int | None = None) -> None:

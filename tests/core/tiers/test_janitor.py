@@ -141,6 +141,63 @@ def test_only_one_janitor_acts_and_a_dead_holders_lease_is_taken_over(tmp_path: 
     assert a.try_acquire() and a.epoch == 3  # released: no need to wait for the TTL
 
 
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{trunc", b"[]", b'"x"', b'{"ttl_s": "10"}', b'{"ttl_s": NaN}', b'{"ttl_s": 1e999}'],
+)
+def test_a_newest_lease_that_is_not_a_lease_is_expired_and_the_next_epoch_is_taken(
+    tmp_path: Path, body: bytes
+) -> None:
+    lease_dir = tmp_path / "lease"
+    lease_dir.mkdir()
+    (lease_dir / "lease.000000000003").write_text('{"holder": "dead", "ttl_s": 1}')
+    os.utime(lease_dir / "lease.000000000003", (0, 0))  # long expired
+    (lease_dir / "lease.000000000004").write_bytes(body)  # junk, or empty after a crash
+    a = FileLease(str(lease_dir), "a", ttl_s=10, stale_s=0)
+    b = FileLease(str(lease_dir), "b", ttl_s=10, stale_s=0)
+    assert a.try_acquire() and a.epoch == 5 and not b.try_acquire()
+    (lease_dir / "lease.000000000006").write_bytes(body)
+    assert b.try_acquire() and b.epoch == 7 and not a.try_acquire()
+
+
+def _plant_outside(directory: Path) -> list[str]:
+    """Old `*.kvt`/`*.tmp` files outside L2 (janitor bait); their names."""
+    directory.mkdir()
+    for name in ("1.ab.notes.kvt", "upload.part.tmp"):
+        (directory / name).write_bytes(b"x" * 300 * KIB)
+        os.utime(directory / name, (0, 0))
+    return sorted(os.listdir(directory))
+
+
+def test_the_janitor_follows_no_symlink_out_of_l2(tmp_path: Path) -> None:
+    root, outside = tmp_path / "l2", tmp_path / "outside"
+    root.mkdir()
+    bait = _plant_outside(outside)
+    paths = fill(root, 10, 100 * KIB)
+    (root / "abcdef").symlink_to(outside)  # named like a namespace
+    (root / NAMESPACE / "ee").symlink_to(outside)  # a fan-out directory
+    Path(paths[0]).with_name("f" * 32 + ".kvt").symlink_to(outside / bait[0])
+    report = Janitor(str(root), config(capacity_bytes=9 * (4096 + 100 * KIB))).run_once()
+    assert sorted(os.listdir(outside)) == bait
+    assert report is not None and report.used_bytes_before == 10 * (4096 + 100 * KIB)
+    assert (report.evicted_blocks, report.orphans_removed) == (6, 0)
+
+
+def test_the_janitor_evicts_and_purges_nothing_through_a_symlinked_graveyard(
+    tmp_path: Path,
+) -> None:
+    root, outside = tmp_path / "l2", tmp_path / "outside"
+    root.mkdir()
+    bait = _plant_outside(outside)
+    paths = fill(root, 10, 100 * KIB)
+    os.symlink(outside, control_dir(str(root), "graveyard"))
+    janitor = Janitor(str(root), config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=30))
+    report = janitor.run_once()
+    assert sorted(os.listdir(outside)) == bait
+    assert report is not None and (report.evicted_blocks, report.purged_bytes) == (0, 0)
+    assert all(os.path.exists(p) for p in paths)
+
+
 def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(tmp_path: Path) -> None:
     paths = fill(tmp_path, 10, 100 * KIB)
     fd = os.open(paths[1], os.O_RDONLY)  # a reader opened it just before the eviction

@@ -237,7 +237,7 @@ def test_missing_block_is_a_miss(tmp_path: Path) -> None:
     assert tier.stats().misses == 1
 
 
-def _rewrite_header(path: Path, offset: int, fmt: str, value: int) -> None:
+def _rewrite_header(path: Path, offset: int, fmt: str, value: int | bytes) -> None:
     """Patch one header field and re-seal the header checksum, so only that field is wrong."""
     data = bytearray(path.read_bytes())
     struct.pack_into(fmt, data, offset, value)
@@ -289,6 +289,44 @@ def test_damaged_file_is_a_miss_and_is_removed(tmp_path: Path, damage) -> None:
     assert (stats.misses, stats.corrupt_removed, stats.hits) == (1, 1, 0)
     put(tier, "a")  # and the block can be published again
     assert tier.get(h) is not None
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_header_with_a_non_ascii_dtype_is_a_removed_miss_and_leaks_no_fd(
+    tmp_path: Path,
+) -> None:
+    tier = tier_in(tmp_path)
+    hashes = [put(tier, name) for name in ("a", "b", "c")]
+    _rewrite_header(Path(tier.path(hashes[2])), 84, "<16s", b"\xffint8")  # checksum still valid
+    fds = _open_fds()
+    blocks = tier.get_many(hashes)
+    assert [b is not None for b in blocks] == [True, True, False]
+    assert not os.path.exists(tier.path(hashes[2]))
+    for _ in range(20):
+        tier.get_many(hashes)
+    assert _open_fds() == fds
+    stats = tier.stats()
+    assert (stats.corrupt_removed, stats.misses, stats.hits) == (1, 21, 42)
+
+
+def test_an_unexpected_error_reading_a_header_still_closes_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(posix, "decode_header", broken)
+    fds = _open_fds()
+    for _ in range(5):
+        with pytest.raises(RuntimeError):
+            tier.get(h)
+    assert _open_fds() == fds
 
 
 def test_block_of_another_namespace_is_rejected_and_removed(tmp_path: Path) -> None:
@@ -355,6 +393,24 @@ def test_directory_vanishing_later_turns_puts_into_counted_errors(
     assert not result.stored
     assert tier.stats().errors == 2
     assert "treating it as a miss" in caplog.text
+
+
+def test_directories_removed_under_the_tier_are_made_again_on_the_volume_only(
+    tmp_path: Path,
+) -> None:
+    """An operator wipes `<root>/<ns>`: the next put into a fan-out directory the tier made
+    before makes it again; with the volume identity gone too, it creates nothing."""
+    tier = tier_in(tmp_path)
+    a = put(tier, "a")
+    b = BlockHash(a[:2] + hash_of("b")[2:])  # a's fan-out directories
+    c = BlockHash(a[:2] + hash_of("c")[2:])
+    shutil.rmtree(tier.directory)
+    assert tier.put(b, meta_for(NBYTES), payload_for(b, NBYTES)).stored
+    assert tier.get(b) is not None and tier.stats().errors == 0
+    shutil.rmtree(tmp_path / NAMESPACE)
+    shutil.rmtree(tmp_path / ".kvtier")  # not the volume any more: a bare directory
+    assert not tier.put(c, meta_for(NBYTES), payload_for(c, NBYTES)).stored
+    assert os.listdir(tmp_path) == [] and tier.stats().errors == 1
 
 
 def test_contains_answers_are_cached_for_the_ttl(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 from pathlib import Path
 from typing import Literal, cast
@@ -9,8 +11,10 @@ from typing import Literal, cast
 import pytest
 import valkey
 
+from kvtier.core.codec import HEADER_BYTES
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
+from tests.core.test_codec import reseal
 from tests.helpers.l2 import (
     IDENTITY,
     NAMESPACE,
@@ -95,6 +99,45 @@ def test_a_corrupt_value_is_a_miss_and_is_deleted(valkey_server: ValkeyServer) -
     assert tier.get(h) is None
     assert client.exists(f"{NAMESPACE}:{h.hex()}") == 0
     assert tier.stats().corrupt_removed == 1
+
+
+def test_a_value_with_a_non_ascii_dtype_is_a_removed_miss_and_spares_the_batch(
+    valkey_server: ValkeyServer,
+) -> None:
+    tier = tier_for(valkey_server)
+    blocks = [make_block(6, i, 4 * KIB) for i in range(3)]
+    for h, meta, payload in blocks:
+        tier.put(h, meta, payload)
+    client = valkey.Valkey.from_url(valkey_server.url)
+    bad = tier.key(blocks[2][0])
+    value = bytearray(cast("bytes", client.get(bad)))
+    struct.pack_into("<16s", value, 84, b"\xffint8")  # dtype; the header checksum resealed
+    client.set(bad, reseal(value[:HEADER_BYTES]) + value[HEADER_BYTES:])
+    got = tier.get_many([h for h, _, _ in blocks])
+    assert [bytes(b.payload) if b else None for b in got] == [blocks[0][2], blocks[1][2], None]
+    assert client.exists(bad) == 0
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.corrupt_removed) == (2, 1, 1)
+
+
+def test_calls_skipped_during_the_backoff_are_counted_as_errors() -> None:
+    with socket.socket() as probe:  # a loopback port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tier = ValkeyTier(
+        ValkeyTierSettings(
+            url=f"redis://127.0.0.1:{port}", backoff_initial_s=3600, backoff_max_s=3600
+        ),
+        NAMESPACE,
+    )
+    h, meta, payload = make_block(7, 0, 4 * KIB)
+    assert not tier.put(h, meta, payload).stored  # refused: the backoff starts
+    assert not tier.put(h, meta, payload).stored  # skipped
+    assert tier.contains_many([h]) == [False]  # skipped
+    assert tier.get_many([h]) == [None]  # skipped
+    stats = tier.stats()
+    assert (stats.errors, stats.misses) == (4, 1)
+    tier.close()
 
 
 def test_server_restart_mid_run_degrades_to_misses_and_recovers() -> None:

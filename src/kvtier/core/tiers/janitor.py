@@ -30,6 +30,7 @@ validation). Deletions are best-effort: an entry that cannot be removed is skipp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +47,14 @@ from pydantic import Field, model_validator
 from kvtier.core.settings import ByteSize, Settings
 from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.profiles import L2Profile
-from kvtier.core.tiers.usage import Entry, control_dir, plan_eviction, scan
+from kvtier.core.tiers.usage import (
+    CONTROL_DIR,
+    Entry,
+    control_dir,
+    plan_eviction,
+    real_dir,
+    scan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -284,15 +292,16 @@ class Janitor:
     def _evict(self, victims: list[Entry]) -> list[Entry]:
         if not victims:
             return []
-        grave = control_dir(self.root, "graveyard")
-        if self.config.grace_s > 0:
-            os.makedirs(grave, exist_ok=True)
+        grave = self._graveyard() if self.config.grace_s > 0 else None
+        if self.config.grace_s > 0 and grave is None:
+            log.warning("kvtier L2 janitor: no graveyard under %s: nothing evicted", self.root)
+            return []
         done = []
         for i, entry in enumerate(victims):
             if i % 64 == 63 and not self.lease.try_acquire():
                 break  # lost the lease mid-pass (stalled too long): the new holder goes on
             try:
-                if self.config.grace_s > 0:
+                if grave is not None:
                     stamp = time.time_ns()
                     os.rename(
                         entry.path,
@@ -306,6 +315,15 @@ class Janitor:
                 continue  # gone already, or not removable: skip it
             done.append(entry)
         return done
+
+    def _graveyard(self) -> str | None:
+        """The graveyard directory, made if missing; None unless it and `.kvtier` are real
+        directories (through a planted symlink, evicted blocks would leave L2)."""
+        grave = control_dir(self.root, "graveyard")
+        if real_dir(self.root, CONTROL_DIR):
+            with contextlib.suppress(OSError):
+                os.makedirs(grave, exist_ok=True)
+        return grave if real_dir(self.root, CONTROL_DIR, "graveyard") else None
 
     def _purge(self, graveyard: tuple[Entry, ...], now: float) -> int:
         return sum(

@@ -23,6 +23,7 @@ that costs at most one extra eviction round, never wrong data.
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import time
@@ -73,24 +74,42 @@ class FileLease:
     def _epochs(self) -> list[int]:
         found = []
         for name in os.listdir(self.directory):
-            if name.startswith(_PREFIX) and name[len(_PREFIX) :].isdigit():
-                found.append(int(name[len(_PREFIX) :]))
+            digits = name[len(_PREFIX) :]
+            if name.startswith(_PREFIX) and digits.isascii() and digits.isdigit():
+                found.append(int(digits))
         return sorted(found)
 
     def current(self) -> LeaseInfo | None:
-        """The newest lease, or None if there has never been one (or it is unreadable)."""
+        """The newest lease, or None if there has never been one. A lease file whose body is
+        not a lease (empty after a crash, foreign junk) is expired: the next epoch is free."""
         for epoch in reversed(self._epochs()):
             path = self._path(epoch)
             try:
-                with open(path, encoding="utf-8") as f:
-                    body = json.load(f)
                 heartbeat = os.stat(path).st_mtime
-            except (OSError, ValueError):
-                continue  # removed meanwhile, or foreign junk: look at the previous one
-            ttl = float(body.get("ttl_s", self.ttl_s))
+                body = self._body(path)
+            except OSError:
+                continue  # removed meanwhile: look at the previous one
+            if body is None:
+                return LeaseInfo(epoch, "?", heartbeat, self.ttl_s, expired=True)
+            holder, ttl = body
             expired = heartbeat + ttl + self.stale_s < self._clock()
-            return LeaseInfo(epoch, str(body.get("holder", "?")), heartbeat, ttl, expired)
+            return LeaseInfo(epoch, holder, heartbeat, ttl, expired)
         return None
+
+    def _body(self, path: str) -> tuple[str, float] | None:
+        """The holder and TTL a lease file names; None if it is not a lease."""
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            body = json.loads(raw, parse_int=float)  # (a huge integer: inf, not OverflowError)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(body, dict):
+            return None
+        ttl = body.get("ttl_s", float(self.ttl_s))
+        if not isinstance(ttl, float) or not 0 <= ttl < math.inf:
+            return None
+        return str(body.get("holder", "?")), ttl
 
     def held(self) -> bool:
         """True if this contender holds the lease and it has not been superseded."""

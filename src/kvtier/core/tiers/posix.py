@@ -27,8 +27,10 @@ Existence answers (`contains`) are cached for `exists_ttl_s`: a batched lookup o
 mount then costs one stat per block per TTL, and a fresh miss re-checks after the TTL.
 
 Faults (EIO, ENOSPC, a vanished mount) never raise: they are counted as errors, logged once
-per kind, and turned into misses or failed puts. Construction raises `TierError` when the root
-is missing or unwritable, so the store can fall back to L1-only with a clear warning.
+per kind, and turned into misses or failed puts. Directories removed under the tier (an
+operator wiping `<root>/<namespace>`) are made again by the next put into them. Construction
+raises `TierError` when the root is missing or unwritable, so the store can fall back to
+L1-only with a clear warning.
 
 A vanished mount is noticed (`_Volume`): the root holds a volume identity file
 (`.kvtier/volume.json`, a random id written at first use), and the tier remembers that id and
@@ -56,7 +58,6 @@ import errno
 import json
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -87,7 +88,7 @@ from kvtier.core.tiers.base import (
     TierStats,
 )
 from kvtier.core.tiers.noreplace import UNSUPPORTED, rename_noreplace
-from kvtier.core.tiers.usage import control_dir
+from kvtier.core.tiers.usage import NAMESPACE, control_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -111,7 +112,6 @@ VOLUME_CHECK_S = 1.0
 """How often, at most, the tier checks that its root is still the shared volume."""
 _VOLUME_RECHECK_ID_S = 30.0
 """How often the identity file is read even while the device id is unchanged."""
-_HEX = re.compile(r"[0-9a-f]{1,64}")
 # link() errors meaning "this filesystem cannot hard-link", not "the write failed".
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV}
 _NO_NOREPLACE: set[int | None] = set()
@@ -413,7 +413,7 @@ class PosixTier:
         turns it off for this tier, with a warning. `piece_reads`: the file systems on which
         readers may read a block in pieces beside the forward pass (`open_block`; the
         profile's)."""
-        if not _HEX.fullmatch(namespace):
+        if not NAMESPACE.fullmatch(namespace):
             raise TierError(f"namespace: {namespace!r} is not a hex digest")
         if not os.path.isdir(root):
             raise TierError(
@@ -519,10 +519,7 @@ class PosixTier:
                 return PutResult(stored=False)
             view = byte_view(payload)
             header = encode_header(self._namespace, block_hash, meta, view)
-            self._ensure_dir(os.path.dirname(path))
-            created = publish(
-                path, [memoryview(header), view], self._file_mode, self._volume.device
-            )
+            created = self._publish(path, [memoryview(header), view])
         except OSError as exc:
             if exc.errno == errno.ENODEV:
                 self._volume.check(now=True)
@@ -535,11 +532,27 @@ class PosixTier:
             self._counters.add(already_present=1)
         return PutResult(stored=created)
 
+    def _publish(self, path: str, views: list[memoryview]) -> bool:
+        """`publish` into `path`'s directory, made first if needed. ENOENT means a directory
+        made before was removed since (an operator wiped L2): it is made again, once."""
+        directory = os.path.dirname(path)
+        self._ensure_dir(directory)
+        try:
+            return publish(path, views, self._file_mode, self._volume.device)
+        except FileNotFoundError:
+            with self._lock:
+                self._made_dirs.discard(directory)
+            self._ensure_dir(directory)
+            return publish(path, views, self._file_mode, self._volume.device)
+
     def _ensure_dir(self, directory: str) -> None:
+        """Make `directory` (a fan-out directory), unless this tier made it before; raises
+        ENODEV instead while the root is not the volume (never creates on a bare root)."""
         if directory not in self._made_dirs:
-            if not self._volume.check(now=True):  # never create directories on a bare root
+            if not self._volume.check(now=True):
                 raise OSError(errno.ENODEV, "L2 volume not mounted", directory)
-            for level in (os.path.dirname(directory), directory):  # makedirs' mode: leaf only
+            # makedirs' mode applies to the leaf only: each level is made on its own
+            for level in (self._dir, os.path.dirname(directory), directory):
                 os.makedirs(level, mode=self._dir_mode, exist_ok=True)
             with self._lock:
                 self._made_dirs.add(directory)
@@ -616,29 +629,31 @@ class PosixTier:
             return None
         opened: os.stat_result | None = None
         try:
-            opened = os.fstat(fd)
-            if opened.st_dev != self._volume.device and not self._volume.check(now=True):
-                raise OSError(errno.ENODEV, "L2 volume not mounted", path)
-            size = opened.st_size
-            if payload_bytes is not None:
-                if size == HEADER_BYTES + payload_bytes:
-                    return OpenedBlock(self, block_hash, path, fd, opened, None)
-                # another layout (or a damaged file, which a whole read removes): leave it
-                os.close(fd)
-                self._counters.add(misses=1)
-                return None
-            if not HEADER_BYTES <= size <= HEADER_BYTES + MAX_PAYLOAD_BYTES:
-                raise CodecError(f"file: {size} bytes is not a plausible block")
-            head = memoryview(bytearray(HEADER_BYTES))
-            got = _read_into(fd, head)
-            header = self._checked_header(head[:got], block_hash, size)
+            try:
+                opened = os.fstat(fd)
+                if opened.st_dev != self._volume.device and not self._volume.check(now=True):
+                    raise OSError(errno.ENODEV, "L2 volume not mounted", path)
+                size = opened.st_size
+                if payload_bytes is not None:
+                    if size == HEADER_BYTES + payload_bytes:
+                        return OpenedBlock(self, block_hash, path, fd, opened, None)
+                    # another layout (or a damaged file, which a whole read removes): leave it
+                    os.close(fd)
+                    self._counters.add(misses=1)
+                    return None
+                if not HEADER_BYTES <= size <= HEADER_BYTES + MAX_PAYLOAD_BYTES:
+                    raise CodecError(f"file: {size} bytes is not a plausible block")
+                head = memoryview(bytearray(HEADER_BYTES))
+                got = _read_into(fd, head)
+                header = self._checked_header(head[:got], block_hash, size)
+            except BaseException:
+                os.close(fd)  # whatever failed, and before the file may be removed
+                raise
         except CodecError as exc:
-            os.close(fd)
             assert opened is not None  # (fstat raises OSError)
             self._invalid(block_hash, path, opened, exc)
             return None
         except OSError as exc:
-            os.close(fd)
             if not self._direct_refused(exc):
                 self._fault("read", exc)
             self._counters.add(misses=1)

@@ -5,6 +5,9 @@
     <root>/.kvtier/graveyard/<time>.<random>.<h>.kvt  evicted, kept for readers, then purged
 
 `scan` walks the directory (I/O, no changes); `plan_eviction` picks victims from a scan (pure).
+No walk follows a symlink (anyone who can write the root can plant one): a symlink, a
+top-level entry that is not a namespace, or a `.kvtier` or graveyard that is not a real
+directory, is skipped, so nothing outside the root is ever counted or deleted.
 The janitor (`kvtier.core.tiers.janitor`) acts on them; `kvtier l2 status` and `verify` read
 them too.
 """
@@ -12,6 +15,8 @@ them too.
 from __future__ import annotations
 
 import os
+import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,16 +24,20 @@ from typing import Protocol
 __all__ = [
     "BLOCK_SUFFIX",
     "CONTROL_DIR",
+    "NAMESPACE",
     "TEMP_SUFFIX",
     "Entry",
     "Usage",
     "control_dir",
     "plan_eviction",
+    "real_dir",
     "scan",
 ]
 
 CONTROL_DIR = ".kvtier"
 """Janitor state under the L2 root; never a namespace (namespaces are hex digests)."""
+NAMESPACE = re.compile(r"[0-9a-f]{1,64}")
+"""What a namespace, i.e. a directory under the L2 root, is named: a hex digest."""
 BLOCK_SUFFIX = ".kvt"
 TEMP_SUFFIX = ".tmp"
 
@@ -79,13 +88,30 @@ def control_dir(root: str, *parts: str) -> str:
     return os.path.join(root, CONTROL_DIR, *parts)
 
 
-def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
+def real_dir(root: str, *parts: str) -> bool:
+    """Whether `<root>/<parts...>` is a directory reached through no symlink below `root`."""
+    path = root
+    for part in parts:
+        path = os.path.join(path, part)
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _entries(directory: str) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(directory) as it:
-            entries = list(it)
+            return list(it)
     except OSError:
-        return  # vanished or unreadable: nothing to account here
-    for entry in entries:
+        return []  # vanished or unreadable: nothing to account here
+
+
+def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
+    """Regular files under `directory`, at any depth; symlinks are neither followed nor listed."""
+    for entry in _entries(directory):
         try:
             if entry.is_dir(follow_symlinks=False):
                 yield from _walk(entry.path)
@@ -95,16 +121,28 @@ def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
             continue
 
 
+def _namespaces(root: str) -> Iterator[os.DirEntry[str]]:
+    """The namespace directories under `root` (never a symlink, never `.kvtier`)."""
+    for entry in _entries(root):
+        try:
+            if NAMESPACE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                yield entry
+        except OSError:
+            continue
+
+
+def _graveyard(root: str) -> Iterator[os.DirEntry[str]]:
+    """The files in the graveyard; none where it, or `.kvtier`, is not a real directory."""
+    if real_dir(root, CONTROL_DIR, "graveyard"):
+        yield from _walk(control_dir(root, "graveyard"))
+
+
 def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
-    """Walk every namespace under `root` and the graveyard."""
+    """Walk every namespace under `root` and the graveyard (see the module docstring)."""
     blocks: list[Entry] = []
     orphans: list[Entry] = []
     temp_bytes = 0
-    try:
-        tops = [e for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
-    except OSError:
-        tops = []
-    for top in tops:
+    for top in _namespaces(root):
         for f in _walk(top.path):
             try:
                 st = f.stat(follow_symlinks=False)
@@ -119,7 +157,7 @@ def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
                 else:
                     temp_bytes += st.st_size
     graveyard = []
-    for f in _walk(control_dir(root, "graveyard")):
+    for f in _graveyard(root):
         try:
             st = f.stat(follow_symlinks=False)
             graveyard.append(Entry(f.path, st.st_size, float(f.name.split(".", 1)[0]) / 1e9))

@@ -15,7 +15,8 @@ thin wrappers.
 Faults never reach the caller. A lost connection (server restarted, network gone) turns the
 call into misses or a failed put, counted in `errors`; the tier then stops talking to the
 server for a backoff that doubles from `backoff_initial_s` to `backoff_max_s` (so a dead server
-costs lookups nothing) and the first call after it reconnects. A value that fails validation
+costs lookups nothing; each call skipped meanwhile counts in `errors` too) and the first call
+after it reconnects. A value that fails validation
 is a miss, deleted and counted.
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
@@ -179,8 +180,10 @@ class ValkeyTier:
     # ---- the one place that talks to the server ------------------------------------------
 
     def _call(self, fn: Callable[[valkey.Valkey], Any], op: str) -> Any | None:
-        """Run `fn(client)`; None when the server is in backoff or the call failed."""
+        """Run `fn(client)`; None when the server is in backoff or the call failed (both
+        counted in `errors`: a call skipped in the backoff is a lost read or write too)."""
         if not self._backoff.ready():
+            self._counters.add(errors=1)
             return None
         try:
             result = fn(self._client)
