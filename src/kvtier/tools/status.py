@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 import urllib.error
@@ -175,6 +176,17 @@ def _cmd(args: argparse.Namespace) -> int:
             return 0
 
 
+def _interval(text: str) -> float:
+    """`--watch SECONDS`: a positive, finite number."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return seconds
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "status",
@@ -187,7 +199,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     where.add_argument("--state", metavar="FILE", help="a cluster.json written by `kvtier up`")
     p.add_argument(
         "--watch",
-        type=float,
+        type=_interval,
         nargs="?",
         const=2.0,
         default=0.0,

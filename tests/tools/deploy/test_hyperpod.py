@@ -112,6 +112,10 @@ def test_the_result_renders_and_validates(tmp_path: Path) -> None:
             {"intelligentRoutingSpec": {"enabled": True, "routingStrategy": "fastest"}},
             "intelligentRoutingSpec.routingStrategy",
         ),
+        (
+            {"worker": {"args": "/opt/ml/model --max-model-len 4096"}},
+            "spec.worker.args: expected a list",
+        ),
     ],
 )
 def test_unknown_or_unmappable_keys_are_named(change: dict[str, Any], message: str) -> None:

@@ -12,6 +12,7 @@ import yaml
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
 from kvtier.tools.cluster.spec import parse_spec
+from kvtier.tools.deploy import render as render_module
 from kvtier.tools.deploy.render import connector_env, render
 from kvtier.vllm.settings import ConnectorSettings
 from tests.tools.deploy.kube import (
@@ -80,6 +81,27 @@ FILES: dict[str, dict[str, Any]] = {
         "intelligentRoutingSpec": {"enabled": False},
         "kvCacheSpec": {"enableL1Cache": False, "enableL2Cache": False},
     },
+    # the shipped components these use generate ConfigMaps of their own (defaults)
+    "valkey-l1": {
+        "model": "meta/llama",
+        "kvCacheSpec": {"l1CacheSizeGiB": 8, "l2CacheSpec": {"l2CacheBackend": "valkey"}},
+        "kvtier": {"connector": {"admission": "reused", "l2_file_mode": "0o640"}},
+    },
+    "cpu-model": {
+        "model": "HuggingFaceTB/SmolLM2-360M-Instruct",
+        "kvCacheSpec": {"l1CacheSizeGiB": 4},
+        "kubernetes": {"device": "cpu"},
+    },
+    "curvine-local": {
+        "model": "meta/llama",
+        "kubernetes": {"l2Volume": "curvine", "l2FileSystem": "local"},
+    },
+    "juicefs-nfs": {
+        "model": "meta/llama",
+        "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "juicefs"}},
+        "kubernetes": {"l2FileSystem": "nfs"},
+        "kvtier": {"connector": {"l2_file_mode": "0o640"}, "router": {"drain_s": "45"}},
+    },
 }
 
 
@@ -92,14 +114,17 @@ def rendered(tmp_path: Path, name: str) -> list[dict[str, Any]]:
     return objects
 
 
-def env_of(objects: list[dict[str, Any]]) -> dict[str, str]:
-    connector = next(
-        o
-        for o in objects
-        if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith("kvtier-connector")
+def config_map(objects: list[dict[str, Any]], prefix: str) -> dict[str, str]:
+    """The data of the one ConfigMap whose name starts with `prefix`."""
+    (found,) = (
+        o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].startswith(prefix)
     )
-    data: dict[str, str] = connector.get("data", {})
+    data: dict[str, str] = found.get("data", {})
     return data
+
+
+def env_of(objects: list[dict[str, Any]]) -> dict[str, str]:
+    return config_map(objects, "kvtier-connector")
 
 
 @pytest.mark.parametrize("name", sorted(FILES))
@@ -110,6 +135,7 @@ def test_every_rendered_object_validates(tmp_path: Path, name: str) -> None:
     namespace = spec.kubernetes.namespace
     assert all(o["metadata"].get("namespace", namespace) == namespace for o in objects)
     # what the replicas will parse is what the file says
+    assert env_of(objects) == connector_env(spec)
     ConnectorSettings.from_sources({}, env_of(objects))
     assert assert_pods_drain_in_grace(objects) == (spec.local.replica_drain_s, spec.router_drain_s)
 
@@ -237,6 +263,69 @@ def test_no_cache_at_all(tmp_path: Path) -> None:
     router = container(objects, "kvtier-router")["args"]
     assert router[:2] == ["--strategy", "roundrobin"] and "--replica-events-port" not in router
     assert env_of(objects) == {}
+
+
+@pytest.mark.parametrize(
+    ("name", "connector", "model"),
+    [
+        (
+            "valkey-l1",
+            {"KVTIER_L1_BYTES": str(8 * 1024**3), "KVTIER_ADMISSION": "reused"},
+            {"MODEL": "meta/llama"},
+        ),
+        (
+            "cpu-model",
+            {"KVTIER_L1_BYTES": str(4 * 1024**3)},
+            {"MODEL": "HuggingFaceTB/SmolLM2-360M-Instruct"},
+        ),
+        ("curvine-local", {"KVTIER_L2_PROFILE": "local"}, {"SERVED_MODEL_NAME": "llama"}),
+        ("juicefs-nfs", {"KVTIER_L2_PROFILE": "nfs"}, {"MODEL": "meta/llama"}),
+    ],
+)
+def test_the_config_maps_hold_the_files_settings_over_the_components_defaults(
+    tmp_path: Path, name: str, connector: dict[str, str], model: dict[str, str]
+) -> None:
+    objects = rendered(tmp_path, name)
+    assert env_of(objects).items() >= connector.items()
+    assert config_map(objects, "kvtier-model").items() >= model.items()
+
+
+@pytest.mark.parametrize("name", ["valkey-l1", "juicefs-nfs"])
+def test_a_file_mode_reaches_the_replicas_as_set(tmp_path: Path, name: str) -> None:
+    env = env_of(rendered(tmp_path, name))
+    assert ConnectorSettings.from_sources({}, env).l2_file_mode == 0o640
+
+
+def test_render_refuses_settings_the_replicas_would_read_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(render_module, "_env_value", lambda name, value: str(value))
+    with pytest.raises(ConfigError, match="l2_file_mode would not reach the replicas"):
+        connector_env(parse_spec(FILES["juicefs-nfs"]))
+
+
+def test_a_quoted_router_drain_is_a_number(tmp_path: Path) -> None:
+    spec = parse_spec(FILES["juicefs-nfs"])
+    assert spec.router_drain_s == 45
+    pod = by_kind(rendered(tmp_path, "juicefs-nfs"), "Deployment", "kvtier-router")
+    assert pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 10 + 45 + 10
+
+
+def test_render_keeps_out_of_a_directory_it_did_not_write(tmp_path: Path) -> None:
+    mine = tmp_path / "repo"
+    (mine / "base").mkdir(parents=True)
+    (mine / "kustomization.yaml").write_text("resources: [base]\n")
+    (mine / "base" / "app.yaml").write_text("kind: ConfigMap\n")
+    spec = parse_spec(FILES["cpu-model"])
+    with pytest.raises(ConfigError, match=f"--out {mine}: a non-empty directory"):
+        render(spec, mine)
+    assert (mine / "kustomization.yaml").read_text() == "resources: [base]\n"
+    assert sorted(p.name for p in mine.rglob("*")) == ["app.yaml", "base", "kustomization.yaml"]
+    with pytest.raises(ConfigError, match="not a directory"):
+        render(spec, mine / "kustomization.yaml")
+    (tmp_path / "empty").mkdir()
+    render(spec, tmp_path / "empty")
+    render(spec, tmp_path / "empty")  # its own: re-rendered
 
 
 def test_rerender_keeps_the_secrets(tmp_path: Path) -> None:

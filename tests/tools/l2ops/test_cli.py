@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import valkey
 
+from kvtier.cli import main
 from kvtier.core.settings import parse_bytes
 from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
@@ -137,3 +138,28 @@ def test_status_and_verify_on_a_valkey_l2(
     out = capsys.readouterr().out
     assert f"BAD {NAMESPACE}:{hashes[2].hex()}" in out
     assert tier.contains_many(hashes) == [True, True, False, True]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["status", "{missing}"], "{missing}: no such L2 directory"),
+        (["gc", "{missing}", "--capacity", "1G"], "{missing}: no such L2 directory"),
+        (["verify", "{missing}"], "{missing}: no such L2 directory"),
+        (["gc", "redis://127.0.0.1:1/0", "--capacity", "1G"], "gc runs on an L2 directory"),
+        (["status", "redis://:secret@127.0.0.1:1/0"], "redis://:***@127.0.0.1:1/0: Error"),
+        (["verify", "redis://127.0.0.1:1/0"], "redis://127.0.0.1:1/0: Error"),
+    ],
+)
+def test_a_missing_directory_or_an_unreachable_valkey_is_an_error_and_creates_nothing(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    missing = str(tmp_path / "missing")
+    assert main(["l2", *(a.format(missing=missing) for a in argv)]) == 2
+    assert message.format(missing=missing) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -201,10 +201,14 @@ class LocalSpec(Section):
                 if key in reserved:
                     raise ValueError(f"{section}.{key}: set by {reserved[key]}")
         ConnectorSettings.from_mapping(self.connector, where="kvtier.connector")
-        RouterSettings.from_mapping(
+        self.router_settings()
+        return self
+
+    def router_settings(self) -> RouterSettings:
+        """`router` validated (with a placeholder replica: the fleet sets the real ones)."""
+        return RouterSettings.from_mapping(
             {**self.router, "replicas": ["http://127.0.0.1:1"]}, where="kvtier.router"
         )
-        return self
 
 
 class FleetSpec(Section):
@@ -246,10 +250,7 @@ class FleetSpec(Section):
     def router_drain_s(self) -> int:
         """How long a stopped router lets its requests in flight finish (`kvtier.router`'s
         `drain_s`, else the router's default)."""
-        drain: int = self.local.router.get(
-            "drain_s", RouterSettings.model_fields["drain_s"].default
-        )
-        return drain
+        return self.local.router_settings().drain_s
 
     def connector_settings(
         self,

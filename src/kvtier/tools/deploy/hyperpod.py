@@ -85,6 +85,8 @@ def _cache_config_file(value: Any, fleet: Fleet, spec: dict[str, Any], notes: li
 
 
 def _worker_args(value: Any, fleet: Fleet, spec: dict[str, Any], notes: list[str]) -> None:
+    if not isinstance(value, list | None):
+        raise ConfigError(f"spec.worker.args: expected a list of strings, got {value!r}")
     args = [str(a) for a in value or ()]
     if args and not args[0].startswith("-"):
         fleet["model"] = args.pop(0)

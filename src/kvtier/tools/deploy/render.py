@@ -2,10 +2,12 @@
 
 The manifests live in `deploy/k8s` (a kustomize base, and one component per option). Rendering
 copies the base and the components the file asks for into DIR and writes DIR/kustomization.yaml
-with what the file sets: replica and router counts, images, the connector's settings (as the
-`KVTIER_*` environment of the replicas), the router's flags, the model, resources, the L2
-volume or Valkey, and generated secrets (the router's API key, Valkey's password) that a later
-render keeps. `kubectl apply -k DIR` deploys it; DIR holds no reference to this checkout.
+with what the file sets: replica and router counts, images, the router's flags, resources, the
+L2 volume or Valkey, and generated secrets (the router's API key, Valkey's password) that a later
+render keeps; the connector's settings (the `KVTIER_*` environment of the replicas) and the
+model go in a last component, DIR/components/fleet. `kubectl apply -k DIR` deploys it; DIR holds
+no reference to this checkout. DIR is new, empty, or an earlier render's (nothing else is
+overwritten).
 
     spec = load_spec(Path("fleet.yaml"))
     notes = render(spec, Path("out"))       # notes: what the file set that has no effect here
@@ -27,7 +29,7 @@ from typing import Any
 import yaml
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.settings import to_flags
+from kvtier.core.settings import parse_mode, to_flags
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
@@ -64,6 +66,12 @@ ROUTER_PRESTOP_S = 10
 """The router's preStop sleep (deploy/k8s/base/router.yaml): the Service stops sending to it."""
 ROUTER_EXIT_S = 10
 """Left to the router, after its drain, to exit before the kubelet kills it."""
+HEADER = "# Written by `kvtier deploy render`; apply with: kubectl apply -k .\n"
+"""The first line of a rendered kustomization.yaml: marks a directory `render` may rewrite."""
+FLEET_COMPONENT = "fleet"
+"""The component `render` writes with the file's ConfigMaps. Kustomize applies components in
+order, after the overlay's own generators, so these must be in the last one to win over the
+defaults that the shipped components (cpu, valkey, l2-*) generate."""
 
 
 def find_manifests() -> Path:
@@ -154,15 +162,32 @@ def connector_env(spec: FleetSpec) -> dict[str, str]:
         )
     elif spec.cache.l2_enabled and l2.url is not None:
         values["l2_url"] = l2.url  # an in-cluster Valkey's URL carries a Secret: set per pod
-    env = {ENV_PREFIX + k.upper(): _env_value(v) for k, v in values.items()}
-    ConnectorSettings.from_sources({}, env)  # what the replicas will parse
+    env = {ENV_PREFIX + k.upper(): _env_value(k, v) for k, v in values.items()}
+    _check_round_trip(values, env)
     return env
 
 
-def _env_value(value: object) -> str:
+def _env_value(name: str, value: object) -> str:
+    """`value` of the setting `name` as the replicas' `from_sources` reads it back."""
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, int) and _is_mode(name):
+        return oct(value)  # modes are read as octal
     return str(value)
+
+
+def _is_mode(name: str) -> bool:
+    """Whether the connector setting `name` holds file permissions (read by `parse_mode`)."""
+    metadata = ConnectorSettings.model_fields[name].metadata
+    return any(getattr(m, "func", None) is parse_mode for m in metadata)
+
+
+def _check_round_trip(values: dict[str, Any], env: dict[str, str]) -> None:
+    """Raise unless the replicas, parsing `env`, get `values`."""
+    parsed = ConnectorSettings.from_sources({}, env).model_dump()
+    changed = sorted(k for k, v in values.items() if parsed[k] != v)
+    if changed:
+        raise ConfigError(f"kvtier.connector: {', '.join(changed)} would not reach the replicas")
 
 
 def _l2_volume(spec: FleetSpec) -> str | None:
@@ -226,13 +251,14 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     if k8s.service_monitor:
         components.append("servicemonitor")
 
-    out.mkdir(parents=True, exist_ok=True)
+    _claim_out_dir(out)
     for name in ("base", "components", "patches"):
         shutil.rmtree(out / name, ignore_errors=True)
     shutil.copytree(manifests / "base", out / "base")
     for name in dict.fromkeys([*components, "no-l2"] if "valkey" in components else components):
         shutil.copytree(manifests / "components" / name, out / "components" / name)
     (out / "patches").mkdir()
+    _write_fleet_component(out, connector_env(spec), model, served)
 
     secret_files = [f"keys={_secret(out, 'router-api-keys', 'key')}"]
     secret_files.append(f"tenant-salt-key={_secret(out, 'tenant-salt-key', 'raw')}")
@@ -305,7 +331,7 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         "kind": "Kustomization",
         "namespace": k8s.namespace,
         "resources": resources,
-        "components": [f"components/{name}" for name in components],
+        "components": [f"components/{name}" for name in [*components, FLEET_COMPONENT]],
         "labels": [
             {"pairs": {"app.kubernetes.io/instance": k8s.instance}, "includeTemplates": True}
         ],
@@ -313,24 +339,47 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
             {"name": "kvtier-replica", "count": spec.replicas},
             {"name": "kvtier-router", "count": k8s.routers},
         ],
-        "configMapGenerator": [
-            {
-                "name": "kvtier-connector",
-                "behavior": "replace",
-                "literals": [f"{k}={v}" for k, v in connector_env(spec).items()],
-            },
-            {
-                "name": "kvtier-model",
-                "behavior": "replace",
-                "literals": [f"MODEL={model}", f"SERVED_MODEL_NAME={served}"],
-            },
-        ],
         "secretGenerator": generators,
         "patches": patches,
     }
-    header = "# Written by `kvtier deploy render`; apply with: kubectl apply -k .\n"
-    (out / "kustomization.yaml").write_text(header + yaml.safe_dump(kustomization, sort_keys=False))
+    (out / "kustomization.yaml").write_text(HEADER + yaml.safe_dump(kustomization, sort_keys=False))
     return notes
+
+
+def _claim_out_dir(out: Path) -> None:
+    """Make `out`; a `ConfigError` if it is a file, or a non-empty directory whose
+    kustomization.yaml `render` did not write (re-rendering would overwrite the user's files)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: not a directory")
+    if out.is_dir() and any(out.iterdir()) and not _written_by_render(out):
+        raise ConfigError(
+            f"--out {out}: a non-empty directory `kvtier deploy render` did not write; "
+            "give a new or empty one"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _written_by_render(out: Path) -> bool:
+    try:
+        return (out / "kustomization.yaml").read_bytes().startswith(HEADER.encode())
+    except OSError:
+        return False
+
+
+def _write_fleet_component(out: Path, env: dict[str, str], model: str, served: str) -> None:
+    """The last component: the connector's and the model's ConfigMaps as the file sets them."""
+    generators = [
+        {"name": "kvtier-connector", "literals": [f"{k}={v}" for k, v in env.items()]},
+        {"name": "kvtier-model", "literals": [f"MODEL={model}", f"SERVED_MODEL_NAME={served}"]},
+    ]
+    component = {
+        "apiVersion": "kustomize.config.k8s.io/v1alpha1",
+        "kind": "Component",
+        "configMapGenerator": [{**g, "behavior": "replace"} for g in generators],
+    }
+    path = out / "components" / FLEET_COMPONENT
+    path.mkdir(parents=True)
+    _write(path / "kustomization.yaml", component)
 
 
 def _container_patch(deployment: str, container: str, image: str) -> dict[str, Any]:

@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import cast
+
+from kvtier.core.errors import ConfigError, TierError
+from kvtier.core.settings import redact_url
 
 
 def _is_url(target: str) -> bool:
     return "://" in target
+
+
+def _directory(target: str) -> str:
+    """`target`, an existing directory; a `ConfigError` otherwise (nothing is created)."""
+    if not os.path.isdir(target):
+        raise ConfigError(f"{target}: no such L2 directory")
+    return target
+
+
+@contextmanager
+def _reaching(url: str) -> Iterator[None]:
+    """Turn a failure to talk to the Valkey at `url` into a `TierError` naming it."""
+    import valkey
+
+    try:
+        yield
+    except (valkey.exceptions.ValkeyError, ValueError) as exc:
+        raise TierError(f"{redact_url(url)}: {exc}") from None
 
 
 def _print(doc: dict[str, object], as_json: bool) -> None:
@@ -23,26 +47,14 @@ def _print(doc: dict[str, object], as_json: bool) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     if _is_url(args.target):
-        import valkey
-
-        client = valkey.Valkey.from_url(args.target)
-        memory = cast("dict[str, object]", client.info("memory"))
-        stats = cast("dict[str, object]", client.info("stats"))
-        _print(
-            {
-                "used_memory": memory["used_memory"],
-                "maxmemory": memory["maxmemory"],
-                "policy": memory["maxmemory_policy"],
-                "keys": client.dbsize(),
-                "evicted_keys": stats["evicted_keys"],
-            },
-            args.json,
-        )
+        with _reaching(args.target):
+            _print(_valkey_status(args.target), args.json)
         return 0
     from kvtier.core.tiers.janitor import read_status
     from kvtier.core.tiers.lease import FileLease
     from kvtier.core.tiers.usage import control_dir, scan
 
+    _directory(args.target)
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
     lease = FileLease(control_dir(args.target, "lease"), "status", ttl_s=1).current()
     doc: dict[str, object] = {
@@ -59,9 +71,33 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _valkey_status(url: str) -> dict[str, object]:
+    import valkey
+
+    client = valkey.Valkey.from_url(url)
+    try:
+        memory = cast("dict[str, object]", client.info("memory"))
+        stats = cast("dict[str, object]", client.info("stats"))
+        return {
+            "used_memory": memory["used_memory"],
+            "maxmemory": memory["maxmemory"],
+            "policy": memory["maxmemory_policy"],
+            "keys": client.dbsize(),
+            "evicted_keys": stats["evicted_keys"],
+        }
+    finally:
+        client.close()  # type: ignore[no-untyped-call]
+
+
 def _gc(args: argparse.Namespace) -> int:
     from kvtier.core.tiers.janitor import Janitor, JanitorSettings
     from kvtier.core.tiers.profiles import get_profile
+
+    if _is_url(args.target):
+        raise ConfigError(
+            f"{redact_url(args.target)}: gc runs on an L2 directory (Valkey evicts by itself)"
+        )
+    _directory(args.target)
 
     config = JanitorSettings.for_profile(
         get_profile(args.profile),
@@ -89,8 +125,11 @@ def _gc(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from kvtier.tools.l2ops.verify import verify_directory, verify_valkey
 
-    check = verify_valkey if _is_url(args.target) else verify_directory
-    report = check(args.target, remove=args.remove)
+    if _is_url(args.target):
+        with _reaching(args.target):
+            report = verify_valkey(args.target, remove=args.remove)
+    else:
+        report = verify_directory(_directory(args.target), remove=args.remove)
     for name, why in report.bad:
         print(f"BAD {name}: {why}")
     _print(

@@ -41,6 +41,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from kvtier.core.errors import ConfigError
+from kvtier.tools.sim.report import write_output
 from kvtier.tools.sim.trace import MOONCAKE_BLOCK_TOKENS
 
 __all__ = ["AgentShape", "agent_rows", "register", "write_rows"]
@@ -80,8 +81,8 @@ class AgentShape:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if not value > 0:
-                raise ConfigError(f"{f.name}: must be positive, got {value}")
+            if not 0 < value < math.inf:
+                raise ConfigError(f"{f.name}: must be positive and finite, got {value}")
         if self.task_min_tokens > self.task_max_tokens:
             raise ConfigError("task_min_tokens: must not exceed task_max_tokens")
         if self.min_context_tokens > self.max_context_tokens:
@@ -148,10 +149,8 @@ def agent_rows(shape: AgentShape, seed: int) -> list[dict[str, object]]:
 
 
 def write_rows(rows: list[dict[str, object]], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as out:
-        for row in rows:
-            out.write(json.dumps(row, separators=(",", ":")) + "\n")
+    """Write `rows` to `path` as JSONL (a `ConfigError` naming `path` if it cannot)."""
+    write_output(path, "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -13,6 +13,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.caches import EVICTION
 from kvtier.tools.sim.cost_model import CostModel, load_costs
+from kvtier.tools.sim.report import write_output
 from kvtier.tools.sim.routing import parse_option, strategy_names
 from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.sweep import SWEEPABLE, parse_capacity
@@ -206,8 +207,7 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def _write_json(path: Path | None, doc: object) -> None:
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
+        write_output(path, json.dumps(doc, indent=1) + "\n")
 
 
 def _run_sim(args: argparse.Namespace) -> int:

@@ -94,7 +94,10 @@ def _read_profiles(path: Path | None) -> dict[str, Any]:
     if path is None:
         text = resources.files("kvtier.tools.sim").joinpath("costs.json").read_text()
     else:
-        text = path.read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"costs: cannot read {path} ({exc})") from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:

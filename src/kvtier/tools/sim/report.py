@@ -4,10 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ReplicaReport", "SimResult", "max_over_mean", "percentile_ms"]
+from kvtier.core.errors import ConfigError
+
+__all__ = ["ReplicaReport", "SimResult", "max_over_mean", "percentile_ms", "write_output"]
+
+
+def write_output(path: Path, text: str) -> None:
+    """Write `text` to `path` (making its parents); a `ConfigError` naming `path` if it cannot."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

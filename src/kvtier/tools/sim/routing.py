@@ -57,6 +57,14 @@ def parse_option(text: str) -> tuple[str, object]:
     return key, value
 
 
+def _cost_weights(options: Mapping[str, object]) -> CostWeights:
+    """`CostWeights` of these policy options; a `ConfigError` names one that is no number."""
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"policy option: {key}={value!r} is not a number")
+    return CostWeights(**options)  # type: ignore[arg-type]
+
+
 def build_strategy(name: str, options: Mapping[str, object], index_max_blocks: int) -> Strategy:
     if name not in POLICIES:
         make_policy(name)  # raises the router's own ConfigError naming the choices
@@ -69,7 +77,7 @@ def build_strategy(name: str, options: Mapping[str, object], index_max_blocks: i
                 f"policy option: {', '.join(sorted(weights))} do not apply to "
                 f"strategy {name} (no cost weights)"
             )
-        kwargs["weights"] = CostWeights(**weights)  # type: ignore[arg-type]
+        kwargs["weights"] = _cost_weights(weights)
     index: PrefixIndex | None = None
     if "index" in params:
         if "index" in kwargs:

@@ -112,12 +112,15 @@ def load_trace(
     if not path.is_file():
         raise ConfigError(f"trace: no such file: {path}")
     requests: list[TraceRequest] = []
-    with path.open() as lines:
-        for lineno, line in enumerate(lines, 1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if line.strip():
-                requests.append(_parse(line, f"{path}:{lineno}", time_scale, block_tokens))
+    try:
+        with path.open(encoding="utf-8") as lines:
+            for lineno, line in enumerate(lines, 1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                if line.strip():
+                    requests.append(_parse(line, f"{path}:{lineno}", time_scale, block_tokens))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"trace: cannot read {path} as JSONL text ({exc})") from None
     requests.sort(key=lambda r: r.arrival_s)
     return Trace(tuple(requests), block_tokens)
 
@@ -128,9 +131,13 @@ def _parse(line: str, where: str, time_scale: float, block_tokens: int) -> Trace
         arrival_ms = float(doc["timestamp"])
         input_tokens = int(doc["input_length"])
         output_tokens = int(doc["output_length"])
+        if not isinstance(doc["hash_ids"], list):
+            raise TypeError(f"hash_ids: expected a list, got {doc['hash_ids']!r}")
         blocks = tuple(int(b) for b in doc["hash_ids"])
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"trace: {where}: not a Mooncake trace line ({exc})") from exc
+    if not math.isfinite(arrival_ms):
+        raise ConfigError(f"trace: {where}: timestamp {arrival_ms} is not a finite number")
     if input_tokens < 0 or output_tokens < 0 or arrival_ms < 0:
         raise ConfigError(f"trace: {where}: negative timestamp or length")
     if len(blocks) != math.ceil(input_tokens / block_tokens):
