@@ -240,6 +240,20 @@ def test_no_healthy_replica_is_a_503(tokenizer: Tokenizer) -> None:
     run(scenario())
 
 
+def test_no_replica_at_all_is_a_503_too(tokenizer: Tokenizer) -> None:
+    """As when discovery finds no pod: the same retryable 503, not a 502 naming no failure."""
+
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            rr.router.replicas.remove(a.url)
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 503
+            assert resp.json()["error"]["code"] == "no_healthy_replica"
+            assert a.received == []
+
+    run(scenario())
+
+
 def test_a_late_health_check_keeps_a_replica_until_unhealthy_after_a_refused_one_does_not(
     tokenizer: Tokenizer,
 ) -> None:

@@ -178,3 +178,14 @@ def test_a_router_started_after_the_stores_learns_them_without_new_events() -> N
         assert index.match(HASHES, replicas=["r2"]) == {"r1": [Tier.L1] * 4, "r2": [Tier.L2] * 2}
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_jump_in_a_replicas_sequence_is_counted_as_a_gap_and_a_restart_is_not() -> None:
+    index = PrefixIndex()
+    counted: list[tuple[str, str]] = []
+    applier = KvtierApplier(index, Forgets(index), count=lambda *c: counted.append(c))
+    for seq in (5, 6, 9, 10):  # 7 and 8 lost
+        applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=seq), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], replica="r2", seq=40), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=0.0)
+    assert counted == [("kvtier", "gap")]

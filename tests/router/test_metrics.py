@@ -131,3 +131,22 @@ def test_every_declared_family_is_exported_and_nothing_else(tokenizer: Tokenizer
     text = run(scenario())
     exported = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
     assert exported == {d.exposed for d in ROUTER_METRICS}
+
+
+def test_a_replica_that_left_leaves_no_series_behind() -> None:
+    """Pods come and go under discovery: each one's series must go with it."""
+    metrics = RouterMetrics(ReplicaSet(()), "kvaware", dict)
+    for name in ("http://10.0.0.1:8000", "http://10.0.0.2:8000"):
+        metrics.routed.inc(name)
+        metrics.usage.add(name, 100, 50, 40)
+        for series in (metrics.in_flight, metrics.queued, metrics.healthy):
+            series.labels(name).set(1)
+        for counter in (metrics.failovers, metrics.stalls, metrics.stopping, metrics.unreachable):
+            counter.labels(name).inc()
+    kept = 'replica="http://10.0.0.2:8000"'
+    before = metrics.render().decode()
+    assert before.count(kept) == before.count('replica="http://10.0.0.1:8000"') > 0
+    metrics.forget_replica("http://10.0.0.1:8000")
+    text = metrics.render().decode()
+    assert "10.0.0.1" not in text
+    assert text.count(kept) == before.count(kept)

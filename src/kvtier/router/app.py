@@ -187,9 +187,7 @@ class Router:
     def _drop(self, replica: str, cause: str) -> None:
         """A replica left for good (discovery): forget it, and its series in /metrics."""
         self.forget(replica, cause)
-        for gauge in (self.metrics.in_flight, self.metrics.queued, self.metrics.healthy):
-            with contextlib.suppress(KeyError):
-                gauge.remove(replica)
+        self.metrics.forget_replica(replica)
 
     def _count_event(self, source: str, kind: str) -> None:
         self.metrics.events.labels(source, kind).inc()

@@ -105,9 +105,14 @@ class Discovery:
         return sorted(self._mine)
 
     async def run(self) -> None:
+        """`sync` every `discovery_interval_s`; a round that fails unexpectedly is logged and
+        the next one runs as usual."""
         while True:
             await asyncio.sleep(self._config.discovery_interval_s)
-            await self.sync()
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("discovery of %s: the round failed; trying again", self.host)
 
     async def sync(self) -> None:
         """One round: resolve, join new replicas, drain vanished ones, drop drained ones."""

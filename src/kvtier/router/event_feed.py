@@ -3,6 +3,9 @@
 Two sources:
 - kvtier connector events (`kvtier.net.kv_events`, JSON over ZMQ): already named by kvtier hashes.
   A new `epoch` for a replica means it restarted: everything of the replica is purged first.
+  A jump in a replica's `seq` means events were lost (its publisher's queue was full, or this
+  subscriber was slow): counted as a `gap`. The index keeps what it has; an entry left stale
+  by a lost removal costs a routing miss, never wrong output, until the LRU or a purge drops it.
   L2 blocks are stored under the pseudo-replica `SHARED` (they count for every replica).
 - vLLM's `--kv-events-config` publisher (msgpack `KVEventBatch` over ZMQ, frames topic, seq,
   payload). Its block hashes are seeded per process, so `VllmRehasher` re-hashes each stored
@@ -47,15 +50,22 @@ class KvtierApplier:
 
     `known(replica)` is the allow-list: an event naming a replica the router does not serve
     (a stray or forged publisher) is ignored, so it can neither fill the index nor purge a
-    real replica's entries."""
+    real replica's entries. `count("kvtier", "gap")` is called for each jump in a replica's
+    `seq` (events lost before this one)."""
 
     def __init__(
-        self, index: PrefixIndex, forget: Forget, known: Callable[[str], bool] | None = None
+        self,
+        index: PrefixIndex,
+        forget: Forget,
+        known: Callable[[str], bool] | None = None,
+        count: Count = lambda source, kind: None,
     ) -> None:
         self._index = index
         self._forget = forget
         self._known = known
+        self._count = count
         self._epochs: dict[str, str] = {}
+        self._next_seq: dict[str, int] = {}
 
     def apply(self, event: KVEvent, now: float) -> bool:
         """Apply `event`; False when it was ignored (an unknown replica)."""
@@ -64,7 +74,10 @@ class KvtierApplier:
         known = self._epochs.get(event.replica)
         if known is not None and known != event.epoch:
             self._forget(event.replica, "restart")
+        elif event.seq > self._next_seq.get(event.replica, event.seq):
+            self._count("kvtier", "gap")
         self._epochs[event.replica] = event.epoch
+        self._next_seq[event.replica] = event.seq + 1
         holder = SHARED if event.tier is Tier.L2 else event.replica
         if event.kind is EventKind.STORED:
             self._index.insert(holder, event.hashes, event.tier, now)
@@ -194,7 +207,7 @@ class EventFeed:
         self._index = index
         self._clock = clock
         self._count = count
-        self._kvtier = KvtierApplier(index, forget, known)
+        self._kvtier = KvtierApplier(index, forget, known, count)
         self._subscriber = (
             EventSubscriber(kvtier_endpoints, curve_server_key=curve_server_key)
             if kvtier_endpoints or dynamic

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 _JSON_REQUEST = (("Content-Type", "application/json"),)
 
-_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d{1,9})"', re.MULTILINE)
 
 
 def engine_block_tokens(metrics_text: bytes) -> int | None:
@@ -89,7 +89,13 @@ class HealthChecker:
         self._probes: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in self._replicas))
+        """Check every replica. A check that fails unexpectedly (a bug, an absurd answer) is
+        logged and skipped: it never stops the other replicas' checks or later rounds."""
+        replicas = list(self._replicas)
+        results = await asyncio.gather(*map(self._check, replicas), return_exceptions=True)
+        for replica, result in zip(replicas, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("health check of %s failed: %r", replica.name, result)
 
     async def run(self) -> None:
         try:
@@ -243,7 +249,7 @@ class HealthChecker:
         body = await self._get(replica, "/v1/models")
         try:
             doc = json.loads(body) if body is not None else None
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the parser's recursion limit)
             return
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):

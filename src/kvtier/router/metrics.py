@@ -13,6 +13,7 @@ exact quantiles; the histogram serves Prometheus).
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -216,7 +217,8 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         "counter",
         "KV events applied to the index.",
         ("source", "kind"),
-        "source: kvtier (connector), vllm (engine); kind: stored, removed, cleared, malformed",
+        "source: kvtier (connector), vllm (engine); kind: stored, removed, cleared, malformed, "
+        "gap (a jump in a replica's sequence numbers: events lost before this one)",
     ),
     MetricDef(
         "kvtier_router_index_purges",
@@ -374,6 +376,23 @@ class RouterMetrics:
         for hot in self._hot():
             yield hot.family()
         yield from self.usage.families()
+
+    def forget_replica(self, name: str) -> None:
+        """Drop every series of the replica `name` (it left for good): a fleet whose pods come
+        and go keeps a bounded set of series."""
+        self.routed.values.pop((name,), None)
+        self.usage.values.pop(name, None)
+        for series in (
+            self.in_flight,
+            self.queued,
+            self.healthy,
+            self.failovers,
+            self.stalls,
+            self.stopping,
+            self.unreachable,
+        ):
+            with contextlib.suppress(KeyError):  # (never given a value for it)
+                series.remove(name)
 
     def sample_gauges(self) -> None:
         """Set the gauges from live state (done at scrape time, not on every change)."""

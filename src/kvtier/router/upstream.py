@@ -115,6 +115,8 @@ class Upstream:
     async def forward(self, exchange: Exchange, fwd: Forward) -> int:
         """Serve `fwd` from some replica and return the status; raises RoutingError or
         UpstreamFailed if none can."""
+        if not len(self._replicas):  # (discovery found none yet, or every one left)
+            raise RoutingError("no healthy replica")
         excluded: set[str] = set()
         last_error = ""
         for _ in range(len(self._replicas)):
