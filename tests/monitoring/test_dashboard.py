@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvtier.core.errors import ConfigError
+from kvtier.router.dashboard.scrape import parse_samples
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.monitoring import capture_dashboard, require_binary
 from tests.helpers.aio import run
@@ -237,3 +238,9 @@ def test_chromium_shows_the_figures_of_the_metrics_during_a_workload(
     assert float(page.fields[(a_url, "l1_occupancy")]) == 0.25
     assert float(page.fields[(b_url, "l1_occupancy")]) == 0.5
     assert float(page.attrs_of["l2-summary"]["data-value"]) == 60 * MiB
+
+
+def test_samples_that_are_not_finite_numbers_are_left_out() -> None:
+    """A replica's NaN or Inf would make the dashboard's feed invalid JSON for the whole fleet."""
+    page = b'a{engine="0"} NaN\na{engine="1"} +Inf\na{engine="2"} -Inf\na{engine="3"} 0.5\n'
+    assert parse_samples(page, (b"a",)) == [("a", {"engine": "3"}, 0.5)]

@@ -138,6 +138,102 @@ def test_an_answer_left_half_read_is_aborted_not_reused() -> None:
     run(scenario())
 
 
+def test_interim_answers_are_skipped_and_each_request_gets_its_own_answer() -> None:
+    """A 1xx (103 Early Hints) before the answer: the answer is the one after it, and the
+    connection carries the next request with its own."""
+
+    async def script(peer: Peer) -> None:
+        while True:
+            request = await peer.request()
+            await peer.send(b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+            body = request.rsplit(b"\r\n\r\n", 1)[1]
+            await peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, requests):
+            pool = HttpPool(1.0, 5.0)
+            for body in (b"first", b"second"):
+                resp = await pool.post(url, "/x", body, [])
+                assert (resp.status, await resp.read()) == (200, body)
+                assert (b"Link", b"</x>") not in resp.headers
+                resp.close()
+            pool.close()
+        assert len(requests) == 2
+
+    run(scenario())
+
+
+def test_bytes_after_an_answer_are_not_read_into_it_and_the_connection_is_not_reused() -> None:
+    connections: list[int] = []
+
+    async def script(peer: Peer) -> None:
+        connections.append(peer.index)
+        await peer.request()
+        # one answer and a second one nobody asked for, in one write
+        await peer.send(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nstray")
+        await answer_ok_forever(peer)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            for _ in range(2):
+                resp = await pool.post(url, "/x", b"{}", [])
+                assert (resp.status, await resp.read()) == (200, b"{}")
+                resp.close()
+            pool.close()
+        assert connections == [0, 1]
+
+    run(scenario())
+
+
+def test_a_complete_answer_closed_unread_is_not_reused() -> None:
+    """Past 1 MiB buffered, reading pauses: an answer whose last bytes crossed that mark is
+    complete with reading paused; closed unread, its connection must not carry the next."""
+    connections: list[int] = []
+
+    async def script(peer: Peer) -> None:
+        connections.append(peer.index)
+        if peer.index == 0:
+            await peer.request()
+            size = (1 << 20) + 100
+            await peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+            await peer.send(b"a" * (1 << 20))
+            await asyncio.sleep(0.2)
+            await peer.send(b"a" * 100)  # crosses 1 MiB and completes the body
+        await answer_ok_forever(peer)
+
+    async def scenario() -> None:
+        async with raw_server(script) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            resp = await pool.post(url, "/x", b"{}", [])
+            await asyncio.sleep(0.5)  # a slow client downstream: all of it arrives meanwhile
+            assert await resp.chunk()
+            resp.close()  # the rest unread
+            resp = await pool.post(url, "/x", b"{}", [])
+            assert await asyncio.wait_for(resp.read(), 2) == b"{}"
+            resp.close()
+            pool.close()
+        assert connections == [0, 1]
+
+    run(scenario())
+
+
+def test_read_refuses_an_answer_past_its_limit() -> None:
+    async def scenario() -> None:
+        async with raw_server(answer_ok_forever) as (url, _):
+            pool = HttpPool(1.0, 5.0)
+            resp = await pool.post(url, "/x", b"{}", [])
+            with pytest.raises(ConnectionError, match="exceeds 1 bytes"):
+                await resp.read(1)
+            resp.close()
+            resp = await pool.post(url, "/x", b"{}", [])
+            assert await resp.read(2) == b"{}"
+            resp.close()
+            pool.close()
+
+    run(scenario())
+
+
 def test_a_stale_keep_alive_socket_is_retried_on_a_fresh_connection() -> None:
     async def script(peer: Peer) -> None:
         await peer.request()

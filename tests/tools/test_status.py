@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -88,3 +90,34 @@ def test_status_without_a_fleet_says_how_to_get_one(
     assert "no running fleet recorded in" in err and "kvtier up" in err
     assert status("--url", "http://127.0.0.1:9") == 2
     assert "cannot read http://127.0.0.1:9/dashboard/data/latest" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [b"{}", b"null", b"[1, 2]", b'{"totals": {}, "time": 1, "strategy": "x", "replicas": []}'],
+)
+def test_a_document_of_another_shape_is_an_error_naming_the_url(
+    doc: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Answer(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(doc)))
+            self.end_headers()
+            self.wfile.write(doc)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert status("--url", url) == 2
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(5)
+    err = capsys.readouterr().err
+    assert f"{url}: not a kvtier dashboard document" in err and "Traceback" not in err

@@ -34,9 +34,12 @@ import httptools
 from kvtier.core.errors import ConfigError
 from kvtier.net.deadline import Deadline
 
-__all__ = ["HttpPool", "Response"]
+__all__ = ["CONTROL_ANSWER_BYTES", "HttpPool", "Response"]
 
 _PAUSE_BYTES = 1 << 20
+CONTROL_ANSWER_BYTES = 16 << 20
+"""The most a replica's answer to a control request (/health, /metrics, /v1/models, a probe)
+may hold: a replica cannot make the router buffer more."""
 """Buffered response bytes at which the socket stops being read (a slow client downstream)."""
 
 
@@ -62,6 +65,7 @@ class ReplicaConnection(asyncio.Protocol):
         self._buffered = 0
         self.got_bytes = False
         self.headers_done = False
+        self._interim = False
         self.keep_alive = False
         self.complete = False
         self.error: OSError | None = None
@@ -95,11 +99,20 @@ class ReplicaConnection(asyncio.Protocol):
 
     # ----- httptools callbacks -----
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after the answer: not this request's, and never reused
+            raise ConnectionError("the replica sent more than one answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (103 Early Hints...): the final one follows
+            self.headers = []
+            self._interim = True
+            return
+        self.status = status
         self.keep_alive = self._parser.should_keep_alive()
         self.headers_done = True
         self._wake()
@@ -113,6 +126,9 @@ class ReplicaConnection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._deadline.disarm()
         self._wake()
@@ -143,7 +159,14 @@ class ReplicaConnection(asyncio.Protocol):
         return chunk
 
     def reusable(self) -> bool:
-        return self.complete and self.keep_alive and not self.closed and self.error is None
+        """Whether the answer was read to its end and the connection may carry another."""
+        return (
+            self.complete
+            and not self.chunks  # (unread bytes may also have paused reading)
+            and self.keep_alive
+            and not self.closed
+            and self.error is None
+        )
 
     def abort(self) -> None:
         self.closed = True
@@ -199,9 +222,15 @@ class Response:
                 raise conn.error
             await conn.wait()
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; a `ConnectionError` past `limit` bytes (the connection is then
+        aborted by `close`)."""
         parts = []
+        size = 0
         while chunk := await self.chunk():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise ConnectionError(f"the replica's answer exceeds {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 

@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 
 from kvtier.core.errors import ConfigError, RoutingError
-from kvtier.net.http_client import HttpPool
+from kvtier.net.http_client import CONTROL_ANSWER_BYTES, HttpPool
 from kvtier.net.http_server import (
     JSON_HEADERS,
     BodyTimeout,
@@ -346,7 +346,7 @@ class Router:
                 async with asyncio.timeout(self.config.health_timeout_s):
                     resp = await self._pool.get(replica.settings.url, "/v1/models")
                     try:
-                        body = await resp.read()
+                        body = await resp.read(CONTROL_ANSWER_BYTES)
                     finally:
                         resp.close()
             except (TimeoutError, OSError):

@@ -46,7 +46,7 @@ import re
 import time
 from collections.abc import Callable
 
-from kvtier.net.http_client import HttpPool
+from kvtier.net.http_client import CONTROL_ANSWER_BYTES, HttpPool
 from kvtier.router.replicas import Replica, ReplicaSet
 
 __all__ = ["HealthChecker", "engine_block_tokens"]
@@ -237,7 +237,7 @@ class HealthChecker:
             else:
                 resp = await self._pool.post(url, path, json_body, _JSON_REQUEST)
             try:
-                return resp.status, await resp.read()
+                return resp.status, await resp.read(CONTROL_ANSWER_BYTES)
             finally:
                 resp.close()
 

@@ -161,11 +161,21 @@ def render(url: str, doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _screen(url: str) -> str:
+    """The status screen of the router at `url`; a `KvtierError` when its dashboard document
+    is not one this version reads (another program on the port, another version)."""
+    doc = fetch(url)
+    try:
+        return render(url, doc)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+        raise KvtierError(f"{url}: not a kvtier dashboard document ({exc!r})") from None
+
+
 def _cmd(args: argparse.Namespace) -> int:
     url = router_url(args)
     shown = 0
     while True:
-        text = render(url, fetch(url))
+        text = _screen(url)
         print((CLEAR if args.watch and sys.stdout.isatty() else "") + text, flush=True)
         shown += 1
         if not args.watch or (args.count and shown >= args.count):

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.net.http_client import HttpPool
+from kvtier.net.http_client import CONTROL_ANSWER_BYTES, HttpPool
 from kvtier.router.dashboard.scrape import replica_figures
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.replicas import Replica, ReplicaSet
@@ -199,7 +199,7 @@ class FleetSampler:
             async with asyncio.timeout(self.timeout_s):
                 resp = await self._pool.get(replica.settings.url, "/metrics")
                 try:
-                    body = await resp.read()
+                    body = await resp.read(CONTROL_ANSWER_BYTES)
                 finally:
                     resp.close()
         except (TimeoutError, OSError):

@@ -17,6 +17,7 @@ the L2 janitor's `kvtier_l2_*`; see docs/metrics.md):
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 
@@ -53,7 +54,8 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
 def parse_samples(text: bytes, prefixes: tuple[bytes, ...]) -> list[Sample]:
-    """(name, labels, value) of every sample whose name starts with one of `prefixes`."""
+    """(name, labels, value) of every sample whose name starts with one of `prefixes` and
+    whose value is a finite number."""
     out: list[Sample] = []
     for line in text.split(b"\n"):
         if not line.startswith(prefixes):
@@ -68,9 +70,11 @@ def parse_samples(text: bytes, prefixes: tuple[bytes, ...]) -> list[Sample]:
             name, *rest = decoded.split()
             labels = {}
         try:
-            out.append((name, labels, float(rest[0])))
+            value = float(rest[0])
         except (IndexError, ValueError):
             continue  # not a sample line we understand: skip it
+        if math.isfinite(value):  # (NaN or Inf would make the dashboard's feed invalid JSON)
+            out.append((name, labels, value))
     return out
 
 
