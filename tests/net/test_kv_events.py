@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
 
 from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.events import EventKind, KVEvent
-from kvtier.core.keys import block_hashes
+from kvtier.core.keys import BlockHash, block_hashes
 from kvtier.core.tiers.base import Tier
-from kvtier.net.kv_events import EventPublisher, EventSubscriber, decode, encode
+from kvtier.net.kv_events import (
+    SNAPSHOT_MIN_INTERVAL_S,
+    EventPublisher,
+    EventSubscriber,
+    decode,
+    encode,
+)
 
 
 def _free_endpoint() -> str:
@@ -182,3 +189,50 @@ def test_a_second_subscriber_gets_its_own_snapshot() -> None:
             with EventSubscriber([endpoint]) as second:
                 assert [e.hashes for e in _collect(second, 1)] == [hashes]
                 assert pub.snapshots == 2
+
+
+class _HeldSender(EventPublisher):
+    """A publisher whose sender can be held right after one send, and told a subscriber
+    joined, so a snapshot lands exactly between queued events."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.hold = threading.Event()
+        self.release = threading.Event()
+        self.join = threading.Event()
+        super().__init__(endpoint, "r1")
+
+    def _send(self, event: KVEvent) -> None:
+        super()._send(event)
+        if self.hold.is_set():
+            self.hold.clear()
+            self.release.wait(10)
+
+    def _someone_subscribed(self) -> bool:
+        joined = self.join.is_set()
+        self.join.clear()
+        return super()._someone_subscribed() or joined
+
+
+def test_a_snapshot_sent_amid_queued_events_keeps_their_numbers_in_order() -> None:
+    """A router joining while events are still queued gets a snapshot sent between them: every
+    subscriber must still see sequence numbers only go up (a router counts a jump as lost
+    events; numbers going back would make it count false gaps)."""
+    endpoint = _free_endpoint()
+    with _HeldSender(endpoint) as pub, EventSubscriber([endpoint]) as sub:
+        for _ in range(50):  # until the subscription has propagated
+            pub.publish(EventKind.STORED, Tier.L1, _hashes(1))
+            if sub.recv(timeout_s=0.1) is not None:
+                break
+        sub.drain(timeout_s=0.3)
+        time.sleep(SNAPSHOT_MIN_INTERVAL_S)  # (the first join's snapshot may have just run)
+        pub.hold.set()
+        for i in range(100):  # the sender sends the first, then waits: 99 stay queued
+            pub.publish(EventKind.STORED, Tier.L1, [BlockHash(i.to_bytes(16, "big"))])
+        pub.join.set()
+        pub.release.set()
+        seqs: list[int] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(seqs) < 101:
+            seqs += [e.seq for e in sub.drain(timeout_s=0.2)]
+    assert pub.snapshots >= 1 and len(seqs) >= 101
+    assert all(a < b for a, b in zip(seqs, seqs[1:], strict=False))

@@ -48,6 +48,7 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, Self
 
 import zmq
@@ -165,9 +166,11 @@ def curve_secret_from_env() -> bytes | None:
 class EventPublisher:
     """Publishes one replica's KV events on a bound ZMQ XPUB socket.
 
-    `publish(kind, tier, hashes)` stamps replica, epoch and a sequence number and enqueues;
-    the sender thread re-sends a snapshot of the held blocks to each new subscriber (at most
-    `max_held_blocks` per tier); `close()` sends what is queued (up to `linger_s`) and stops it.
+    `publish(kind, tier, hashes)` stamps replica and epoch and enqueues; the sender thread
+    numbers each event as it sends it (so a snapshot sent between queued events never puts
+    numbers out of order), skipping one number per event the full queue dropped, and re-sends
+    a snapshot of the held blocks to each new subscriber (at most `max_held_blocks` per tier);
+    `close()` sends what is queued (up to `linger_s`) and stops it.
     """
 
     def __init__(
@@ -196,6 +199,10 @@ class EventPublisher:
         self._queue: queue.Queue[KVEvent | None] = queue.Queue(max_queue)
         self._lock = threading.Lock()
         self._seq = 0
+        """The next sequence number to send (the sender thread's)."""
+        self._skipped = 0
+        """Events dropped since the last one sent: numbers the next one skips."""
+        self._published = 0
         self._dropped = 0
         self._holdings = Holdings(max_held_blocks)  # the sender thread's alone
         self._snapshots = 0
@@ -225,8 +232,8 @@ class EventPublisher:
 
     @property
     def published(self) -> int:
-        """Sequence numbers handed out so far (events accepted or dropped, snapshots')."""
-        return self._seq
+        """Events published so far (accepted or dropped, and snapshots' events)."""
+        return self._published
 
     @property
     def snapshots(self) -> int:
@@ -235,20 +242,14 @@ class EventPublisher:
 
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
         """Enqueue one event; never blocks (a full queue drops it, leaving a `seq` gap)."""
+        event = KVEvent(kind, self.replica, self.epoch, tier, tuple(hashes), seq=0)
         with self._lock:
-            event = KVEvent(
-                kind=kind,
-                replica=self.replica,
-                epoch=self.epoch,
-                tier=tier,
-                hashes=tuple(hashes),
-                seq=self._seq,
-            )
-            self._seq += 1
+            self._published += 1
             try:
                 self._queue.put_nowait(event)
             except queue.Full:
                 self._dropped += 1
+                self._skipped += 1
 
     def _send_loop(self) -> None:
         # Only this thread touches the socket (and the holdings) after construction.
@@ -265,7 +266,7 @@ class EventPublisher:
             if event is None:
                 break
             self._holdings.apply(event)
-            self._send(event)
+            self._send(replace(event, seq=self._numbers(1)))
         self._socket.close()
 
     def _someone_subscribed(self) -> bool:
@@ -283,11 +284,18 @@ class EventPublisher:
         if not batches:
             return
         with self._lock:
-            first = self._seq
-            self._seq += len(batches)
+            self._published += len(batches)
+        first = self._numbers(len(batches))
         self._snapshots += 1
         for i, (tier, hashes) in enumerate(batches):
             self._send(KVEvent(EventKind.STORED, self.replica, self.epoch, tier, hashes, first + i))
+
+    def _numbers(self, n: int) -> int:
+        """The first of `n` sequence numbers for events sent now, after those dropped."""
+        with self._lock:
+            first = self._seq + self._skipped
+            self._seq, self._skipped = first + n, 0
+        return first
 
     def _send(self, event: KVEvent) -> None:
         try:
