@@ -69,9 +69,13 @@ def save_blocks(
     ids: tuple[int, ...],
     promote: frozenset[int] = frozenset(),
     timeout_s: float = 30.0,
+    blocks: int = len(CHAIN),
 ) -> None:
-    """Offer engine blocks `ids` as the blocks of `CHAIN`, and wait until the saver is done."""
-    spec = SaveSpec(req, CHAIN, PARENTS, ids, first_index=0, reused_blocks=0, promote=promote)
+    """Offer engine blocks `ids` as the first `blocks` blocks of `CHAIN`, and wait until the
+    saver is done."""
+    spec = SaveSpec(
+        req, CHAIN[:blocks], PARENTS[:blocks], ids, first_index=0, reused_blocks=0, promote=promote
+    )
     side.submit_saves(KvtierMetadata(saves=[spec]))
     deadline = time.monotonic() + timeout_s
     while (side.finished({req})[0] or set()) != {req}:

@@ -4,6 +4,7 @@ block hashes and engine block ids."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -243,6 +244,71 @@ def test_saves_are_planned_for_blocks_each_step_completes(rt: process_store.Proc
         side.close()
 
 
+def test_a_long_l0_hit_offers_only_the_blocks_computed_after_it(
+    rt: process_store.ProcessStore,
+) -> None:
+    """vLLM's prefix cache (L0) supplied 255 blocks: the requests that computed them offered
+    them; the first step offers the 2 blocks it computes (not 257, past the saver's backlog)."""
+    tokens = list(range(257 * BLOCK + 50))
+    side = _side(rt, {"r": list(range(600))})
+    try:
+        request = FakeRequest("r", tokens, num_computed_tokens=255 * BLOCK)
+        side.new_request(request)  # type: ignore[arg-type]
+        meta = side.build_meta(FakeSchedulerOutput({"r": len(tokens) - 255 * BLOCK}))  # type: ignore[arg-type]
+        (save,) = meta.saves
+        assert save.hashes == tuple(block_hashes(tokens, BLOCK)[255:257])
+        assert save.first_index == 255 and save.reused_blocks == 255
+        assert save.engine_block_ids == (510, 511, 512, 513)
+        request.num_computed_tokens = len(tokens)
+        assert side.build_meta(FakeSchedulerOutput({"r": 1})).saves == []  # type: ignore[arg-type]
+    finally:
+        side.close()
+
+
+def test_a_lookup_past_its_deadline_answers_0_and_none_queues_behind_it(
+    rt: process_store.ProcessStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An L2 existence check that never returns (a stalled mount): the request is computed
+    once the deadline passed, and later requests are answered 0 at once."""
+    stall = threading.Event()
+
+    def hung(block_hash: BlockHash) -> Tier | None:
+        stall.wait(30)
+        return None
+
+    monkeypatch.setattr(rt.store, "contains", hung)
+    counters = ConnectorCounters()
+    side = SchedulerSide(
+        [rt],
+        BLOCK,
+        ENGINE,
+        lookup_ttl_s=10.0,
+        counters=counters,
+        events=False,
+        block_ids_of=lambda r: [],
+        load_async=True,
+        lookup_deadline_s=0.2,
+    )
+    try:
+        first = FakeRequest("r1", list(range(1000)))
+        assert side.matched_tokens(first, 0) == (None, False)  # type: ignore[arg-type]
+        time.sleep(0.3)
+        assert side.matched_tokens(first, 0) == (0, False)  # type: ignore[arg-type]
+        later = FakeRequest("r2", list(range(5000, 6000)))
+        assert side.matched_tokens(later, 0) == (0, False)  # type: ignore[arg-type]
+        assert counters.totals()["lookup_deadline_missed"] == 2
+        stall.set()  # the mount is back: once the hung lookup ends, lookups run again
+        deadline = time.monotonic() + 10
+        while counters.totals().get("lookups", 0) < 1:
+            assert time.monotonic() < deadline, "the hung lookup never ended"
+            time.sleep(0.01)
+        assert _answer(side, FakeRequest("r3", list(range(7000, 8000))), 0) == (0, False)
+        assert counters.totals()["lookup_deadline_missed"] == 2
+    finally:
+        stall.set()
+        side.close()
+
+
 def test_l1_mirror_makes_a_worker_process_l1_visible(rt: process_store.ProcessStore) -> None:
     tokens = list(range(600))
     hashes = block_hashes(tokens, BLOCK)
@@ -328,8 +394,9 @@ def test_blocks_planned_from_l2_are_marked_for_promotion_in_the_save_plan(
         request.num_computed_tokens = 1024
         meta = side.build_meta(FakeSchedulerOutput({"r": 76}))  # type: ignore[arg-type]
         (save,) = meta.saves
-        assert save.hashes == tuple(block_hashes(tokens, BLOCK)[:4])
-        assert save.promote == frozenset({1, 2, 3})
+        assert save.hashes == tuple(block_hashes(tokens, BLOCK)[1:4])  # not the L0 hit
+        assert save.first_index == 1 and save.engine_block_ids == tuple(range(2, 8))
+        assert save.promote == frozenset({0, 1, 2})
     finally:
         side.close()
         process_store.release(reader)

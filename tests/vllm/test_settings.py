@@ -136,3 +136,14 @@ def test_background_cpus_take_a_cpu_list_or_inherit() -> None:
     for bad in ("", "a", "1-", "0,,1"):
         with pytest.raises(ConfigError, match="background_cpus"):
             ConnectorSettings(background_cpus=bad)
+
+
+def test_a_setting_given_explicitly_wins_over_the_environment_even_at_its_default() -> None:
+    """A replica inherits its launcher's environment: a `KVTIER_*` variable there must not
+    replace what the flags or the deployment file set, defaults included."""
+    given = ConnectorSettings.from_mapping({"l1_bytes": "2GiB", "load_async": False})
+    extra = kv_transfer_config(given)["kv_connector_extra_config"]
+    env = {"KVTIER_L1_BYTES": "8GiB", "KVTIER_LOAD_ASYNC": "true", "KVTIER_ADMISSION": "reused"}
+    replica = ConnectorSettings.from_sources(extra, env)
+    assert (replica.l1_bytes, replica.load_async) == (2 * 1024**3, False)
+    assert replica.admission == "reused"  # not given: the environment still applies

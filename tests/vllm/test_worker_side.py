@@ -70,11 +70,10 @@ def test_blocks_saved_on_one_replica_load_byte_for_byte_on_another(tmp_path: Pat
         assert totals["phase_read_seconds"] > 0 and totals["phase_copy_seconds"] > 0
         assert not any(b._store.has_near(h) for h in CHAIN)  # not promoted on the load
 
-        save_blocks(b, "other", (1, 2, 3))  # not loaded by this request: L2 has them, skipped
-        assert not any(b._store.has_near(h) for h in CHAIN)
         save_blocks(b, "hit", (1, 2, 3), promote=frozenset({0, 1, 2}))  # loaded: promoted into L1
         assert all(b._store.has_near(h) for h in CHAIN)
         assert [blk.tier for blk in b._store.load(CHAIN)] == [Tier.L1] * 3
+        save_blocks(b, "again", (1, 2, 3))  # L1 holds them now: skipped
         assert b._counters.totals()["save_skipped_blocks"] == 3
     finally:
         close_replica(a)
@@ -431,20 +430,63 @@ def test_saves_beyond_the_backlog_are_dropped_and_never_hold_the_request(tmp_pat
         close_replica(a)
 
 
+def test_saves_charge_the_backlog_only_with_blocks_l1_lacks(tmp_path: Path) -> None:
+    """A save whose leading blocks L1 holds (a request's hits) is charged, and if need be
+    dropped and counted, for the blocks it has to copy out only."""
+    a, _ = replica(tmp_path, save_backlog_blocks=1)
+    try:
+        save_blocks(a, "first", (7,), blocks=1)
+        spec = SaveSpec("big", CHAIN, PARENTS, (7, 8, 9), first_index=0, reused_blocks=0)
+        a.submit_saves(KvtierMetadata(saves=[spec]))  # 2 to copy, past the backlog
+        assert a.finished({"big"}) == ({"big"}, None)
+        assert a._counters.totals()["save_dropped_blocks"] == 2
+        save_blocks(a, "second", (7, 8), blocks=2)  # 1 to copy: within the backlog
+        assert a._counters.totals()["save_dropped_blocks"] == 2
+        assert [a._store.has_near(h) for h in CHAIN] == [True, True, False]
+        assert a._counters.totals()["save_skipped_blocks"] == 1
+    finally:
+        close_replica(a)
+
+
+def test_a_stalled_l2_never_holds_a_finished_requests_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2 existence checks that never return (a stalled mount): saves still finish, so vLLM
+    frees the finished requests' blocks; the saver never asks L2."""
+    a, _ = replica(tmp_path)
+    stall = threading.Event()
+
+    def hung(*args: object) -> object:
+        stall.wait(30)
+        raise OSError("stalled")
+
+    l2 = a._store._l2
+    monkeypatch.setattr(l2, "contains", hung)
+    monkeypatch.setattr(l2, "contains_many", hung)
+    try:
+        save_blocks(a, "r1", (7, 8, 9), timeout_s=5)
+        save_blocks(a, "r2", (7, 8, 9), timeout_s=5)  # L1 holds them now
+        assert a._counters.totals()["save_blocks"] == 3
+    finally:
+        stall.set()
+        close_replica(a)
+
+
 def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Path) -> None:
-    """The saver is stuck in a store lookup (an L2 that answers in seconds): preempting the
+    """The saver is stuck in a store lookup (a store that answers in seconds): preempting the
     request returns at once, and no block of it is read from the engine afterwards (vLLM hands
     its blocks to other requests)."""
     a, caches = replica(tmp_path)
     entered, release = threading.Event(), threading.Event()
-    contains = a._store.contains
+    in_l1 = a._store.in_l1
 
-    def slow_contains(block_hash: bytes) -> object:
-        entered.set()
-        release.wait(30)
-        return contains(block_hash)  # type: ignore[arg-type]
+    def slow_in_l1(block_hash: bytes) -> bool:
+        if threading.current_thread().name.startswith("kvtier-save"):
+            entered.set()
+            release.wait(30)
+        return in_l1(block_hash)  # type: ignore[arg-type]
 
-    a._store.contains = slow_contains  # type: ignore[method-assign,assignment]
+    a._store.in_l1 = slow_in_l1  # type: ignore[method-assign]
     try:
         spec = SaveSpec("slow", CHAIN, PARENTS, (7, 8, 9), first_index=0, reused_blocks=0)
         a.submit_saves(KvtierMetadata(saves=[spec]))

@@ -94,6 +94,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 events=self.config.events_endpoint is not None,
                 block_ids_of=self._block_ids_of,
                 load_async=self.config.load_async,
+                lookup_deadline_s=self.config.load_deadline_s,
             )
         else:
             rank = compat.worker_tp_rank()

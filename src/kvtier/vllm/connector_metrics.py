@@ -174,6 +174,12 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
         "Times the scheduler answered vLLM 'still looking' (each costs a request one step).",
     ),
     MetricDef(
+        "kvtier_connector_lookup_deadline_missed",
+        "counter",
+        "Lookups answered 'nothing cached' because L2 did not answer within load_deadline_s "
+        "(the prompt was computed).",
+    ),
+    MetricDef(
         "kvtier_connector_save_cpu_seconds",
         "counter",
         "CPU time the saver spent copying blocks out of vLLM's KV cache into the store.",
@@ -309,6 +315,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "phase_layer_wait_seconds": ("kvtier_connector_hit_phase_seconds", ("layer_wait",)),
     "layered_copy_seconds": ("kvtier_connector_layered_copy_seconds", ()),
     "lookup_deferred": ("kvtier_connector_lookup_deferred_steps", ()),
+    "lookup_deadline_missed": ("kvtier_connector_lookup_deadline_missed", ()),
     "save_cpu_seconds": ("kvtier_connector_save_cpu_seconds", ()),
     "l2_write_cpu_seconds": ("kvtier_connector_l2_write_cpu_seconds", ()),
     "save_dropped_blocks": ("kvtier_connector_save_dropped_blocks", ()),

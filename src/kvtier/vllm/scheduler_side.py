@@ -8,13 +8,20 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
                                      lookup thread and answers None ("ask again next step");
                                      a later call answers from the finished lookup while it is
                                      younger than `lookup_ttl_s`. No side effects on the store.
+                                     A lookup unanswered `load_deadline_s` after it was
+                                     queued answers 0 (vLLM computes the prompt), and so does
+                                     every request while the lookup thread is stuck in one
+                                     lookup longer than that (a stalled L2 mount): nothing
+                                     more is queued behind it.
     after_alloc(request, blocks, n)  once blocks are allocated for an external hit: plans the
                                      load (asynchronous by default: the request waits in vLLM's
                                      WAITING_FOR_REMOTE_KVS until the worker reports it; with
                                      `load_async=False` the worker loads before the forward).
     apply_worker_meta(meta)          every step: the workers' L1 changes (L1 mirror).
     build_meta(scheduler_output)     every step: the planned loads, plus saves of every full
-                                     kvtier block the step completes.
+                                     kvtier block the step completes (and of the blocks a load
+                                     supplied; never of L0 hits, computed and offered by the
+                                     earlier requests that computed them).
     finished(request)                once per request: True keeps its blocks allocated until
                                      the workers report its saves done (`get_finished`).
 
@@ -31,8 +38,9 @@ recomputes (`kv_load_failure_policy: recompute`).
 
 Timing (`ConnectorCounters`): the lookup thread's work (`phase_lookup_seconds`), how long
 requests waited for lookup answers from the first ask to the answer used
-(`phase_lookup_wait_seconds`), and how many "ask again" answers that took (`lookup_deferred`,
-one scheduler step each).
+(`phase_lookup_wait_seconds`), how many "ask again" answers that took (`lookup_deferred`,
+one scheduler step each), and how many answers were 0 for a lookup past its deadline
+(`lookup_deadline_missed`).
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ log = logging.getLogger(__name__)
 class _Lookup:
     n_hashes: int
     future: Future[list[Tier]]
+    queued_at: float
     done_at: float | None = None
 
 
@@ -82,8 +91,9 @@ class _Tracked:
     local_tokens: int = 0
     """Block-aligned local (L0) hit given to the last `matched_tokens` that found more."""
     found: list[Tier] = field(default_factory=list)
-    handled_blocks: int = 0
-    """Leading kvtier blocks already offered to the store."""
+    handled_blocks: int | None = None
+    """Leading kvtier blocks already offered to the store, or never to offer (L0 hits: the
+    requests that computed them offered them); None until the request is first scheduled."""
     hit_blocks: int = 0
     """Leading kvtier blocks that were cache hits (L0 or external)."""
     from_l2: set[int] = field(default_factory=set)
@@ -104,9 +114,11 @@ class SchedulerSide:
         block_ids_of: Callable[[str], list[int]],
         load_async: bool,
         lookup_wait_s: float = 0.0,
+        lookup_deadline_s: float = 2.0,
     ) -> None:
         """`stores`: one per TP rank (a block counts only if every rank has it);
-        `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager)."""
+        `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager);
+        `lookup_deadline_s`: `ConnectorSettings.load_deadline_s`."""
         self._stores = list(stores)
         self._block = block_tokens
         self._engine_block = engine_block_tokens
@@ -117,6 +129,7 @@ class SchedulerSide:
         self._block_ids_of = block_ids_of
         self._load_async = load_async
         self._lookup_wait_s = lookup_wait_s
+        self._deadline_s = lookup_deadline_s
         self._tracked: dict[str, _Tracked] = {}
         # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
         # workers may live in other processes). Written on the scheduler thread, read by the
@@ -125,6 +138,8 @@ class SchedulerSide:
         self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._running_since: float | None = None
+        """When the lookup thread started the lookup it runs now (None: idle)."""
         self._checks = ThreadPoolExecutor(len(self._stores), thread_name_prefix="kvtier-exists")
 
     # ---- vLLM hooks ---------------------------------------------------------------------
@@ -149,7 +164,9 @@ class SchedulerSide:
             or lookup.n_hashes < usable
             or (lookup.done_at is not None and now - lookup.done_at > self._ttl)
         ):
-            lookup = tracked.lookup = self._submit(tracked.hashes[:usable])
+            if self._stalled(now):
+                return self._give_up(tracked)
+            lookup = tracked.lookup = self._submit(tracked.hashes[:usable], now)
             if tracked.asked_at is None:
                 tracked.asked_at = now
             if self._lookup_wait_s <= 0:
@@ -158,12 +175,12 @@ class SchedulerSide:
             # A short, bounded wait: in-memory and local lookups answer within it.
             wait([lookup.future], timeout=self._lookup_wait_s)
         if not lookup.future.done():
+            if now - lookup.queued_at > self._deadline_s or self._stalled(now):
+                return self._give_up(tracked)
             self._counters.add(lookup_deferred=1)
             return None, False
-        if tracked.asked_at is not None:
-            self._counters.add(phase_lookup_wait_seconds=time.monotonic() - tracked.asked_at)
-            tracked.asked_at = None
-        found = lookup.future.result()[:usable] if lookup.future.exception() is None else []
+        self._answered(tracked)
+        found = self._found(lookup)[:usable]
         matched = len(found) * self._block
         if matched <= local_tokens:
             return 0, False
@@ -204,9 +221,11 @@ class SchedulerSide:
         self._counters.add(
             hit_tokens_l1=hit_tokens.get(Tier.L1, 0), hit_tokens_l2=hit_tokens.get(Tier.L2, 0)
         )
-        # The save plan offers loaded blocks too (the saver skips those the store holds); one
-        # whose load fails is left out of that step's saves by the worker, and offered again
-        # once vLLM has recomputed it (`_plan_save` sees vLLM go back).
+        # The save plan offers the loaded blocks, not the L0 hits before them: the saver
+        # promotes L2 hits into L1 (and skips those L1 holds), and leaves a block whose load
+        # fails out of that step's saves, with the blocks computed from it; they are offered
+        # again once vLLM has recomputed them (`_plan_save` sees vLLM go back).
+        tracked.handled_blocks = first
         tracked.hit_blocks = max(tracked.hit_blocks, last)
         tracked.lookup = None
 
@@ -275,8 +294,9 @@ class SchedulerSide:
                     parent,
                 )
 
-    def _submit(self, hashes: list[BlockHash]) -> _Lookup:
-        lookup = _Lookup(n_hashes=len(hashes), future=self._lookups.submit(self._lookup, hashes))
+    def _submit(self, hashes: list[BlockHash], now: float) -> _Lookup:
+        future = self._lookups.submit(self._lookup, hashes)
+        lookup = _Lookup(n_hashes=len(hashes), future=future, queued_at=now)
 
         def stamp(done: Future[list[Tier]]) -> None:
             lookup.done_at = time.monotonic()
@@ -287,11 +307,42 @@ class SchedulerSide:
         lookup.future.add_done_callback(stamp)
         return lookup
 
+    def _stalled(self, now: float) -> bool:
+        """Whether the lookup thread has been in one lookup longer than the deadline."""
+        since = self._running_since
+        return since is not None and now - since > self._deadline_s
+
+    def _give_up(self, tracked: _Tracked) -> tuple[int, bool]:
+        """Answer 0 (vLLM computes the prompt) for a lookup past the deadline, or one a stuck
+        lookup thread would never start. A queued one is cancelled; one running is left to
+        end (its answer is not used), and the next ask starts afresh."""
+        if tracked.lookup is not None:
+            tracked.lookup.future.cancel()
+            tracked.lookup = None
+        self._answered(tracked)
+        self._counters.add(lookup_deadline_missed=1)
+        return 0, False
+
+    def _answered(self, tracked: _Tracked) -> None:
+        """Time the wait from the first ask to the answer given now."""
+        if tracked.asked_at is not None:
+            self._counters.add(phase_lookup_wait_seconds=time.monotonic() - tracked.asked_at)
+            tracked.asked_at = None
+
+    @staticmethod
+    def _found(lookup: _Lookup) -> list[Tier]:
+        """The finished lookup's answer; nothing if it failed."""
+        if lookup.future.cancelled() or lookup.future.exception() is not None:
+            return []
+        return lookup.future.result()
+
     def _lookup(self, hashes: list[BlockHash]) -> list[Tier]:
         start = time.perf_counter()
+        self._running_since = time.monotonic()
         try:
             return self._find(hashes)
         finally:
+            self._running_since = None
             self._counters.add(phase_lookup_seconds=time.perf_counter() - start)
 
     def _find(self, hashes: list[BlockHash]) -> list[Tier]:
@@ -357,20 +408,21 @@ class SchedulerSide:
         if tokens is None:
             return None
         done = tracked.request.num_computed_tokens
-        if done < tracked.handled_blocks * self._block:
+        first = tracked.handled_blocks
+        if first is None:
+            # First scheduled, without a load: whatever is computed already is an L0 hit.
+            first = tracked.hit_blocks = done // self._block
+        elif done < first * self._block:
             # vLLM went back (a failed load, a preemption): it recomputes from `done`, and the
             # blocks from there on are offered again once computed (the saver skips held ones).
-            tracked.handled_blocks = done // self._block
-            tracked.hit_blocks = min(tracked.hit_blocks, tracked.handled_blocks)
+            first = done // self._block
+            tracked.hit_blocks = min(tracked.hit_blocks, first)
+        tracked.handled_blocks = first
         computed = done + n_scheduled
         full = min(computed, len(tokens)) // self._block
-        if full <= tracked.handled_blocks:
+        if full <= first:
             return None
-        if tracked.handled_blocks == 0 and tracked.request.num_computed_tokens > 0:
-            # L0 hit: those blocks were computed (and offered to the store) by earlier requests.
-            tracked.hit_blocks = tracked.request.num_computed_tokens // self._block
         self._extend_hashes(tracked, tokens, full)
-        first = tracked.handled_blocks
         ids = self._block_ids_of(tracked.request.request_id)
         p = self._per_block
         if len(ids) < full * p:

@@ -72,7 +72,10 @@ class ConnectorSettings(StoreSettings):
     """Longest wait for one load: past it, the blocks not yet written into vLLM's cache are
     reported failed and recomputed, and the load's late reads are discarded. It bounds how long
     a slow or hung L2 (a stalled FUSE mount) stalls an engine step (synchronous loads) or
-    holds a request (asynchronous ones); set it near the time a long prompt takes to compute."""
+    holds a request (asynchronous ones); set it near the time a long prompt takes to compute.
+    It bounds the scheduler's lookup for a request too: one not answered within it answers
+    "nothing cached" (the prompt is computed), as does every lookup while the lookup thread
+    is stuck in one for longer."""
     load_layerwise: bool | None = None
     """Synchronous loads on a CPU engine: copy L1 hits into vLLM's KV cache layer by layer on
     a background CPU while the forward pass runs, which waits only for the layer it reads next,
@@ -98,9 +101,10 @@ class ConnectorSettings(StoreSettings):
     always the engine's. Replicas sharing a machine's cores want "inherit" (or spare cores):
     a saver on another replica's busy core starves there (docs/connector.md)."""
     save_backlog_blocks: Annotated[int, Field(gt=0)] = 256
-    """Blocks waiting to be copied out of the engine's cache beyond which a step's new saves
-    are dropped (and counted): a finished request keeps its KV blocks until its saves are
-    done, so an unbounded backlog would hold the engine's memory under saturation."""
+    """Blocks waiting to be copied out of the engine's cache (blocks L1 holds need no copy) beyond
+    which a step's new saves are dropped (and counted): a finished request keeps its KV blocks
+    until its saves are done, so an unbounded backlog would hold the engine's memory under
+    saturation."""
 
     @field_validator("background_cpus")
     @classmethod
@@ -143,8 +147,10 @@ class ConnectorSettings(StoreSettings):
         )
 
     def as_extra_config(self) -> dict[str, Any]:
-        """The non-default settings, as `kv_connector_extra_config`."""
-        return self.non_default()
+        """The settings given explicitly (a default included), as `kv_connector_extra_config`:
+        the extra config wins over the replica's `KVTIER_*` environment, so a value a flag or
+        the deployment file sets is never replaced by a variable the replica inherited."""
+        return self.model_dump(exclude_unset=True)
 
 
 def parse_cpu_list(text: str) -> set[int]:

@@ -16,9 +16,10 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
     submit_saves(meta)         after the forward (`wait_for_save`): ends the layered copy, then
                                queues this step's saves on the saver thread and returns; the
                                forward pass never waits for them. Past
-                               `save_backlog_blocks` waiting blocks, new saves are dropped and
-                               counted: a finished request holds its KV blocks until its saves
-                               are done, so a saver that cannot keep up must not hold them.
+                               `save_backlog_blocks` blocks waiting to be copied out (blocks L1
+                               holds need no copy and are not counted), new saves are dropped
+                               and counted: a finished request holds its KV blocks until its
+                               saves are done, so a saver that cannot keep up must not hold them.
     finished(ids)              requests whose loads completed, and finished requests whose
                                saves completed (vLLM holds their blocks until then).
     load_errors()              engine block ids that failed to load (vLLM recomputes them).
@@ -44,9 +45,10 @@ Background threads (owned here, stopped by `close`):
   promoted into L1 here, on the request's critical path: the save plan offers the loaded
   blocks again once the request computed on, and the saver copies them into L1 from the
   engine's cache;
-- saver: for each block of a save no tier holds (for a block the request loaded from L2: that
-  L1 does not hold), `gather` its engine blocks into a fresh host buffer that L1 adopts (one
-  copy) and `store.save` it (written through to L2 asynchronously by the store's writers);
+- saver: for each block of a save L1 does not hold (`_to_save`; it never asks L2, so a stalled
+  mount cannot hold it, nor through it finished requests' blocks), `gather` its engine blocks
+  into a fresh host buffer that L1 adopts (one copy) and `store.save` it (written through to
+  L2 asynchronously by the store's writers);
 - copier: the layered copy of a step's synchronous loads (`kvtier.vllm.layered_copy`), beside
   the forward pass, which waits for each layer before reading it.
 
@@ -409,23 +411,43 @@ class WorkerSide:
         for spec in meta.saves:
             if unwritten:
                 spec = spec.head(self._written_blocks(spec, unwritten), self._per_block)
-            n = len(spec.hashes)
-            with self._lock:
-                accepted = self._backlog + n <= self._backlog_limit
-                if accepted:
-                    self._backlog += n
+            todo = self._to_save(spec)
             run = _SaveRun(spec)
-            if accepted:
-                run.job = self._saver.submit(self._save, run)
-                run.job.add_done_callback(functools.partial(self._save_done, n_blocks=n))
+            if self._charge(len(todo)):
+                run.job = self._saver.submit(self._save, run, todo)
+                run.job.add_done_callback(functools.partial(self._save_done, n_blocks=len(todo)))
             else:
-                dropped += n
+                dropped += len(todo)
             # every request with a save spec (even an empty or dropped one) gets a job: vLLM
             # frees its blocks only once it is reported finished
             with self._lock:
                 self._save_runs.setdefault(spec.req_id, []).append(run)
         if dropped:
             self._counters.add(save_dropped_blocks=dropped)
+
+    def _to_save(self, spec: SaveSpec) -> tuple[int, ...]:
+        """Positions in `spec` of the blocks to copy out: those this rank's L1 lacks, but, with
+        L1 off, those the request loaded from L2 (`promote`: L2 holds them). L2 is never asked
+        (a stalled mount would hold the saver, and with it finished requests' engine blocks):
+        a computed block L2 holds already (another replica's) is copied into L1 and offered
+        to L2 again, where the write-behind or the tier's `put` finds it (`already_present`:
+        a directory checks before writing, Valkey's SET NX refuses it) and writes nothing.
+        That costs a copy where an L2 check would have skipped it; the common case, a block
+        this replica computed first, has to be written anyway."""
+        l1_on = self._store.config.l1_bytes > 0
+        return tuple(
+            i
+            for i, block_hash in enumerate(spec.hashes)
+            if not self._store.in_l1(block_hash) and (l1_on or i not in spec.promote)
+        )
+
+    def _charge(self, n_blocks: int) -> bool:
+        """Add `n_blocks` to the saver's backlog unless that passes `save_backlog_blocks`."""
+        with self._lock:
+            if self._backlog + n_blocks > self._backlog_limit:
+                return False
+            self._backlog += n_blocks
+            return True
 
     def _written_blocks(self, spec: SaveSpec, unwritten: set[int]) -> int:
         """How many leading blocks of `spec` hold computed KV: a block this step failed to
@@ -600,35 +622,30 @@ class WorkerSide:
             buffers = self._local.staging = [kv.new_host_buffer() for _ in range(n)]
         return [host_bytes(b) for b in buffers]
 
-    def _save(self, run: _SaveRun) -> None:
-        """Saver thread: copy out and offer every block of the save the store does not hold,
-        until the request is preempted."""
+    def _save(self, run: _SaveRun, todo: tuple[int, ...]) -> None:
+        """Saver thread: copy out and offer the blocks of the save at positions `todo`
+        (`_to_save`) that L1 still lacks, until the request is preempted."""
         start, cpu = time.perf_counter(), time.thread_time()
         spec = run.spec
         p = self._per_block
         self._alias(spec.hashes, spec.engine_hashes)
-        saved = skipped = rejected = failed = dropped = 0
+        saved = rejected = failed = dropped = 0
+        skipped = len(spec.hashes) - len(todo)
         try:
             kv = self._require_kv()
             # On CPU each block gets a fresh buffer that L1 adopts (one copy, not two); pinned
             # CUDA staging is too costly to allocate per block, so it is reused and copied.
             adopt = kv.device.type == "cpu"
-            for i, block_hash in enumerate(spec.hashes):
-                # A block loaded from L2 goes into L1 (promotion); any other one is skipped
-                # when a tier holds it (re-copying an L1-refused tail on every hit is waste).
-                held = (
-                    self._store.has_near(block_hash)
-                    if i in spec.promote
-                    else self._store.contains(block_hash) is not None
-                )
-                if held:
+            for k, i in enumerate(todo):
+                block_hash = spec.hashes[i]
+                if self._store.in_l1(block_hash):  # saved since it was queued (another request)
                     skipped += 1
                     continue
                 index = spec.first_index + i
                 buffer = kv.new_host_buffer() if adopt else self._pinned_buffer(kv)
                 ids = spec.engine_block_ids[i * p : (i + 1) * p]
                 if not run.gather(functools.partial(kv.gather, ids, buffer)):
-                    dropped = len(spec.hashes) - i  # preempted: its blocks are reused now
+                    dropped = len(todo) - k  # preempted: its blocks are reused now
                     break
                 meta = BlockMeta(
                     num_tokens=self._block,
