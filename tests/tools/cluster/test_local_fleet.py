@@ -1,12 +1,24 @@
-"""Where a local fleet puts its engines and its connectors' background threads."""
+"""Where a local fleet puts its engines and its connectors' background threads; how it starts
+and stops (with stand-in processes, no engine)."""
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
-from kvtier.tools.cluster.local_fleet import LocalFleet
+from kvtier.core.errors import KvtierError
+from kvtier.net.ports import free_port, free_port_range
+from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.spec import parse_spec
-from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT
+from kvtier.tools.cluster.state import process_identity
+from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
 
 
 def fleet(
@@ -89,3 +101,79 @@ def test_kvtier_up_again_finds_the_valkey_l2_it_left_only_when_persistent(
             tier.close()
         finally:
             fleet.stop()
+
+
+@pytest.mark.parametrize("taken", ["router", "replica 1"])
+def test_start_fails_at_once_naming_a_taken_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, taken: str
+) -> None:
+    router_port, base_port = free_port(), free_port_range(2)
+    port = router_port if taken == "router" else base_port + 1
+    local = {"routerPort": router_port, "replicaBasePort": base_port, "workDir": str(tmp_path)}
+    f = LocalFleet(parse_spec({"replicas": 2, "kvtier": local}), progress=False)
+    for step in ("_start_l2", "_start_replicas", "_start_router"):
+        monkeypatch.setattr(f, step, lambda: pytest.fail("started with a port taken"))
+    with socket.socket() as other:  # another server (another `kvtier up`) listening there
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        with pytest.raises(KvtierError, match=f"port {port} .* is taken"):
+            f.start()
+
+
+def test_stop_leaves_the_state_file_of_another_kvtier_up(tmp_path: Path) -> None:
+    state = tmp_path / STATE_FILE
+    other = subprocess.Popen(["sleep", "60"])  # the `kvtier up` running on this work directory
+    try:
+        state.write_text(json.dumps({"pid": other.pid, "identity": process_identity(other.pid)}))
+        LocalFleet(parse_spec({"kvtier": {"workDir": str(tmp_path)}}), progress=False).stop()
+    finally:
+        other.kill()
+        other.wait()
+    assert state.exists()
+
+
+DRAINS_FOREVER = ["sh", "-c", "trap '' TERM; echo up; exec sleep 120"]
+"""Stands for a server whose drain outlasts the test: it ignores SIGTERM."""
+
+
+def test_a_ctrl_c_during_the_drain_kills_and_stops_everything_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = parse_spec({"replicas": 1, "kvtier": {"workDir": str(tmp_path)}})
+    f = LocalFleet(spec, progress=False)
+    f.router = subprocess.Popen(DRAINS_FOREVER, stdout=subprocess.PIPE, start_new_session=True)
+    monkeypatch.setattr(ServerSpec, "command", lambda spec: DRAINS_FOREVER)
+    log = tmp_path / "replica.log"
+    replica = ServerProcess(ServerSpec(model="stand-in", port=1, log_path=log))
+    f.replicas.append(replica)
+    router, l2_closed = f.router, []
+    f._stack.callback(l2_closed.append, True)  # stands for stopping Valkey, unmounting
+    f._write_state()
+    armed = [True]
+
+    def ctrl_c(signum: int, frame: FrameType | None) -> None:
+        if armed:  # once, and only while stop() runs
+            armed.clear()
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, ctrl_c)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        assert router.stdout is not None and router.stdout.readline() == b"up\n"
+        while b"up" not in log.read_bytes():
+            time.sleep(0.05)
+        began = time.monotonic()
+        timer.start()  # the second Ctrl-C, a second into the router's drain
+        with pytest.raises(KeyboardInterrupt):
+            f.stop()
+        assert time.monotonic() - began < 10  # killed, not waited for
+        assert router.poll() is not None and not replica.alive()
+        assert l2_closed and not (tmp_path / STATE_FILE).exists()
+    finally:
+        armed.clear()
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+        if router.poll() is None:
+            os.killpg(router.pid, signal.SIGKILL)
+            router.wait()
+        replica.kill()

@@ -1,7 +1,9 @@
-"""`kvtier up` / `kvtier down` end to end: two real replicas, shared L2, the router."""
+"""`kvtier up` / `kvtier down`: end to end (two real replicas, shared L2, the router), and
+`kvtier down` against state files naming processes the tests start."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.cli import main
 from kvtier.net.ports import free_port, free_port_range
+from kvtier.tools.cluster.state import process_identity
 from kvtier.tools.embedded_model import resolve_model
-
-pytestmark = pytest.mark.engine
 
 
 def port_open(port: int) -> bool:
@@ -30,6 +32,7 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
         return json.loads(resp.read())
 
 
+@pytest.mark.engine
 def test_up_serves_through_the_router_and_down_stops_everything(tmp_path: Path) -> None:
     router_port, base_port = free_port(), free_port_range(2)
     config = tmp_path / "fleet.yaml"
@@ -93,3 +96,89 @@ kvtier: {{routerPort: {router_port}, replicaBasePort: {base_port}, workDir: {tmp
         if proc.poll() is None:
             os.killpg(proc.pid, 15)
             proc.wait(60)
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    """A deployment file whose work directory is `tmp_path`."""
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        f"kvtier: {{workDir: {tmp_path}, replicaDrainSeconds: 0, router: {{drain_s: 0}}}}\n"
+    )
+    return path
+
+
+@pytest.fixture
+def no_signals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test that sends any signal (rather than let it hit init or the test's group)."""
+
+    def refuse(*args: object) -> None:
+        raise AssertionError(f"signalled {args}")
+
+    for owner, name in ((os, "kill"), (os, "killpg"), (signal, "pidfd_send_signal")):
+        monkeypatch.setattr(owner, name, refuse)
+
+
+def down(config: Path) -> int:
+    return main(["down", "--config", str(config)])
+
+
+@pytest.mark.usefixtures("no_signals")
+def test_down_signals_nothing_when_the_state_file_names_another_process(
+    config: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = config.parent / "cluster.json"
+    other = subprocess.Popen(["sleep", "60"])  # has the pid of a `kvtier up` since gone
+    try:
+        state.write_text(json.dumps({"pid": other.pid, "identity": "another-boot/1"}))
+        assert down(config) == 2
+        assert other.poll() is None
+    finally:
+        monkeypatch.undo()  # signals allowed again, to end what the test started
+        other.kill()
+        other.wait()
+    err = capsys.readouterr().err
+    assert f"{state} was stale" in err and "signalled nothing" in err
+    assert not state.exists()
+
+
+@pytest.mark.usefixtures("no_signals")
+@pytest.mark.parametrize("pid", [1, 0, -1, "1", True, None], ids=repr)
+def test_down_refuses_a_state_file_naming_no_process_of_its_own(
+    config: Path, capsys: pytest.CaptureFixture[str], pid: object
+) -> None:
+    state = config.parent / "cluster.json"
+    state.write_text(json.dumps({"pid": pid, "identity": process_identity(1)}))
+    assert down(config) == 2
+    assert "nothing was signalled" in capsys.readouterr().err
+    assert state.exists()  # left for the user to remove
+
+
+@pytest.mark.usefixtures("no_signals")
+@pytest.mark.parametrize("text", ['{"pid": 12', "[]", '{"pid": 1234}', "\xff"])
+def test_down_reports_a_malformed_state_file(
+    config: Path, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    state = config.parent / "cluster.json"
+    state.write_text(text, encoding="latin-1")
+    assert down(config) == 2
+    err = capsys.readouterr().err
+    assert f"kvtier: error: {state} is not a state file" in err and "Traceback" not in err
+
+
+def test_down_stops_the_kvtier_up_that_wrote_the_state_file(config: Path) -> None:
+    state = config.parent / "cluster.json"
+    # stands for `kvtier up`: on SIGTERM, removes its state file and exits
+    owner = subprocess.Popen(
+        ["sh", "-c", f"trap 'rm {state}; exit 0' TERM; echo up; while :; do sleep 0.1; done"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None and owner.stdout.readline() == "up\n"
+        state.write_text(json.dumps({"pid": owner.pid, "identity": process_identity(owner.pid)}))
+        assert down(config) == 0
+        assert owner.wait(10) == 0
+    finally:
+        owner.kill()
+        owner.wait()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import signal
 import time
 from pathlib import Path
@@ -41,20 +39,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_down(args: argparse.Namespace) -> int:
     from kvtier.tools.cluster.local_fleet import STATE_FILE
+    from kvtier.tools.cluster.state import signal_owner
     from kvtier.tools.vllm_server import STOP_GRACE_S
 
     spec = load_spec(Path(args.config) if args.config else None)
     state_path = spec.work_dir / STATE_FILE
-    if not state_path.is_file():
-        raise KvtierError(f"no running cluster recorded in {state_path}")
-    pid = int(json.loads(state_path.read_text())["pid"])
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        state_path.unlink(missing_ok=True)
-        print(f"kvtier: cluster process {pid} was already gone")
-        return 0
-    # the router's drain, then the replicas' (all at once), then the rest
+    pid = signal_owner(state_path, signal.SIGTERM)
+    # the router's and the replicas' drains (all at once), then the rest
     limit_s = round(spec.router_drain_s + spec.local.replica_drain_s + STOP_GRACE_S + 60)
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline and state_path.exists():

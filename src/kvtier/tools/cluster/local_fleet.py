@@ -1,28 +1,32 @@
 """Start and stop a local fleet: the shared L2, N vLLM replicas with the connector, the router,
 and with `monitor`, a Prometheus scraping them (`kvtier.tools.monitoring`).
 
-`Cluster(spec)` owns every process it starts (and the L2 server or mount when it started one);
-`stop()` ends them all, in reverse order, whatever state start-up reached. A state file in the
+`LocalFleet(spec)` owns every process it starts (and the L2 server or mount when it started one);
+`stop()` ends them all, whatever state start-up reached, even when interrupted. A state file in the
 work directory names the owning `kvtier up` process so `kvtier down` can ask it to stop.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 import subprocess
 import sys
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import ExitStack, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any, Self
 
 from tqdm import tqdm
 
+from kvtier.core.errors import KvtierError
 from kvtier.core.settings import to_flags
 from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import FleetSpec
+from kvtier.tools.cluster.state import names_this_process, write_state
 from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.monitoring import Prometheus
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
@@ -59,6 +63,7 @@ class LocalFleet:
 
     # ----------------------------------------------------------------------------- start-up
     def start(self) -> Self:
+        self._check_ports_free()
         try:
             self.work_dir.mkdir(parents=True, exist_ok=True)
             (self.work_dir / "logs").mkdir(exist_ok=True)
@@ -74,6 +79,22 @@ class LocalFleet:
             self.stop()
             raise
         return self
+
+    def _check_ports_free(self) -> None:
+        """Raise `KvtierError` naming the first port the fleet is to listen on that is taken
+        (by another `kvtier up` of the same deployment, say): a server already there would
+        answer the readiness checks in place of the fleet's own."""
+        local = self.spec.local
+        ports = {local.router_port: "the router's"} | {
+            local.replica_base_port + i: f"replica {i}'s" for i in range(self.spec.replicas)
+        }
+        for port, whose in ports.items():
+            if not _port_free(port):
+                raise KvtierError(
+                    f"port {port} ({whose}) is taken: another `kvtier up` of this deployment "
+                    "or another server listens on it; stop that, or change kvtier.routerPort "
+                    "or kvtier.replicaBasePort"
+                )
 
     def _start_l2(self) -> None:
         """Make the shared L2 reachable; one location per replica (a JuiceFS mount each)."""
@@ -231,42 +252,95 @@ class LocalFleet:
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
     def _write_state(self) -> None:
-        state = {
-            "pid": os.getpid(),
+        fleet = {
             "router": self.url,
             "replicas": self.replica_urls,
             "l2": self.l2_location,
             "dashboard": self.url + "/dashboard",
             "prometheus": self.prometheus.url if self.prometheus is not None else None,
         }
-        (self.work_dir / STATE_FILE).write_text(json.dumps(state, indent=2))
+        write_state(self.work_dir / STATE_FILE, fleet)
 
     # ----------------------------------------------------------------------------- shutdown
     def stop(self) -> None:
+        """Stop everything this fleet started, whatever state start-up reached: Prometheus; the
+        router and every replica, signalled at once, then waited for while they drain; the L2
+        (Valkey server, mounts); the state file, if this process wrote it. Each step runs even
+        when one before it failed or was interrupted: a Ctrl-C during the drain kills the router
+        and the replicas instead. The first exception met is raised once all steps have run."""
+        first: BaseException | None = None
+        for step in self._stop_steps():
+            try:
+                step()
+            except BaseException as exc:
+                first = first or exc
+        self.prometheus, self.router = None, None
+        self.replicas.clear()
+        if first is not None:
+            raise first
+
+    def _stop_steps(self) -> list[Callable[[], None]]:
+        """`stop`'s steps, in order."""
+        kills = [server.kill for server in self.replicas]
+        if self.router is not None:
+            kills.insert(0, partial(_kill, self.router))
+        return [
+            self._stop_prometheus,
+            self._signal_serving,
+            self._drain_serving,
+            *kills,  # what did not drain (a no-op for what did)
+            self._stack.close,
+            self._remove_state,
+        ]
+
+    def _stop_prometheus(self) -> None:
         if self.prometheus is not None:
             self.prometheus.stop()
-            self.prometheus = None
+
+    def _signal_serving(self) -> None:
+        """SIGTERM to the router and every replica: all start draining at once."""
         if self.router is not None:
             self.router.terminate()
-            try:
-                self.router.wait(self.spec.router_drain_s + 10)
-            except subprocess.TimeoutExpired:
-                self.router.kill()
-                self.router.wait()
-            self.router = None
         for server in self.replicas:
-            server.terminate()  # all drain at once
+            server.terminate()
+
+    def _drain_serving(self) -> None:
+        """Wait for the router and then each replica to finish its requests in flight and exit,
+        each for at most its drain plus a grace (a replica still running then is killed)."""
+        if self.router is not None:
+            with suppress(subprocess.TimeoutExpired):
+                self.router.wait(self.spec.router_drain_s + 10)
         for server in self.replicas:
             server.stop()
-        self.replicas.clear()
-        self._stack.close()
-        (self.work_dir / STATE_FILE).unlink(missing_ok=True)
+
+    def _remove_state(self) -> None:
+        """Remove the state file if this process wrote it (not if another `kvtier up` did)."""
+        state = self.work_dir / STATE_FILE
+        if names_this_process(state):
+            state.unlink()
 
     def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server can listen on 127.0.0.1:`port` now. Bound as the fleet's servers bind,
+    with SO_REUSEADDR, so that connections closed on the port and lingering do not count."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _bind_value(cpus: list[int] | None) -> str:
