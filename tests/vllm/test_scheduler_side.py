@@ -63,17 +63,21 @@ def rt() -> Iterator[process_store.ProcessStore]:
 
 
 def _side(
-    rt: process_store.ProcessStore, block_ids: dict[str, list[int]] | None = None
+    rt: process_store.ProcessStore,
+    block_ids: dict[str, list[int]] | None = None,
+    counters: ConnectorCounters | None = None,
+    **options: float,
 ) -> SchedulerSide:
     return SchedulerSide(
         [rt],
         BLOCK,
         ENGINE,
         lookup_ttl_s=10.0,
-        counters=ConnectorCounters(),
+        counters=counters or ConnectorCounters(),
         events=False,
-        block_ids_of=lambda r: (block_ids or {})[r],
+        block_ids_of=lambda r: (block_ids or {}).get(r, []),
         load_async=True,
+        **options,
     )
 
 
@@ -278,17 +282,7 @@ def test_a_lookup_past_its_deadline_answers_0_and_none_queues_behind_it(
 
     monkeypatch.setattr(rt.store, "contains", hung)
     counters = ConnectorCounters()
-    side = SchedulerSide(
-        [rt],
-        BLOCK,
-        ENGINE,
-        lookup_ttl_s=10.0,
-        counters=counters,
-        events=False,
-        block_ids_of=lambda r: [],
-        load_async=True,
-        lookup_deadline_s=0.2,
-    )
+    side = _side(rt, counters=counters, lookup_deadline_s=0.2)
     try:
         first = FakeRequest("r1", list(range(1000)))
         assert side.matched_tokens(first, 0) == (None, False)  # type: ignore[arg-type]
@@ -327,17 +321,7 @@ def test_a_fast_lookup_is_answered_in_the_same_step_when_a_wait_is_allowed(
 ) -> None:
     tokens = list(range(5 * BLOCK))
     _store_blocks(rt, tokens, 3)
-    side = SchedulerSide(
-        [rt],
-        BLOCK,
-        ENGINE,
-        lookup_ttl_s=10.0,
-        counters=ConnectorCounters(),
-        events=False,
-        block_ids_of=lambda r: [],
-        load_async=True,
-        lookup_wait_s=5.0,
-    )
+    side = _side(rt, lookup_wait_s=5.0)
     assert side.matched_tokens(FakeRequest("r1", tokens), 0) == (3 * BLOCK, True)  # type: ignore[arg-type]
     side.close()
 
@@ -346,16 +330,7 @@ def test_lookups_and_plans_are_timed(rt: process_store.ProcessStore) -> None:
     tokens = list(range(1100))
     _store_blocks(rt, tokens, 4)
     counters = ConnectorCounters()
-    side = SchedulerSide(
-        [rt],
-        BLOCK,
-        ENGINE,
-        lookup_ttl_s=10.0,
-        counters=counters,
-        events=False,
-        block_ids_of=lambda r: [],
-        load_async=True,
-    )
+    side = _side(rt, counters=counters)
     try:
         request = FakeRequest("r", tokens)
         before = time.monotonic()
