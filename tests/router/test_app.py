@@ -706,6 +706,20 @@ BAD = [
         400,
         "prompt",
     ),
+    (
+        "/v1/completions",
+        dumps({"model": MODEL, "prompt": "x", "truncate_prompt_tokens": -2}),
+        400,
+        "truncate_prompt_tokens",
+    ),
+    (
+        "/v1/completions",
+        dumps(
+            {"model": MODEL, "prompt": "x", "truncate_prompt_tokens": 1, "truncation_side": "up"}
+        ),
+        400,
+        "truncation_side",
+    ),
     ("/v1/chat/completions", dumps({"model": MODEL, "messages": "hi"}), 400, "messages"),
     ("/v1/chat/completions", dumps({"model": MODEL, "messages": []}), 400, "messages"),
     (
@@ -727,6 +741,19 @@ BAD = [
         "tools",
     ),
 ]
+
+
+def test_a_prompt_too_long_but_truncated_by_the_request_is_served(tokenizer: Tokenizer) -> None:
+    """vLLM keeps the last `truncate_prompt_tokens` tokens: the router checks that length."""
+
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            body = completion(prompt="hi " * MAX_MODEL_LEN, truncate_prompt_tokens=100)
+            resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+            assert resp.status_code == 200
+            assert a.received[-1]["truncate_prompt_tokens"] == 100
+
+    run(scenario())
 
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD)

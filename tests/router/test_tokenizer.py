@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.core.lru import Lru
 from kvtier.router.chunked_encoder import ChunkedEncoder
-from kvtier.router.openai_request import BadRequest
+from kvtier.router.openai_request import BadRequest, Truncation
 from kvtier.router.tokenizer import Prompt, Tokenizer
 from kvtier.tools.bench.corpus import Corpus
 
@@ -154,3 +154,43 @@ def test_completion_prompt_forms(tokenizer: Tokenizer) -> None:
     for bad in ([], [True], [-1], [[1], "x"], {"a": 1}):
         with pytest.raises(BadRequest):
             tok.request_tokens({"prompt": bad}, chat=False)
+
+
+def test_information_separators_are_no_place_to_cut(
+    tokenizer: Tokenizer, whole: Callable[[str], list[int]]
+) -> None:
+    """U+001C-U+001F are whitespace to Python's \\s, not to the pre-tokenizer: a cut before one
+    would split a pre-token and name blocks the engine never computes."""
+    text = "z" * 300 + "!\x1d!" + " tail words" * 60
+    assert tokenizer.encoder.exact
+    assert tokenizer.tokens(tokenizer.prompt({"prompt": text}, chat=False)) == whole(text)
+
+
+def test_chat_template_kwargs_repeating_a_request_field_are_overridden_by_it(
+    tokenizer: Tokenizer,
+) -> None:
+    """As in vLLM: the request's own fields win over the same keys in chat_template_kwargs."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = tokenizer.request_tokens(chat, chat=True)
+    for key, value in (("add_generation_prompt", False), ("continue_final_message", True)):
+        body = {**chat, "chat_template_kwargs": {key: value}}
+        assert tokenizer.request_tokens(body, chat=True) == plain
+
+
+@pytest.mark.parametrize(
+    ("keep", "side", "context", "expected"),
+    [
+        (3, "left", None, [7, 8, 9]),
+        (3, "right", None, [5, 6, 7]),
+        (10, "left", None, [5, 6, 7, 8, 9]),
+        (0, "left", None, []),
+        (-1, "left", 4, [7, 8, 9]),  # the context length less one
+        (-1, "left", None, [5, 6, 7, 8, 9]),  # no context length known: left as is
+    ],
+)
+def test_truncation_keeps_what_vllm_keeps(
+    tokenizer: Tokenizer, keep: int, side: str, context: int | None, expected: list[int]
+) -> None:
+    prompt = tokenizer.prompt({"prompt": [5, 6, 7, 8, 9]}, chat=False)
+    cut = tokenizer.truncated(prompt, Truncation(keep, side), context)
+    assert tokenizer.tokens(cut) == expected

@@ -53,7 +53,12 @@ from kvtier.router.event_feed import EventFeed
 from kvtier.router.health import HealthChecker
 from kvtier.router.index import PrefixIndex
 from kvtier.router.metrics import CONTENT_TYPE, RouterMetrics
-from kvtier.router.openai_request import BadRequest, parse_body, requested_tokens
+from kvtier.router.openai_request import (
+    BadRequest,
+    parse_body,
+    requested_tokens,
+    requested_truncation,
+)
 from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
 from kvtier.router.replicas import ReplicaSet
 from kvtier.router.settings import RouterSettings
@@ -278,6 +283,9 @@ class Router:
         self._check_model(body["model"])
         assert self.tokenizer is not None  # set in start()
         prompt = self.tokenizer.prompt(body, chat)
+        truncation = requested_truncation(body)
+        if truncation is not None:  # routed and checked as the replica will see it
+            prompt = self.tokenizer.truncated(prompt, truncation, self._max_model_len())
         block_tokens = self.block_tokens
         hashes = (
             ()
@@ -316,8 +324,11 @@ class Router:
                 "model_not_found",
             )
 
+    def _max_model_len(self) -> int | None:
+        return self.config.max_model_len or self.replicas.max_model_len()
+
     def _check_length(self, body: Mapping[str, Any], prompt: Prompt, chat: bool) -> None:
-        limit = self.config.max_model_len or self.replicas.max_model_len()
+        limit = self._max_model_len()
         if limit is None:
             return
         wanted = requested_tokens(body, chat=chat)

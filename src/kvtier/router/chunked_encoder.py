@@ -26,13 +26,17 @@ HEAD_CHARS = 4_000_000
 """Characters of recent prompt heads memoized with their ids (and, by the tokenizer, with their
 block hashes)."""
 
-# A non-space followed by whitespace: byte-level BPE pre-tokens never span it.
-_BOUNDARY = re.compile(r"(?<=\S)(?=\s)")
+# A non-space followed by whitespace: byte-level BPE pre-tokens never span it. Whitespace is
+# Unicode's White_Space set, as the pre-tokenizers' \s; Python's \s also takes U+001C-U+001F,
+# which a pre-token may hold.
+_SPACE = "\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_BOUNDARY = re.compile(f"(?<=[^{_SPACE}])(?=[{_SPACE}])")
 SELF_CHECK = (
     "Hello world.\n\nThis is  a test\twith tabs\n   indented line\n\n\nend 12345 x",
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n",
     "Ünïcödé — dashes, ‘quotes’, emoji 🙂 and 中文字符 mixed;  done.\r\n next\u00a0line",
     "def f(x):\n    return x ** 2  # comment\n\nprint(f(3))\n",
+    "separators!\x1d!inside\x1c words \x1f and\x1e between",
 )
 """Texts on which chunked encoding must equal whole encoding for a tokenizer to be chunked."""
 

@@ -9,7 +9,7 @@ replicas check the rest.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import msgspec
 import numpy as np
@@ -18,11 +18,13 @@ from numpy.typing import NDArray
 __all__ = [
     "BadRequest",
     "ChatOptions",
+    "Truncation",
     "chat_options",
     "completion_prompt",
     "messages",
     "parse_body",
     "requested_tokens",
+    "requested_truncation",
 ]
 
 # field -> (accepted types, description) for the OpenAI fields the router reads or checks
@@ -129,6 +131,30 @@ def parse_body(raw: bytes, *, chat: bool) -> dict[str, Any]:
     if field not in body:
         raise BadRequest(400, f"'{field}' is required", field)
     return body
+
+
+class Truncation(NamedTuple):
+    """A request's `truncate_prompt_tokens` and `truncation_side`, as vLLM applies them."""
+
+    keep: int
+    """Prompt tokens kept; -1: the model's context length less one."""
+    side: str
+    """"left" keeps the last tokens (vLLM's default for generation), "right" the first."""
+
+
+def requested_truncation(body: Mapping[str, Any]) -> Truncation | None:
+    """The prompt truncation the request asks vLLM for (None: none); 400 for a bad value."""
+    keep = body.get("truncate_prompt_tokens")
+    if keep is None:
+        return None
+    if type(keep) is not int or keep < -1:
+        raise BadRequest(
+            400, "'truncate_prompt_tokens' must be an integer >= -1", "truncate_prompt_tokens"
+        )
+    side = body.get("truncation_side") or "left"
+    if side not in ("left", "right"):
+        raise BadRequest(400, "'truncation_side' must be 'left' or 'right'", "truncation_side")
+    return Truncation(keep, side)
 
 
 def requested_tokens(body: Mapping[str, Any], *, chat: bool) -> int:

@@ -28,7 +28,13 @@ from typing import Any, NamedTuple
 from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.lru import Lru
 from kvtier.router.chunked_encoder import HEAD_CHARS, SELF_CHECK, ChunkedEncoder
-from kvtier.router.openai_request import BadRequest, chat_options, completion_prompt, messages
+from kvtier.router.openai_request import (
+    BadRequest,
+    Truncation,
+    chat_options,
+    completion_prompt,
+    messages,
+)
 
 __all__ = ["Prompt", "Tokenizer"]
 
@@ -105,6 +111,17 @@ class Tokenizer:
             return Prompt(tuple(prompt))
         return self._split(prompt, bool(body.get("add_special_tokens", True)))
 
+    def truncated(self, prompt: Prompt, truncation: Truncation, context: int | None) -> Prompt:
+        """`prompt` as vLLM truncates it (`truncate_prompt_tokens` kept, -1: `context` less
+        one): exact ids, no tail. Unchanged when -1 meets an unknown `context`."""
+        keep = truncation.keep if truncation.keep >= 0 else None if context is None else context - 1
+        if keep is None:
+            return prompt
+        ids = self.tokens(prompt)
+        if keep >= len(ids):
+            return Prompt(tuple(ids))
+        return Prompt(tuple(ids[len(ids) - keep :] if truncation.side == "left" else ids[:keep]))
+
     def tokens(self, prompt: Prompt) -> list[int]:
         """The prompt's exact token ids, as the engine computes them (encodes the tail)."""
         return [*prompt.ids, *self.encoder.encode_tail(prompt.tail)]
@@ -116,15 +133,16 @@ class Tokenizer:
     def chat_text(self, body: Mapping[str, Any]) -> str:
         """A chat request rendered with the model's chat template."""
         options, conversation = chat_options(body), messages(body)
+        # the request's own fields win over the same keys in chat_template_kwargs, as in vLLM
+        kwargs = {
+            **options.template_kwargs,
+            "add_generation_prompt": options.add_generation_prompt,
+            "continue_final_message": options.continue_final_message,
+        }
+        if options.tools is not None:
+            kwargs["tools"] = [dict(t) for t in options.tools]
         try:
-            text = self.hf.apply_chat_template(
-                conversation,
-                tokenize=False,
-                tools=None if options.tools is None else [dict(t) for t in options.tools],
-                add_generation_prompt=options.add_generation_prompt,
-                continue_final_message=options.continue_final_message,
-                **options.template_kwargs,
-            )
+            text = self.hf.apply_chat_template(conversation, tokenize=False, **kwargs)
         except Exception as exc:  # jinja raises many types; any is a bad request
             raise BadRequest(400, f"chat template failed: {exc}", "messages") from exc
         if not isinstance(text, str):
