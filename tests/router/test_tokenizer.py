@@ -139,6 +139,21 @@ def test_chat_tokens_render_tools_and_text_parts(tokenizer: Tokenizer) -> None:
         chat=True,
     )
     assert parts == plain
+    as_input_output = tok.request_tokens(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "a"},
+                        {"type": "output_text", "text": "b"},
+                    ],
+                }
+            ]
+        },
+        chat=True,
+    )
+    assert as_input_output == plain  # the Responses API's part types are text to vLLM too
     with pytest.raises(BadRequest) as err:
         tok.request_tokens({"messages": [{"role": "user", "content": [{"text": "x"}]}]}, chat=True)
     assert (err.value.status, err.value.param) == (400, "messages[0].content")

@@ -163,6 +163,10 @@ def requested_tokens(body: Mapping[str, Any], *, chat: bool) -> int:
     return int(wanted or body.get("max_tokens") or 0)
 
 
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+"""Content part types vLLM renders as text, and the field holding it (others: media, skipped)."""
+
+
 def _text_content(content: object, where: str) -> str:
     if content is None:
         return ""
@@ -175,10 +179,13 @@ def _text_content(content: object, where: str) -> str:
                 raise BadRequest(
                     400, f"{where}: each content part must be an object with a type", where
                 )
-            if part["type"] == "text":
-                if not isinstance(part.get("text"), str):
-                    raise BadRequest(400, f"{where}: a text part needs a string 'text'", where)
-                texts.append(part["text"])
+            field = _TEXT_PARTS.get(part["type"])
+            if field is not None:
+                if not isinstance(part.get(field), str):
+                    raise BadRequest(
+                        400, f"{where}: a {part['type']} part needs a string '{field}'", where
+                    )
+                texts.append(part[field])
         return "\n".join(texts)
     raise BadRequest(400, f"{where}: content must be a string or a list of parts", where)
 
