@@ -13,7 +13,8 @@ import pytest
 
 from kvtier.core.errors import ConfigError
 from kvtier.router import auth
-from kvtier.router.auth import KEYS_ENV, ApiKeys, Denied
+from kvtier.router.auth import KEYS_ENV, TENANT_SALT_PREFIX, ApiKeys, Denied
+from kvtier.router.openai_request import BadRequest
 from kvtier.router.tokenizer import Tokenizer
 from tests.helpers.aio import run
 from tests.helpers.router import completion, fakes, running_router
@@ -190,3 +191,21 @@ def test_no_key_shows_in_logs_errors_metrics_or_models(
     for text in seen:
         for secret in secrets:
             assert secret not in text
+
+
+def test_a_shared_namespace_key_cannot_send_a_tenant_s_salt_as_its_own() -> None:
+    """Tenant salts are computable (unless the operator set a secret): a key without a tenant,
+    or of a shared tenant, that sends one would share that tenant's cached blocks."""
+    keys = ApiKeys(
+        None, environ={"KVTIER_API_KEYS": "alpha sk-a,sk-shared"}, shared_tenants=["pub"]
+    )
+    alpha = keys.cache_salt("alpha", None)
+    assert isinstance(alpha, str) and alpha.startswith(TENANT_SALT_PREFIX)
+    for tenant in (None, "pub"):
+        for forged in (alpha, f"{alpha}:mine", TENANT_SALT_PREFIX):
+            with pytest.raises(BadRequest) as caught:
+                keys.cache_salt(tenant, forged)
+            assert caught.value.status == 400 and caught.value.param == "cache_salt"
+        assert keys.cache_salt(tenant, "own") == "own" and keys.cache_salt(tenant, None) is None
+    assert keys.cache_salt("alpha", alpha) == f"{alpha}:{alpha}"  # nested: still alpha's own
+    assert ApiKeys(None, environ={}).cache_salt(None, alpha) == alpha  # no keys: left alone
