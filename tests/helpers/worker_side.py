@@ -76,10 +76,17 @@ def save_blocks(
     spec = SaveSpec(
         req, CHAIN[:blocks], PARENTS[:blocks], ids, first_index=0, reused_blocks=0, promote=promote
     )
-    side.submit_saves(KvtierMetadata(saves=[spec]))
+    save_step(side, [spec], timeout_s)
+
+
+def save_step(side: WorkerSide, specs: list[SaveSpec], timeout_s: float = 30.0) -> None:
+    """One step's saves: submit `specs` and wait until the saver is done with every request."""
+    side.submit_saves(KvtierMetadata(saves=specs))
+    waiting = {spec.req_id for spec in specs}
     deadline = time.monotonic() + timeout_s
-    while (side.finished({req})[0] or set()) != {req}:
+    while waiting:
         assert time.monotonic() < deadline, "save did not finish"
+        waiting -= side.finished(waiting)[0] or set()
         time.sleep(0.01)
 
 

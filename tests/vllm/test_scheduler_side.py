@@ -66,6 +66,7 @@ def _side(
     rt: process_store.ProcessStore,
     block_ids: dict[str, list[int]] | None = None,
     counters: ConnectorCounters | None = None,
+    load_async: bool = True,
     **options: float,
 ) -> SchedulerSide:
     return SchedulerSide(
@@ -76,8 +77,8 @@ def _side(
         counters=counters or ConnectorCounters(),
         events=False,
         block_ids_of=lambda r: (block_ids or {}).get(r, []),
-        load_async=True,
-        **options,
+        load_async=load_async,
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -403,5 +404,44 @@ def test_blocks_vllm_recomputes_after_a_failed_load_are_offered_again(
         assert save.reused_blocks == 2  # the recomputed blocks are no hits
         request.num_computed_tokens = 1100
         assert side.build_meta(FakeSchedulerOutput({"r": 1})).saves == []  # type: ignore[arg-type]
+    finally:
+        side.close()
+
+
+@pytest.mark.parametrize("batches_in_flight", [1, 2])
+def test_a_save_plan_names_the_recently_loaded_blocks_its_blocks_were_computed_from(
+    rt: process_store.ProcessStore, batches_in_flight: int
+) -> None:
+    """ "a" loads 4 blocks synchronously into engine blocks 0-7; "b" found them in vLLM's prefix
+    cache and computes its fifth block in the same step: b's plan names blocks 0-7 as
+    `loaded_before`, and so does the next step's plan while it may have been scheduled before
+    vLLM saw the load's outcome (two batches in flight), then no more."""
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 4)
+    side = _side(
+        rt,
+        {"a": list(range(10)), "b": [*range(8), *range(20, 30)]},
+        load_async=False,
+        batches_in_flight=batches_in_flight,
+    )
+    try:
+        a, b = FakeRequest("a", tokens), FakeRequest("b", tokens[:1024] + [7] * 1100)
+        for request in (a, b):
+            side.new_request(request)  # type: ignore[arg-type]
+        assert _answer(side, a, 0) == (1024, False)
+        side.after_alloc(a, FakeBlocks(list(range(10))), 1024)  # type: ignore[arg-type]
+        a.num_computed_tokens = b.num_computed_tokens = 1024
+        meta = side.build_meta(FakeSchedulerOutput({"a": 76, "b": 256}))  # type: ignore[arg-type]
+        saves = {s.req_id: s for s in meta.saves}
+        assert saves["a"].loaded_before == frozenset()  # its loaded blocks are its own offer
+        assert saves["b"].loaded_before == frozenset(range(8))
+        assert saves["b"].engine_block_ids == (20, 21)
+        b.num_computed_tokens = 1280
+        (save,) = side.build_meta(FakeSchedulerOutput({"b": 512})).saves  # type: ignore[arg-type]
+        assert save.engine_block_ids == (22, 23, 24, 25)
+        assert save.loaded_before == (frozenset(range(8)) if batches_in_flight == 2 else set())
+        b.num_computed_tokens = 1792
+        (save,) = side.build_meta(FakeSchedulerOutput({"b": 256})).saves  # type: ignore[arg-type]
+        assert save.engine_block_ids == (26, 27) and save.loaded_before == frozenset()
     finally:
         side.close()

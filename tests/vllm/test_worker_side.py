@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.core.keys import block_hashes, root_hash
 from kvtier.core.store import TieredStore
 from kvtier.core.tiers.base import Tier
 from kvtier.vllm.metadata import KvtierMetadata, LoadSpec, SaveSpec
@@ -32,6 +33,7 @@ from tests.helpers.worker_side import (
     geometry,
     replica,
     save_blocks,
+    save_step,
     wait_loaded,
 )
 
@@ -140,6 +142,63 @@ def test_a_step_never_saves_the_blocks_its_load_left_unwritten(tmp_path: Path) -
         assert stored is not None and bytes(stored.payload) == bytes(
             torch.stack([b_caches[n][2] for n in b_caches]).numpy().tobytes()
         )
+    finally:
+        close_replica(a)
+        close_replica(b)
+
+
+def test_a_request_reading_a_block_that_failed_to_load_saves_nothing_computed_from_it(
+    tmp_path: Path,
+) -> None:
+    """Request "a" loads blocks 0-2, block 1 is gone; "b", scheduled in the same step, found
+    blocks 0-1 in vLLM's prefix cache (a's engine blocks, `loaded_before`) and computed
+    block 2 from them: none of b's blocks is saved. "c", on its own blocks, is saved."""
+    a, _ = replica(tmp_path)
+    b, b_caches = replica(tmp_path)
+    other = tuple(block_hashes(list(range(100, 100 + TOKENS)), TOKENS))
+    try:
+        save_blocks(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        os.unlink(a._store._l2.path(CHAIN[1]))
+        load = LoadSpec("a", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
+        shared = SaveSpec("b", CHAIN[2:], PARENTS[2:], (4,), 2, 2, loaded_before=frozenset({1, 2}))
+        own = SaveSpec("c", other, (root_hash(),), (6,), 0, 0)
+        save_step(b, [SaveSpec("a", CHAIN, PARENTS, (1, 2, 3), 0, 0), shared, own])
+        assert b.load_errors() == {2, 3}
+        assert b._store.flush(30)
+        assert [b._store.has_near(h) for h in CHAIN] == [True, False, False]  # L1: b's saves
+        assert b._store.has_near(other[0])
+    finally:
+        close_replica(a)
+        close_replica(b)
+
+
+def test_steps_scheduled_before_vllm_saw_a_failed_load_save_nothing_computed_from_it(
+    tmp_path: Path,
+) -> None:
+    """Asynchronous scheduling (CUDA's default: two batches in flight): the step after a
+    failed load was scheduled before vLLM saw the failure and computed on the stale block, so
+    its saves are dropped; the step after that recomputes the block and saves it."""
+    a, _ = replica(tmp_path)
+    b, b_caches = replica(tmp_path, batches_in_flight=2)
+    try:
+        save_blocks(a, "computed", (7, 8, 9), blocks=2)
+        assert a._store.flush(30)
+        os.unlink(a._store._l2.path(CHAIN[1]))
+        load = LoadSpec("a", CHAIN[:2], (1, 2), 0, (Tier.L2,) * 2, asynchronous=False)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        _layers(b, b_caches)
+        save_step(b, [SaveSpec("a", CHAIN[:2], PARENTS[:2], (1, 2), 0, 0)])
+        assert b.load_errors() == {2}
+        ahead = SaveSpec("a", CHAIN[2:], PARENTS[2:], (3,), 2, 2, loaded_before=frozenset({1, 2}))
+        save_step(b, [ahead])  # scheduled before the failure was seen: computed from block 1
+        assert [b._store.has_near(h) for h in CHAIN] == [True, False, False]
+        for name in b_caches:  # vLLM goes back to block 1 and recomputes it and block 2
+            b_caches[name][2:4] = 0.5
+        save_step(b, [SaveSpec("a", CHAIN[1:], PARENTS[1:], (2, 3), 1, 1)])
+        assert all(b._store.has_near(h) for h in CHAIN)
     finally:
         close_replica(a)
         close_replica(b)

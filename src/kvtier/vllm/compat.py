@@ -49,6 +49,7 @@ __all__ = [
     "KVConnectorRole",
     "KVConnectorStats",
     "KVConnectorWorkerMetadata",
+    "batches_in_flight",
     "block_ids",
     "check_version",
     "engine_geometry",
@@ -134,6 +135,13 @@ def engine_geometry(vllm_config: VllmConfig) -> EngineGeometry:
         dtype=str(dtype).removeprefix("torch."),
         tp_size=int(parallel.tensor_parallel_size),
     )
+
+
+def batches_in_flight(vllm_config: VllmConfig) -> int:
+    """How many steps run or wait at once (1 without asynchronous scheduling or pipeline
+    parallelism): a step's outcome, its failed loads included, reaches the scheduler only
+    after the `batches_in_flight - 1` steps that follow it were scheduled."""
+    return max(1, int(getattr(vllm_config, "max_concurrent_batches", 1)))
 
 
 def model_path(vllm_config: VllmConfig) -> str:

@@ -95,6 +95,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 block_ids_of=self._block_ids_of,
                 load_async=self.config.load_async,
                 lookup_deadline_s=self.config.load_deadline_s,
+                batches_in_flight=compat.batches_in_flight(vllm_config),
             )
         else:
             rank = compat.worker_tp_rank()
@@ -122,6 +123,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 load_read_threads=self.config.load_read_threads,
                 load_deadline_s=self.config.load_deadline_s,
                 load_layerwise=self.config.load_layerwise,
+                batches_in_flight=compat.batches_in_flight(vllm_config),
             )
         self.counters.watch(
             (s.store for s in self._stores),

@@ -57,6 +57,10 @@ class SaveSpec:
     promote: frozenset[int] = frozenset()
     """Positions in `hashes` of blocks this request loaded from L2: saved into L1 although L2
     holds them (the promotion the load left out of its critical path)."""
+    loaded_before: frozenset[int] = frozenset()
+    """Engine blocks of the request before `hashes[0]` that a synchronous load (its own or
+    another request's) wrote in one of the last `batches_in_flight` steps: the KV of every
+    block offered here was computed from them, so none may be saved if one failed to load."""
 
     def head(self, n: int, per_block: int) -> SaveSpec:
         """The same offer for its first `n` blocks only."""

@@ -21,7 +21,8 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
     build_meta(scheduler_output)     every step: the planned loads, plus saves of every full
                                      kvtier block the step completes (and of the blocks a load
                                      supplied; never of L0 hits, computed and offered by the
-                                     earlier requests that computed them).
+                                     earlier requests that computed them), each naming the
+                                     blocks before it that recent synchronous loads wrote.
     finished(request)                once per request: True keeps its blocks allocated until
                                      the workers report its saves done (`get_finished`).
 
@@ -48,6 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -115,10 +117,12 @@ class SchedulerSide:
         load_async: bool,
         lookup_wait_s: float = 0.0,
         lookup_deadline_s: float = 2.0,
+        batches_in_flight: int = 1,
     ) -> None:
         """`stores`: one per TP rank (a block counts only if every rank has it);
         `block_ids_of(req_id)`: the request's engine block ids (vLLM's KV cache manager);
-        `lookup_deadline_s`: `ConnectorSettings.load_deadline_s`."""
+        `lookup_deadline_s`: `ConnectorSettings.load_deadline_s`; `batches_in_flight`:
+        `compat.batches_in_flight` (how many steps' loads a save plan names, `loaded_before`)."""
         self._stores = list(stores)
         self._block = block_tokens
         self._engine_block = engine_block_tokens
@@ -137,6 +141,8 @@ class SchedulerSide:
         self._l1: list[set[BlockHash]] = [set() for _ in self._stores]
         self._l1_lock = threading.Lock()
         self._loads: list[LoadSpec] = []
+        self._recent_loads: deque[frozenset[int]] = deque(maxlen=batches_in_flight)
+        """Engine blocks written by the synchronous loads of the last steps, newest last."""
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
         self._running_since: float | None = None
         """When the lookup thread started the lookup it runs now (None: idle)."""
@@ -238,12 +244,18 @@ class SchedulerSide:
         meta = KvtierMetadata(
             loads=self._loads, preempted=frozenset(scheduler_output.preempted_req_ids or ())
         )
+        self._recent_loads.append(
+            frozenset(
+                i for load in self._loads if not load.asynchronous for i in load.engine_block_ids
+            )
+        )
+        loaded = frozenset[int]().union(*self._recent_loads)
         self._loads = []
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
                 continue
-            spec = self._plan_save(tracked, n_scheduled)
+            spec = self._plan_save(tracked, n_scheduled, loaded)
             if spec is not None:
                 meta.saves.append(spec)
         return meta
@@ -402,8 +414,11 @@ class SchedulerSide:
         with self._l1_lock:
             return block_hash in self._l1[rank]
 
-    def _plan_save(self, tracked: _Tracked, n_scheduled: int) -> SaveSpec | None:
-        """The kvtier blocks this step completes (KV computed by its forward pass)."""
+    def _plan_save(
+        self, tracked: _Tracked, n_scheduled: int, loaded: frozenset[int]
+    ) -> SaveSpec | None:
+        """The kvtier blocks this step completes (KV computed by its forward pass); `loaded`:
+        the engine blocks recent synchronous loads wrote (see `SaveSpec.loaded_before`)."""
         tokens = compat.request_token_ids(tracked.request)
         if tokens is None:
             return None
@@ -446,4 +461,7 @@ class SchedulerSide:
             reused_blocks=tracked.hit_blocks,
             engine_hashes=tuple(tracked.engine_hashes[first * p : full * p]),
             promote=frozenset(i - first for i in tracked.from_l2 if first <= i < full),
+            loaded_before=frozenset(i for i in ids[: first * p] if i in loaded)
+            if loaded
+            else frozenset(),
         )

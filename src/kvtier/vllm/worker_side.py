@@ -15,7 +15,9 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
                                step's layered copy is written.
     submit_saves(meta)         after the forward (`wait_for_save`): ends the layered copy, then
                                queues this step's saves on the saver thread and returns; the
-                               forward pass never waits for them. Past
+                               forward pass never waits for them. Blocks computed from a
+                               block a recent step failed to load are not saved (`_written_
+                               blocks`). Past
                                `save_backlog_blocks` blocks waiting to be copied out (blocks L1
                                holds need no copy and are not counted), new saves are dropped
                                and counted: a finished request holds its KV blocks until its
@@ -73,6 +75,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
@@ -218,10 +221,12 @@ class WorkerSide:
         load_read_threads: int = 0,
         load_deadline_s: float = 2.0,
         load_layerwise: bool | None = None,
+        batches_in_flight: int = 1,
     ) -> None:
         """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
         there too when `loads_in_background`. `load_staging`, `load_read_threads`,
-        `load_deadline_s`, `load_layerwise`: see `ConnectorSettings`."""
+        `load_deadline_s`, `load_layerwise`: see `ConnectorSettings`. `batches_in_flight`:
+        `compat.batches_in_flight` (how many steps' failed loads bar saves)."""
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -280,6 +285,9 @@ class WorkerSide:
         self._unwritten: set[int] = set()
         """Engine blocks this step's synchronous loads left unwritten: vLLM recomputes them
         in a later step, so this step's saves must not copy them (nor what follows them)."""
+        self._recent_unwritten: deque[set[int]] = deque(maxlen=batches_in_flight)
+        """`_unwritten` of the last `batches_in_flight` steps (execute thread only): the
+        steps scheduled before vLLM saw a failed load computed on its stale blocks too."""
         self._async_loads: dict[str, _LoadRun] = {}
         self._save_runs: dict[str, list[_SaveRun]] = {}
         self._finishing: set[str] = set()
@@ -407,10 +415,12 @@ class WorkerSide:
         self._end_layered()
         with self._lock:
             unwritten, self._unwritten = self._unwritten, set()
+        self._recent_unwritten.append(unwritten)
+        stale = set[int]().union(*self._recent_unwritten)
         dropped = 0
         for spec in meta.saves:
-            if unwritten:
-                spec = spec.head(self._written_blocks(spec, unwritten), self._per_block)
+            if stale:
+                spec = spec.head(self._written_blocks(spec, stale), self._per_block)
             todo = self._to_save(spec)
             run = _SaveRun(spec)
             if self._charge(len(todo)):
@@ -449,12 +459,16 @@ class WorkerSide:
             self._backlog += n_blocks
             return True
 
-    def _written_blocks(self, spec: SaveSpec, unwritten: set[int]) -> int:
-        """How many leading blocks of `spec` hold computed KV: a block this step failed to
-        load holds stale KV, and this step's forward pass computed what follows it from that."""
+    def _written_blocks(self, spec: SaveSpec, stale: set[int]) -> int:
+        """How many leading blocks of `spec` hold KV computed from loaded or computed KV only:
+        a block a recent step failed to load holds stale KV, and the forward passes that read
+        it (before vLLM recomputed it) computed what follows it from that, in this request or
+        in another that shares the block (`loaded_before`)."""
+        if not stale.isdisjoint(spec.loaded_before):
+            return 0
         p = self._per_block
         for i in range(len(spec.hashes)):
-            if not unwritten.isdisjoint(spec.engine_block_ids[i * p : (i + 1) * p]):
+            if not stale.isdisjoint(spec.engine_block_ids[i * p : (i + 1) * p]):
                 return i
         return len(spec.hashes)
 
