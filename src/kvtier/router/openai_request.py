@@ -17,11 +17,8 @@ from numpy.typing import NDArray
 
 __all__ = [
     "BadRequest",
-    "ChatOptions",
     "Truncation",
-    "chat_options",
     "completion_prompt",
-    "messages",
     "parse_body",
     "requested_tokens",
     "requested_truncation",
@@ -161,81 +158,6 @@ def requested_tokens(body: Mapping[str, Any], *, chat: bool) -> int:
     """Completion tokens the request asks for (0 when it leaves it to the server)."""
     wanted = body.get("max_completion_tokens") if chat else None
     return int(wanted or body.get("max_tokens") or 0)
-
-
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
-"""Content part types vLLM renders as text, and the field holding it (others: media, skipped)."""
-
-
-def _text_content(content: object, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
-                raise BadRequest(
-                    400, f"{where}: each content part must be an object with a type", where
-                )
-            field = _TEXT_PARTS.get(part["type"])
-            if field is not None:
-                if not isinstance(part.get(field), str):
-                    raise BadRequest(
-                        400, f"{where}: a {part['type']} part needs a string '{field}'", where
-                    )
-                texts.append(part[field])
-        return "\n".join(texts)
-    raise BadRequest(400, f"{where}: content must be a string or a list of parts", where)
-
-
-def messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages, each with its content as text (text parts joined)."""
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest(400, "'messages' must be a non-empty list", "messages")
-    out = []
-    for i, message in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
-            raise BadRequest(400, f"{where}: must be an object with a string 'role'", where)
-        normalized = dict(message)
-        normalized["content"] = _text_content(message.get("content"), f"{where}.content")
-        out.append(normalized)
-    return out
-
-
-class ChatOptions(msgspec.Struct, frozen=True):
-    """How vLLM renders a chat request with the model's template."""
-
-    tools: list[Mapping[str, Any]] | None
-    add_generation_prompt: bool
-    continue_final_message: bool
-    template_kwargs: Mapping[str, Any]
-    add_special_tokens: bool
-
-
-def chat_options(body: Mapping[str, Any]) -> ChatOptions:
-    tools = body.get("tools")
-    if tools is not None and not (
-        isinstance(tools, list) and all(isinstance(t, Mapping) for t in tools)
-    ):
-        raise BadRequest(400, "'tools' must be a list of objects", "tools")
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, Mapping):
-        raise BadRequest(400, "'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    if "chat_template" in kwargs:  # a client's own Jinja template would run in the router
-        raise BadRequest(
-            400, "a chat template given in the request is not accepted", "chat_template_kwargs"
-        )
-    return ChatOptions(
-        tools=tools,
-        add_generation_prompt=bool(body.get("add_generation_prompt", True)),
-        continue_final_message=bool(body.get("continue_final_message", False)),
-        template_kwargs=kwargs,
-        add_special_tokens=bool(body.get("add_special_tokens", False)),
-    )
 
 
 def _is_tokens(value: object) -> bool:

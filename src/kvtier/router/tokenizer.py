@@ -5,9 +5,11 @@ hashes full blocks with `kvtier.core.keys.block_hashes` at the engine's block si
 code the replicas' connector uses, so a prompt's blocks carry the same hashes on both sides. A
 mismatch would not break a request (the router forwards the original body), only its routing.
 
-Mirrors vLLM's OpenAI server: completions add special tokens (`add_special_tokens` default true),
-chat renders the template with `add_generation_prompt` (default true) and encodes the text
-without special tokens; content given as parts is joined text.
+Mirrors vLLM 0.32's OpenAI server: completions add special tokens (`add_special_tokens` default
+true); chat renders the template with the conversation and arguments vLLM hands it
+(`kvtier.router.chat_request`; content as text or, for a template
+looping over content parts, as parts, detected as vLLM detects it) and encodes the text without
+special tokens (`add_special_tokens` default false).
 
 Routing does not even encode a prompt's tail (`Tokenizer.prompt`): text is encoded in cached
 chunks (`kvtier.router.chunked_encoder`), and a tail of at most ~2 chunks holds a few dozen
@@ -27,14 +29,10 @@ from typing import Any, NamedTuple
 
 from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.lru import Lru
+from kvtier.router.chat_request import ChatOptions, chat_options, developer_as_system, messages
+from kvtier.router.chat_template import names_developer_role, takes_content_parts
 from kvtier.router.chunked_encoder import HEAD_CHARS, SELF_CHECK, ChunkedEncoder
-from kvtier.router.openai_request import (
-    BadRequest,
-    Truncation,
-    chat_options,
-    completion_prompt,
-    messages,
-)
+from kvtier.router.openai_request import BadRequest, Truncation, completion_prompt
 
 __all__ = ["Prompt", "Tokenizer"]
 
@@ -105,7 +103,8 @@ class Tokenizer:
         """A request's prompt encoded as far as routing needs (see the module docstring);
         raises `BadRequest` for a prompt that cannot be tokenized."""
         if chat:
-            return self._split(self.chat_text(body), chat_options(body).add_special_tokens)
+            options = chat_options(body)
+            return self._split(self._chat_text(body, options), options.add_special_tokens)
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
             return Prompt(tuple(prompt))
@@ -131,18 +130,22 @@ class Tokenizer:
         return self.tokens(self.prompt(body, chat))
 
     def chat_text(self, body: Mapping[str, Any]) -> str:
-        """A chat request rendered with the model's chat template."""
-        options, conversation = chat_options(body), messages(body)
-        # the request's own fields win over the same keys in chat_template_kwargs, as in vLLM
-        kwargs = {
-            **options.template_kwargs,
-            "add_generation_prompt": options.add_generation_prompt,
-            "continue_final_message": options.continue_final_message,
-        }
-        if options.tools is not None:
-            kwargs["tools"] = [dict(t) for t in options.tools]
+        """A chat request rendered with the model's chat template, as vLLM renders it; raises
+        `BadRequest` naming a field vLLM would refuse or when the template fails."""
+        return self._chat_text(body, chat_options(body))
+
+    def _chat_text(self, body: Mapping[str, Any], options: ChatOptions) -> str:
+        kwargs = options.template_kwargs
+        try:  # the tokenizer's "tool_use" template, if it has one, for a request with tools
+            template: str = self.hf.get_chat_template(None, kwargs.get("tools"))
+        except ValueError as exc:  # the tokenizer has no chat template
+            raise BadRequest(400, f"chat template failed: {exc}", "messages") from exc
+        conversation = messages(body, as_parts=takes_content_parts(template))
+        if not names_developer_role(template):
+            conversation = developer_as_system(conversation)
+        rendering = {"chat_template": template, "tokenize": False, "return_dict": False}
         try:
-            text = self.hf.apply_chat_template(conversation, tokenize=False, **kwargs)
+            text = self.hf.apply_chat_template(conversation, **{**kwargs, **rendering})
         except Exception as exc:  # jinja raises many types; any is a bad request
             raise BadRequest(400, f"chat template failed: {exc}", "messages") from exc
         if not isinstance(text, str):
