@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import atexit
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -264,6 +266,7 @@ def test_nodes_share_l2_join_and_leave(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     mounts: dict[str, Path] = {}
+    engines_tmp = tempfile.mkdtemp(prefix="kvtier-vllm-")  # their IPC sockets, removed below
     try:
         for node in replicas:  # each node its own FUSE daemon, its own caches
             point = tmp_path / f"mnt-{node.name}"
@@ -280,12 +283,14 @@ def test_nodes_share_l2_join_and_leave(
             mounts[node.name] = point
             wait_until(f"mount {point}", lambda p=point: str(p) in mounted_under(str(p)), 30)
         _fleet(
-            net, tmp_path, model_dir, tokenizer, corpus, ctrl, client, replicas, url, mounts, log
-        )
+            net, tmp_path, model_dir, tokenizer, corpus, ctrl, client, replicas, url, mounts, log,
+            engines_tmp,
+        )  # fmt: skip
     finally:
         net.close()  # engines first, then the FUSE daemons (their mounts then detach)
         for point in mounts.values():
             force_unmount(str(point), juicefs)
+        shutil.rmtree(engines_tmp, ignore_errors=True)
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -308,6 +313,7 @@ def _fleet(
     url: dict[str, str],
     mounts: dict[str, Path],
     log: Any,
+    engines_tmp: str,
 ) -> None:
     a, b, c = replicas
     for node in replicas:  # all three start now; c joins the name later
@@ -333,7 +339,8 @@ def _fleet(
         )
         cmd = spec.command()
         cmd[cmd.index("--host") + 1] = node.address  # the node's address, not loopback
-        net.spawn(node, cmd, env=spec.environment(), log=log(f"replica-{node.name}"))
+        env = spec.environment(engines_tmp)
+        net.spawn(node, cmd, env=env, log=log(f"replica-{node.name}"))
     net.hosts(ctrl, {SERVICE: [a.address, b.address]})
     router_url = f"http://{ctrl.address}:{PORT}"
     net.spawn(

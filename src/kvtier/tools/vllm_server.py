@@ -6,15 +6,22 @@ it as a context manager): vLLM's API server alone gets SIGTERM, so it stops its 
 (draining the requests in flight for `ServerSpec.drain_s`); then the process group is killed so
 no engine worker outlives it. A SIGTERM to the whole group would stop the engine's workers under
 it, and vLLM fails the requests in flight instead of draining them.
+
+Each server gets a temporary directory of its own (`TMPDIR`, and `VLLM_RPC_BASE_PATH` unless the
+user set theirs), removed once it has stopped: vLLM binds its ZMQ IPC sockets (`<uuid4>`, 7
+per engine) and writes its torch.distributed init file (`vllm_dist_<hex>`) in the temporary
+directory, and leaves them all behind when it stops.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -25,6 +32,11 @@ from kvtier.core.errors import KvtierError
 from kvtier.net.readiness import wait_ready
 from kvtier.vllm.launch import MQ_RECHECK_ENV, MQ_SPIN_ENV, installed_vllm
 from kvtier.vllm.settings import FLUSH_ON_CLOSE_S
+
+RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+"""Where vLLM binds its ZMQ IPC sockets (vLLM's default: the system's temporary directory)."""
+SOCKET_PATH_MAX = 107
+"""Longest path a unix socket binds to (`sockaddr_un.sun_path`, less its NUL)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +110,9 @@ class ServerSpec:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd + list(self.extra_args)
 
-    def environment(self) -> dict[str, str]:
+    def environment(self, temp_dir: str | None = None) -> dict[str, str]:
+        """The server's environment; with `temp_dir`, its temporary files go there (see the
+        module docstring), and its IPC sockets too unless VLLM_RPC_BASE_PATH is set."""
         env = dict(os.environ)
         bind = self.cpu_ids or ",".join(str(i) for i in range(self.threads))
         env.update(
@@ -116,6 +130,10 @@ class ServerSpec:
         if self.queue_wait is not None:
             env[MQ_SPIN_ENV] = str(self.queue_wait.spin_s)
             env[MQ_RECHECK_ENV] = str(self.queue_wait.recheck_ms)
+        if temp_dir is not None:
+            env["TMPDIR"] = temp_dir
+            if RPC_DIR_ENV not in env:  # the user's own wins (as does `env`, applied last)
+                env[RPC_DIR_ENV] = temp_dir
         env.update(self.env)
         return env
 
@@ -151,19 +169,25 @@ class ServerProcess:
     def __init__(self, spec: ServerSpec) -> None:
         self.spec = spec
         self.url = f"http://127.0.0.1:{spec.port}"
-        with ExitStack() as stack:
-            log = (
-                stack.enter_context(open(spec.log_path, "ab"))
-                if spec.log_path
-                else subprocess.DEVNULL
-            )
-            self._proc = subprocess.Popen(
-                spec.command(),
-                env=spec.environment(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self.temp_dir = _temp_dir()
+        """The server's own temporary directory, removed once it has stopped."""
+        try:
+            with ExitStack() as stack:
+                log = (
+                    stack.enter_context(open(spec.log_path, "ab"))
+                    if spec.log_path
+                    else subprocess.DEVNULL
+                )
+                self._proc = subprocess.Popen(
+                    spec.command(),
+                    env=spec.environment(self.temp_dir),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        except BaseException:
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+            raise
 
     @property
     def pid(self) -> int:
@@ -189,6 +213,7 @@ class ServerProcess:
         """Hard-kill the process group (a failed start; tests of failover)."""
         self._signal(signal.SIGKILL)
         self._proc.wait()
+        self._remove_temp_dir()
 
     def terminate(self) -> None:
         """Start a graceful stop: SIGTERM to the API server alone, which drains and stops the
@@ -206,6 +231,11 @@ class ServerProcess:
             pass
         self._signal(signal.SIGKILL)  # also reaps stray workers of an exited server
         self._proc.wait()
+        self._remove_temp_dir()
+
+    def _remove_temp_dir(self) -> None:
+        """Remove the server's temporary directory (its group is gone: nothing writes there)."""
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _signal(self, sig: int) -> None:
         try:
@@ -218,6 +248,16 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _temp_dir() -> str:
+    """A new directory for one server's temporary files, in the system's temporary directory,
+    or in /tmp where that would make vLLM's socket paths (a uuid4 in it) too long to bind."""
+    path = tempfile.mkdtemp(prefix="kvtier-vllm-")
+    if len(os.fsencode(path)) + len("/") + 36 > SOCKET_PATH_MAX:
+        os.rmdir(path)
+        path = tempfile.mkdtemp(prefix="kvtier-vllm-", dir="/tmp")
+    return path
 
 
 def start_server(spec: ServerSpec, timeout_s: float = 300.0) -> ServerProcess:

@@ -11,10 +11,8 @@ any other block missing afterwards counts as lost beyond it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import signal
 import subprocess
 import threading
 import time
@@ -144,9 +142,7 @@ class JuiceFSUnmount(Fault):
         assert fleet.mount is not None and fleet.volume is not None
         old = fleet.mount
         subprocess.run(["fusermount3", "-u", "-z", old.path], check=False)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(old.process.pid, signal.SIGKILL)
-        old.process.wait(10)
+        old.kill()
         fleet.volume.mounts.remove(old)
 
     def recover(self, fleet: ChaosFleet) -> None:

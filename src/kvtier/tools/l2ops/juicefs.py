@@ -14,6 +14,12 @@ daemons run as our children in the foreground, in their own session, so teardown
 on finding a daemon by name: `juicefs umount`, then `umount -l` (lazy detach), then SIGKILL of
 the daemon's process group. An `atexit` hook unmounts whatever the owner forgot, so a failing
 test leaves no mount behind. Needs root and `/dev/fuse`.
+
+A `juicefs mount` is a supervisor that restarts the FUSE daemon it runs; it listens on
+`/tmp/fuse_fd_comm.<its pid>` (a path fixed in JuiceFS: neither TMPDIR nor an option moves it)
+to hand the FUSE session over, and removes that socket when it exits on its own (an unmount, a
+SIGTERM), not when killed. A mount stopped here removes the socket of its killed supervisor
+before reaping it: the unreaped pid is still its own, so no other mount's socket has that name.
 """
 
 from __future__ import annotations
@@ -102,6 +108,12 @@ def unmount_dead(prefix: str) -> list[str]:
     return detached
 
 
+def fd_comm_socket(pid: int) -> str:
+    """The socket a `juicefs mount` supervisor of this pid listens on (see the module
+    docstring)."""
+    return f"/tmp/fuse_fd_comm.{pid}"
+
+
 @dataclass(frozen=True, slots=True)
 class JuiceFSVolumeSpec:
     """One JuiceFS volume whose objects live in a local directory."""
@@ -172,16 +184,51 @@ class JuiceFSMount:
     def unmount(self, timeout_s: float = 10.0) -> None:
         """Unmount and reap the daemon; never leaves the mount point attached."""
         gone = force_unmount(self.path, self._binary, timeout_s)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.process.wait(timeout_s)
+        if not self._exited(timeout_s):
+            self._kill_group()
+            self._exited(timeout_s)
+        self._reap()
         if not gone and not force_unmount(self.path, self._binary, timeout_s):
             raise TierError(f"could not unmount {self.path}")
+
+    def kill(self, timeout_s: float = 10.0) -> None:
+        """SIGKILL the daemon's process group and reap it, as a crashed FUSE client: the mount
+        stays attached, dead (ENOTCONN), until unmounted."""
+        self._kill_group()
+        self._exited(timeout_s)
+        self._reap()
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _exited(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the supervisor to exit, leaving it unreaped."""
+        deadline = time.monotonic() + timeout_s
+        while self.process.returncode is None:
+            try:
+                flags = os.WEXITED | os.WNOHANG | os.WNOWAIT
+                if os.waitid(os.P_PID, self.process.pid, flags) is not None:
+                    return True
+            except ChildProcessError:
+                return True  # reaped already
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def _reap(self) -> None:
+        """Remove the socket a killed supervisor leaves in /tmp, then reap it (see the module
+        docstring); waits for it to exit."""
+        comm = fd_comm_socket(self.process.pid)
+        if self.process.returncode is None:
+            try:
+                os.unlink(comm)
+            except FileNotFoundError:
+                pass
+        self.process.wait()
 
 
 class JuiceFSVolume:
