@@ -3,6 +3,7 @@ store setting is reachable through the connector."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -33,8 +34,9 @@ STORE_VALUES: dict[str, Any] = {
     "l2_file_mode": 0o640,
     "l2_direct_reads": False,
 }
-ENV_TEXT = {"l2_file_mode": "0o640"}
-"""Environment spellings where `str(value)` is not one (permissions are octal)."""
+TEXT = {"l2_file_mode": "0o640"}
+"""Spellings in a document or the environment where the value itself is not one (permissions
+are octal strings)."""
 
 
 def test_the_table_covers_every_store_setting() -> None:
@@ -50,7 +52,7 @@ def test_defaults_without_extra_config_or_environment() -> None:
 def test_every_store_setting_is_reachable_through_the_extra_config(name: str) -> None:
     value = STORE_VALUES[name]
     extra = (
-        {"l2_path": "/mnt/kv", name: value}
+        {"l2_path": "/mnt/kv", name: TEXT.get(name, value)}
         if name != "l2_url"
         else {"l2_url": "redis://127.0.0.1:6379/0"}
     )
@@ -62,7 +64,7 @@ def test_every_store_setting_is_reachable_through_the_extra_config(name: str) ->
 @pytest.mark.parametrize("name", sorted(StoreSettings.model_fields))
 def test_every_store_setting_is_reachable_through_the_environment(name: str) -> None:
     value = STORE_VALUES[name] if name != "l2_url" else "redis://127.0.0.1:6379/0"
-    environ = {f"KVTIER_{name.upper()}": ENV_TEXT.get(name, str(value))}
+    environ = {f"KVTIER_{name.upper()}": TEXT.get(name, str(value))}
     if name not in ("l2_path", "l2_url"):
         environ["KVTIER_L2_PATH"] = "/mnt/kv"
     connector = ConnectorSettings.from_sources({}, environ)
@@ -128,6 +130,32 @@ def test_transfer_config_loads_the_connector_and_recomputes_failed_loads() -> No
         "kv_connector_extra_config": {"l1_bytes": 1024, "l2_path": "/mnt/kv"},
     }
     assert ConnectorSettings.from_sources(transfer["kv_connector_extra_config"], {}) == config
+
+
+@pytest.mark.parametrize("spelling", ["0o640", "640", "0640"])
+def test_file_permissions_are_read_as_octal_strings(spelling: str) -> None:
+    assert ConnectorSettings.from_sources({"l2_file_mode": spelling}, {}).l2_file_mode == 0o640
+
+
+@pytest.mark.parametrize("value", [400, 416, 400.0])
+def test_a_number_for_file_permissions_in_the_extra_config_is_refused(value: object) -> None:
+    """JSON and YAML read 400 as decimal (0o620): the mode must be written as a string."""
+    with pytest.raises(ConfigError, match=r'^l2_file_mode: .*octal string such as "0o640"'):
+        ConnectorSettings.from_sources({"l2_file_mode": value}, {})
+
+
+def test_file_permissions_given_in_python_may_be_an_int() -> None:
+    config = ConnectorSettings(l2_path="/mnt/kv", l2_file_mode=0o640)
+    assert config.l2_file_mode == 0o640
+    assert config.store_settings().l2_file_mode == 0o640
+    assert config.replaced(l1_bytes=0).l2_file_mode == 0o640
+
+
+def test_file_permissions_survive_the_trip_to_a_replica_as_octal() -> None:
+    config = ConnectorSettings(l2_path="/mnt/kv", l2_file_mode=0o640)
+    extra = json.loads(json.dumps(kv_transfer_config(config)))["kv_connector_extra_config"]
+    assert extra["l2_file_mode"] == "0o640"
+    assert ConnectorSettings.from_sources(extra, {}) == config
 
 
 def test_background_cpus_take_a_cpu_list_or_inherit() -> None:

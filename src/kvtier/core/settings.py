@@ -10,8 +10,9 @@ default and a docstring. Everything else derives from it:
 - the docs' settings tables (`describe_fields`).
 
 Units are stated once, by the field's name: `_bytes` fields take a byte count or a size with a
-binary unit ("512MiB", "4G"), `_s` fields seconds, `_ms` fields milliseconds. A bad value or an
-unknown key raises `ConfigError` naming the full key (`kvtier.connector.l1_bytes: ...`).
+binary unit ("512MiB", "4G"), `_s` fields seconds, `_ms` fields milliseconds, `_mode` fields
+file permissions (an octal string such as "0o640" in a document). A bad value or an unknown key
+raises `ConfigError` naming the full key (`kvtier.connector.l1_bytes: ...`).
 
 `StoreSettings` (one replica's `TieredStore`) lives here; the other layers declare theirs on top
 of `Settings` next to the code they configure.
@@ -25,10 +26,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Annotated, Any, Literal, Self, get_args, get_origin
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     model_validator,
 )
@@ -40,7 +43,9 @@ __all__ = [
     "L2_URL_SCHEMES",
     "AdmissionName",
     "ByteSize",
+    "FileMode",
     "L2ProfileName",
+    "Mode",
     "Settings",
     "StoreSettings",
     "add_flags",
@@ -73,14 +78,57 @@ ByteSize = Annotated[int, BeforeValidator(parse_bytes), Field(ge=0)]
 """A number of bytes; accepts "4GiB"-style strings."""
 
 
+class FileMode(int):
+    """File permissions a settings model has read; shown as they are written ("0o640")."""
+
+    def __repr__(self) -> str:
+        return _octal(self)
+
+    __str__ = __repr__
+
+
+def _octal(mode: int) -> str:
+    """`mode` as a document writes it: "0o640"."""
+    return f"0o{mode:o}"
+
+
 def parse_mode(value: object) -> object:
-    """File permissions from an int or an octal string ("0o640", "640")."""
+    """File permissions from an int or an octal string ("0o640", "640", "0640")."""
     if isinstance(value, str):
         try:
             return int(value.removeprefix("0o"), 8)
         except ValueError:
             raise ValueError(f"cannot read {value!r} as octal permissions (e.g. 0o600)") from None
     return value
+
+
+def _check_modes(cls: type[BaseModel], values: Mapping[str, Any], where: str) -> None:
+    """Refuse a number for file permissions in a document: YAML and JSON read 400 as decimal
+    (0o620), never what was meant. A `FileMode` came from a settings object: it stands."""
+    for name, field in cls.model_fields.items():
+        value = values.get(field.alias or name, values.get(name))
+        if _is_mode(field) and isinstance(value, (int, float)) and not isinstance(value, FileMode):
+            key = f"{where}.{name}" if where else name
+            shown = f" ({_octal(value)})" if isinstance(value, int) and value >= 0 else ""
+            raise ConfigError(
+                f"{key}: {value!r} would read as decimal{shown}: write permissions as an octal "
+                f'string such as "0o640"'
+            )
+
+
+def _is_mode(field: FieldInfo) -> bool:
+    return any(getattr(m, "func", None) is parse_mode for m in field.metadata)
+
+
+Mode = Annotated[
+    int,
+    BeforeValidator(parse_mode),
+    Field(ge=0, le=0o777),
+    AfterValidator(FileMode),
+    PlainSerializer(_octal, return_type=str),
+]
+"""File permissions: an int in Python (`l2_file_mode=0o640`), an octal string ("0o640") in a
+document (`from_mapping`); a dump (the extra config a replica is given) writes them so."""
 
 
 def redact_url(url: str) -> str:
@@ -122,7 +170,9 @@ class Settings(BaseModel):
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, where: str = "") -> Self:
-        """Validate `values`; a `ConfigError` names the full key, prefixed by `where`."""
+        """Validate `values` (a document's: file permissions are octal strings); a `ConfigError`
+        names the full key, prefixed by `where`."""
+        _check_modes(cls, values, where)
         try:
             return cls.model_validate(dict(values))
         except ValidationError as exc:
@@ -218,9 +268,10 @@ class StoreSettings(Settings):
     l2_tls_ca_file: str | None = None
     """CA bundle (PEM) that signs the Valkey server's certificate (with a rediss:// URL); unset:
     the system's."""
-    l2_file_mode: Annotated[int, BeforeValidator(parse_mode), Field(ge=0, le=0o777)] = 0o600
-    """Permissions of the files `l2_path` holds: 0o600 (384) by default, e.g. 0o640 to share
-    with a group; directories get search permission where read is granted (0o700)."""
+    l2_file_mode: Mode = FileMode(0o600)
+    """Permissions of the files `l2_path` holds, as an octal string: e.g. "0o640" to share with
+    a group (a bare number is refused: YAML and JSON read 400 as decimal); directories get
+    search permission where read is granted (0o700)."""
     l2_profile: L2ProfileName = "local"
     """File system under `l2_path`: sets the janitor's tolerance for stale attributes and
     whether evictions wait out a grace period (see docs/l2.md)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvtier.core.settings import Settings, StoreSettings, describe_fields
 from kvtier.router.settings import ReplicaSettings, RouterSettings
 from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, L2Spec, LocalSpec, RoutingSpec
+from kvtier.tools.deploy.settings import KubernetesSpec, Resources
 from kvtier.vllm.settings import ConnectorSettings
 
 __all__ = ["render"]
@@ -19,7 +20,9 @@ HEAD = """# Settings
 Every kvtier setting, generated from the settings classes (`python -m kvtier.tools.settings_doc
 > docs/settings.md`; a test keeps this file in sync). Units are in the names: `_bytes` settings
 take a byte count or a size with a binary unit (`4GiB`, `512M`), `_s` seconds, `_ms`
-milliseconds. A bad value or an unknown key is an error naming the full key.
+milliseconds, `_mode` file permissions as an octal string (`"0o640"`; a bare number is an error
+in a document or the extra config, as YAML and JSON read 400 as decimal). A bad value or an
+unknown key is an error naming the full key.
 
 Where each set is given:
 
@@ -28,7 +31,8 @@ Where each set is given:
   `kvtier serve --<key-with-dashes>`, or the deployment file's `kvtier.connector` section;
 - router: `kvtier router --<key-with-dashes>` (`--replica` for `replicas`, `--model` for
   `model_dir`), or the deployment file's `kvtier.router` section;
-- deployment file: the YAML file of `kvtier up --config`.
+- deployment file: the YAML file of `kvtier up --config` and `kvtier deploy render` (its
+  `kubernetes` section is read by `kvtier deploy render` only).
 """
 
 
@@ -56,6 +60,10 @@ def render() -> str:
         "`kvCacheSpec`:\n\n" + _table(CacheSpec),
         "`kvCacheSpec.l2CacheSpec`:\n\n" + _table(L2Spec),
         "`kvtier`:\n\n" + _table(LocalSpec),
+        "`kubernetes` (`KubernetesSpec`), read by `kvtier deploy render` only "
+        "(docs/kubernetes.md):\n\n" + _table(KubernetesSpec),
+        "`kubernetes.replicaResources` and `kubernetes.routerResources` (`Resources`):\n\n"
+        + _table(Resources),
     ]
     return "\n\n".join(sections) + "\n"
 

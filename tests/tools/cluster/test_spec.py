@@ -121,6 +121,10 @@ def test_tieredstorage_is_the_posix_backend() -> None:
             {"kvtier": {"connector": {"l2_path": "/x"}}},
             "kvtier.connector.l2_path: set by kvCacheSpec.l2CacheSpec",
         ),
+        (
+            {"kvtier": {"connector": {"l2_file_mode": 400}}},
+            "kvtier.connector.l2_file_mode: 400 would read as decimal",
+        ),
         ({"kvtier": {"router": {"max_blocks": "x"}}}, "kvtier.router.max_blocks: input should be"),
         ({"kvtier": {"router": {"replicas": []}}}, "kvtier.router.replicas: set by replicas"),
         (["a list"], "document: must be a mapping"),
@@ -129,6 +133,17 @@ def test_tieredstorage_is_the_posix_backend() -> None:
 def test_invalid_configs_name_the_key(data: object, message: str) -> None:
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(")):
         parse_spec(data)
+
+
+def test_a_quoted_or_0o_file_mode_in_yaml_is_octal(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_text("kvtier:\n  connector:\n    l2_file_mode: 0o640\n")
+    assert load_spec(path).local.connector == {"l2_file_mode": "0o640"}  # a string to PyYAML
+    path.write_text('kvtier:\n  connector:\n    l2_file_mode: "640"\n')
+    connector = load_spec(path).connector_settings(
+        replica_id="r0", events_endpoint="tcp://127.0.0.1:1", l2_location=None
+    )
+    assert connector is not None and connector.l2_file_mode == 0o640
 
 
 def test_unreadable_and_malformed_files_are_config_errors(tmp_path: Path) -> None:

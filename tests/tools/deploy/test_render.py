@@ -299,7 +299,10 @@ def test_a_file_mode_reaches_the_replicas_as_set(tmp_path: Path, name: str) -> N
 def test_render_refuses_settings_the_replicas_would_read_otherwise(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(render_module, "_env_value", lambda name, value: str(value))
+    def decimal(name: str, value: object) -> str:
+        return str(int(str(value), 8)) if name == "l2_file_mode" else str(value)
+
+    monkeypatch.setattr(render_module, "_env_value", decimal)
     with pytest.raises(ConfigError, match="l2_file_mode would not reach the replicas"):
         connector_env(parse_spec(FILES["juicefs-nfs"]))
 

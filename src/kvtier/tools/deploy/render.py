@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.settings import parse_mode, to_flags
+from kvtier.core.settings import to_flags
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
@@ -171,15 +171,7 @@ def _env_value(name: str, value: object) -> str:
     """`value` of the setting `name` as the replicas' `from_sources` reads it back."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int) and _is_mode(name):
-        return oct(value)  # modes are read as octal
-    return str(value)
-
-
-def _is_mode(name: str) -> bool:
-    """Whether the connector setting `name` holds file permissions (read by `parse_mode`)."""
-    metadata = ConnectorSettings.model_fields[name].metadata
-    return any(getattr(m, "func", None) is parse_mode for m in metadata)
+    return str(value)  # file permissions are dumped as octal strings already
 
 
 def _check_round_trip(values: dict[str, Any], env: dict[str, str]) -> None:
