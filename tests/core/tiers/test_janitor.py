@@ -198,6 +198,26 @@ def test_the_janitor_evicts_and_purges_nothing_through_a_symlinked_graveyard(
     assert all(os.path.exists(p) for p in paths)
 
 
+@pytest.mark.parametrize("planted", [".kvtier", ".kvtier/lease"])
+def test_no_lease_is_taken_through_a_symlinked_control_directory(
+    tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    root, outside = tmp_path / "l2", tmp_path / "outside"
+    root.mkdir()
+    paths = fill(root, 10, 100 * KIB)
+    outside.mkdir()
+    if planted == ".kvtier":
+        (root / ".kvtier").rename(outside)
+    (root / planted).symlink_to(outside)
+    before = sorted(os.listdir(outside))
+    janitor = Janitor(str(root), config(capacity_bytes=9 * (4096 + 100 * KIB)))
+    assert janitor.run_once() is None  # not held: the janitor does not run
+    assert not janitor.lease.held() and janitor.lease.current() is None
+    assert sorted(os.listdir(outside)) == before
+    assert all(os.path.exists(p) for p in paths)
+    assert "not a directory of its own" in caplog.text
+
+
 def test_evicted_blocks_stay_readable_for_open_readers_during_the_grace(tmp_path: Path) -> None:
     paths = fill(tmp_path, 10, 100 * KIB)
     fd = os.open(paths[1], os.O_RDONLY)  # a reader opened it just before the eviction

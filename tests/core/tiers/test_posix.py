@@ -59,6 +59,19 @@ def test_block_lands_at_its_fan_out_path_with_a_manifest(tmp_path: Path) -> None
     assert files(tmp_path, "*.tmp") == []
 
 
+@pytest.mark.parametrize("planted", [".kvtier", NAMESPACE])
+def test_a_symlink_planted_in_the_root_is_refused_and_nothing_written_through_it(
+    tmp_path: Path, planted: str
+) -> None:
+    root, elsewhere = tmp_path / "l2", tmp_path / "elsewhere"
+    root.mkdir()
+    elsewhere.mkdir()
+    (root / planted).symlink_to(elsewhere)
+    with pytest.raises(TierError, match="a symlink"):
+        tier_in(root)
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_round_trip_returns_the_bytes_and_meta_read_only(tmp_path: Path) -> None:
     tier = tier_in(tmp_path)
     h = put(tier, "a")

@@ -218,6 +218,7 @@ class Janitor:
             control_dir(root, "lease"),
             self.holder,
             config.lease_ttl_s,
+            root=root,
             stale_s=config.stale_s,
             clock=clock,
         )

@@ -15,6 +15,10 @@ No `flock` (not cluster-wide on SeaweedFS) and no rename-over-existing (leaves o
   dentries). It has lost the lease when a higher epoch exists or its file is gone.
 - Release: set the mtime to 0, i.e. expired, so the next contender needn't wait for the TTL.
 
+Given the shared `root` the directory lies under, the lease refuses a path that a symlink leads
+out of (a planted `<root>/.kvtier` symlink would move the lease, and its writes, elsewhere): it
+is then never held and `current()` is None, as the janitor refuses symlinks in `usage`.
+
 A holder that dies simply stops renewing; after `ttl_s` another replica takes over. A holder
 that stalls past its TTL may act once more before noticing (no fencing): for a cache janitor
 that costs at most one extra eviction round, never wrong data.
@@ -22,7 +26,9 @@ that costs at most one extra eviction round, never wrong data.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import socket
@@ -30,6 +36,10 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from kvtier.core.tiers.usage import real_dir
+
+log = logging.getLogger(__name__)
 
 _PREFIX = "lease."
 
@@ -56,6 +66,7 @@ class FileLease:
         holder: str,
         ttl_s: float,
         *,
+        root: str | None = None,
         stale_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -66,7 +77,39 @@ class FileLease:
         self._clock = clock
         self.epoch: int | None = None
         """The epoch this contender holds, or None."""
-        os.makedirs(directory, exist_ok=True)
+        self._root = root
+        self._parts = [] if root is None else os.path.relpath(directory, root).split(os.sep)
+        self._refused = False
+        """Whether the last look found the directory reached through a symlink (logged)."""
+        if root is None:
+            os.makedirs(directory, exist_ok=True)
+            return
+        os.makedirs(root, exist_ok=True)
+        for depth in range(1, len(self._parts) + 1):  # a level at a time, never through a symlink
+            if not real_dir(root, *self._parts[: depth - 1]):
+                break
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(os.path.join(root, *self._parts[:depth]))
+        self._usable()
+
+    def _usable(self) -> bool:
+        """Whether the directory is reached from `root` through no symlink (logged once when it
+        is not, and once when it is again)."""
+        if self._root is None:
+            return True
+        usable = real_dir(self._root, *self._parts)
+        if usable == self._refused:
+            self._refused = not usable
+            if usable:
+                log.info("kvtier lease: %s is a directory again", self.directory)
+            else:
+                log.warning(
+                    "kvtier lease: %s is not a directory of its own under %s (a symlink?): "
+                    "the lease is not taken",
+                    self.directory,
+                    self._root,
+                )
+        return usable
 
     def _path(self, epoch: int) -> str:
         return os.path.join(self.directory, f"{_PREFIX}{epoch:012d}")
@@ -82,6 +125,8 @@ class FileLease:
     def current(self) -> LeaseInfo | None:
         """The newest lease, or None if there has never been one. A lease file whose body is
         not a lease (empty after a crash, foreign junk) is expired: the next epoch is free."""
+        if not self._usable():
+            return None
         for epoch in reversed(self._epochs()):
             path = self._path(epoch)
             try:
@@ -115,6 +160,9 @@ class FileLease:
         """True if this contender holds the lease and it has not been superseded."""
         if self.epoch is None:
             return False
+        if not self._usable():
+            self.epoch = None
+            return False
         try:
             if self._epochs()[-1] != self.epoch:
                 self.epoch = None
@@ -129,6 +177,8 @@ class FileLease:
                 assert self.epoch is not None
                 os.utime(self._path(self.epoch))
                 return True
+            if not self._usable():
+                return False
             latest = self.current()
             if latest is not None and not latest.expired:
                 return False

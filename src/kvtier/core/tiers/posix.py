@@ -88,7 +88,7 @@ from kvtier.core.tiers.base import (
     TierStats,
 )
 from kvtier.core.tiers.noreplace import UNSUPPORTED, rename_noreplace
-from kvtier.core.tiers.usage import NAMESPACE, control_dir
+from kvtier.core.tiers.usage import CONTROL_DIR, NAMESPACE, control_dir, real_dir
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -241,6 +241,7 @@ class _Volume:
         self._clock = clock
         self._lock = threading.Lock()
         os.makedirs(os.path.dirname(self._file), mode=_dir_mode(mode), exist_ok=True)
+        _refuse_symlink(root, CONTROL_DIR)
         if not os.path.exists(self._file):
             doc = {"volume": uuid.uuid4().hex, "created": time.time()}
             publish(self._file, [memoryview(json.dumps(doc).encode() + b"\n")], mode | 0o444)
@@ -297,6 +298,13 @@ class _Volume:
                         reason,
                     )
             return self.usable
+
+
+def _refuse_symlink(root: str, name: str) -> None:
+    """Raise `OSError` unless `<root>/<name>` is a directory itself: a symlink planted there
+    would take the tier's writes out of the shared root (the janitor refuses them too)."""
+    if not real_dir(root, name):
+        raise OSError(errno.ELOOP, "not a directory (a symlink?)", os.path.join(root, name))
 
 
 def _dir_mode(file_mode: int) -> int:
@@ -449,6 +457,7 @@ class PosixTier:
         try:
             self._volume = _Volume(root, file_mode, clock)
             os.makedirs(self._dir, mode=self._dir_mode, exist_ok=True)
+            _refuse_symlink(root, os.path.basename(self._dir))
             body = json.dumps(manifest, indent=2, sort_keys=True).encode() + b"\n"
             manifest_path = os.path.join(self._dir, MANIFEST)
             if not os.path.exists(manifest_path):

@@ -56,7 +56,9 @@ def _status(args: argparse.Namespace) -> int:
 
     _directory(args.target)
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
-    lease = FileLease(control_dir(args.target, "lease"), "status", ttl_s=1).current()
+    lease = FileLease(
+        control_dir(args.target, "lease"), "status", ttl_s=1, root=args.target
+    ).current()
     doc: dict[str, object] = {
         "blocks": len(usage.blocks),
         "block_bytes": usage.block_bytes,
