@@ -101,6 +101,17 @@ def test_sim_sweep_writes_points_and_a_png_beside_the_json(tmp_path: Path) -> No
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_without_a_sweep_is_an_error_naming_both_flags(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    png = tmp_path / "run.png"
+    code = main(["sim", "--trace", str(MOONCAKE), "--limit", "10", "--plot", str(png), "--quiet"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "--sweep" in err
+    assert not png.exists()
+
+
 def test_plan_prints_the_answer_and_exits_1_when_out_of_reach(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

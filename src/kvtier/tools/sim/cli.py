@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--plot",
         type=Path,
         metavar="FILE",
-        help="PNG of a sweep (default: the --json path with .png)",
+        help="PNG of a sweep, with --sweep only (default: the --json path with .png)",
     )
     sim.set_defaults(func=_run_sim)
 
@@ -215,6 +215,11 @@ def _run_sim(args: argparse.Namespace) -> int:
     from kvtier.tools.sim.simulator import simulate
     from kvtier.tools.sim.sweep import parse_sweep, run_sweep
 
+    if args.plot is not None and not args.sweep:
+        raise ConfigError(
+            "--plot: draws the curves of a sweep; add --sweep NAME=V1,V2,... "
+            "(a single run has no curve: --json holds its numbers)"
+        )
     trace, config, costs = _inputs(args)
     if not args.sweep:
         result = simulate(trace, config, costs, progress=_progress(args))
