@@ -70,10 +70,15 @@ async def running_router(
 
 
 @contextlib.asynccontextmanager
-async def fakes(*modes: str) -> AsyncIterator[list[FakeReplica]]:
+async def fakes(*modes: str, adapters: tuple[str, ...] = ()) -> AsyncIterator[list[FakeReplica]]:
+    """Fake replicas serving `MODEL` (and the LoRA `adapters`), one per mode."""
     replicas = [
         await FakeReplica(
-            mode=m, model=MODEL, max_model_len=MAX_MODEL_LEN, block_tokens=BLOCK_TOKENS
+            mode=m,
+            model=MODEL,
+            max_model_len=MAX_MODEL_LEN,
+            adapters=adapters,
+            block_tokens=BLOCK_TOKENS,
         ).start()
         for m in modes
     ]

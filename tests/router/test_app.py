@@ -15,6 +15,7 @@ import trustme
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.events import EventKind
+from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventPublisher
 from kvtier.router.app import Router, serving
@@ -36,6 +37,8 @@ from tests.helpers.router import (
 )
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
+ADAPTER = "sql-lora"
+"""A LoRA adapter the fake replicas list (vLLM: `--lora-modules sql-lora=PATH`)."""
 
 
 async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
@@ -179,6 +182,64 @@ def test_kvaware_follows_connector_events_to_the_replica_holding_the_prefix(
                     for _ in range(3):
                         resp = await rr.client.post(rr.url + "/v1/completions", json=body)
                         assert resp.headers["x-kvtier-replica"] == holder.url
+
+    run(scenario())
+
+
+def test_an_adapter_request_is_hashed_with_the_adapters_name_a_base_request_is_not(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        async with (
+            fakes("ok", "ok", adapters=(ADAPTER,)) as reps,
+            running_router(tokenizer, reps) as rr,
+        ):
+            tokens = tokenizer.request_tokens(completion(LONG_PROMPT), chat=False)
+            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER, cache_salt="s"))
+            base = block_hashes(tokens, 16, extra_key(cache_salt="s"))
+            routed = cast(CostPolicy, rr.router.policy).speculative  # what the router routed by
+            body = completion(LONG_PROMPT, cache_salt="s")
+            resp = await rr.client.post(rr.url + "/v1/completions", json={**body, "model": ADAPTER})
+            adapter_replica = resp.headers["x-kvtier-replica"]
+            assert routed.match(lora)[adapter_replica] and not any(routed.match(base).values())
+            resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+            assert routed.match(base)[resp.headers["x-kvtier-replica"]]
+            assert all(r.adapters == {ADAPTER} for r in rr.router.replicas)  # their model cards
+
+    run(scenario())
+
+
+def test_kvaware_sends_an_adapter_prompt_to_the_replica_holding_the_adapters_blocks(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        endpoints = (free_endpoint(), free_endpoint())
+        async with fakes("ok", "ok", "ok", adapters=(ADAPTER,)) as reps:
+            base_holder, adapter_holder = reps[0], reps[2]
+            body = completion(LONG_PROMPT)
+            tokens = tokenizer.request_tokens(body, chat=False)
+            base = block_hashes(tokens, 16)
+            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER))
+            with (
+                EventPublisher(endpoints[0], base_holder.url, epoch="one") as base_pub,
+                EventPublisher(endpoints[1], adapter_holder.url, epoch="one") as lora_pub,
+            ):
+                async with running_router(
+                    tokenizer, reps, strategy="kvaware", events=endpoints
+                ) as rr:
+                    holders = {base_holder.url, adapter_holder.url}
+                    for _ in range(200):  # PUB/SUB drops until the subscriptions propagate
+                        base_pub.publish(EventKind.STORED, Tier.L1, base)
+                        lora_pub.publish(EventKind.STORED, Tier.L1, lora)
+                        await asyncio.sleep(0.02)
+                        if holders <= rr.router.index.replicas():
+                            break
+                    for model, holder in ((ADAPTER, adapter_holder), (MODEL, base_holder)):
+                        for _ in range(3):
+                            resp = await rr.client.post(
+                                rr.url + "/v1/completions", json={**body, "model": model}
+                            )
+                            assert resp.headers["x-kvtier-replica"] == holder.url, model
 
     run(scenario())
 

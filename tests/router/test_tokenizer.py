@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.lru import Lru
 from kvtier.router.chat_template import takes_content_parts
 from kvtier.router.chunked_encoder import ChunkedEncoder
@@ -98,6 +99,20 @@ def test_a_repeated_head_skips_the_chunks_and_hashes_its_blocks_as_hashing_does(
         == tok.hash_ids(with_bos.ids, 16)
         != tok.block_hashes(first, 16)
     )
+
+
+def test_a_lora_adapters_blocks_are_hashed_and_memoized_apart_from_the_base_models(
+    tokenizer: Tokenizer,
+) -> None:
+    tok = tokenizer
+    head = Corpus(tok.hf).document(1200, 9)
+    prompt = tok.prompt({"prompt": head + "\nQuestion: lora?"}, chat=False)
+    adapter = tok.block_hashes(prompt, 16, "salt", lora="sql")  # memoized first
+    assert adapter == tuple(block_hashes(prompt.ids, 16, extra_key(lora="sql", cache_salt="salt")))
+    assert tok.block_hashes(prompt, 16, "salt") == tuple(
+        block_hashes(prompt.ids, 16, extra_key(cache_salt="salt"))
+    )
+    assert tok.block_hashes(prompt, 16, lora="sql") != tok.block_hashes(prompt, 16, lora="sql2")
 
 
 def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:

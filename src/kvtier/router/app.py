@@ -287,10 +287,12 @@ class Router:
         if truncation is not None:  # routed and checked as the replica will see it
             prompt = self.tokenizer.truncated(prompt, truncation, self._max_model_len())
         block_tokens = self.block_tokens
+        # a LoRA adapter's blocks are keyed by its name (vLLM's `lora_name` is the request's model)
+        lora = body["model"] if self.replicas.is_adapter(body["model"]) else None
         hashes = (
             ()
             if block_tokens is None
-            else self.tokenizer.block_hashes(prompt, block_tokens, body.get("cache_salt"))
+            else self.tokenizer.block_hashes(prompt, block_tokens, body.get("cache_salt"), lora)
         )
         if self.config.consistent_ties:
             ROUTE_KEY.set(hashes[-1] if hashes else None)

@@ -9,9 +9,11 @@ Two sources:
   L2 blocks are stored under the pseudo-replica `SHARED` (they count for every replica).
 - vLLM's `--kv-events-config` publisher (msgpack `KVEventBatch` over ZMQ, frames topic, seq,
   payload). Its block hashes are seeded per process, so `VllmRehasher` re-hashes each stored
-  block from the event's token ids, chaining by parent hash per replica, into kvtier hashes. A
-  sequence number going backwards means the engine restarted: purge. `AllBlocksCleared` drops
-  the replica's L0 entries.
+  block from the event's token ids, chaining by parent hash per replica, into kvtier hashes (a
+  LoRA adapter's blocks from the adapter's own root, by the event's `lora_name`; salted or
+  multimodal blocks cannot be named: their extra keys are published untagged). A sequence
+  number going backwards means the engine restarted: purge. `AllBlocksCleared` drops the
+  replica's L0 entries.
 
 `KvtierApplier` and `VllmRehasher` are pure (state in, index mutations out) and unit-tested
 without sockets; `EventFeed` owns the sockets and one asyncio task per source.
@@ -30,7 +32,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.core.events import EventKind, KVEvent
-from kvtier.core.keys import BlockHash, chain_hash, root_hash
+from kvtier.core.keys import BlockHash, chain_hash, extra_key, root_hash
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventSubscriber
 from kvtier.router.index import SHARED, PrefixIndex
@@ -139,19 +141,19 @@ class VllmRehasher:
         hashes: Sequence[object] = event.get("block_hashes") or ()
         tokens: Sequence[int] = event.get("token_ids") or ()
         size = event.get("block_size")
-        extra = event.get("extra_keys")
+        lora = event.get("lora_name")
         if (
             tier is None
             or not isinstance(size, int)
             or size <= 0
             or len(tokens) < size * len(hashes)
-            or (extra and any(e for e in extra))
+            or not _lora_only(event.get("extra_keys"), lora)
         ):
-            self.unnamed += len(hashes)  # salted/LoRA/multimodal or foreign tiers: unnamable
+            self.unnamed += len(hashes)  # salted/multimodal or foreign tiers: unnamable
             return
         parent_ext = event.get("parent_block_hash")
-        if parent_ext is None:
-            parent = root_hash()
+        if parent_ext is None:  # a LoRA adapter's chain starts at its own root, as the connector's
+            parent = root_hash(extra_key(lora=lora))
         elif _key(parent_ext) in self._names:
             parent = self._names[_key(parent_ext)]
         else:
@@ -177,6 +179,20 @@ class VllmRehasher:
             if _key(ext) in self._names
         ]
         self._index.remove(self.replica, named, tier)
+
+
+def _lora_only(extra: object, lora: object) -> bool:
+    """Whether a stored event's blocks are keyed by nothing but its LoRA adapter (or nothing):
+    vLLM 0.32 publishes each block's extra keys untagged, the adapter's name first, then
+    multimodal pairs, the cache salt and prompt-embeds digests (`to_event_extra_keys`)."""
+    if lora is not None and not isinstance(lora, str):
+        return False
+    if not extra:
+        return True
+    if not isinstance(extra, list):
+        return False
+    alone = [lora] if lora is not None else []
+    return all(not keys or (isinstance(keys, list) and keys == alone) for keys in extra)
 
 
 def _key(ext: object) -> object:

@@ -4,10 +4,11 @@ A replica is down after `unhealthy_after` consecutive failed checks: it leaves t
 and `on_down(name)` purges what the router knew of its cache (a restart empties it). A check
 that is only late (a replica busy on a small machine answers /health slowly) keeps it a
 candidate until then; a refused connection (no process listens) takes it out at once. One good
-check brings it back; its /v1/models is then (re)read for model ids and `max_model_len`, and its
-/metrics for the engine's KV block size (`vllm:cache_config_info`), which the router hashes
-prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no purge) so
-concurrent requests avoid it until the next good check.
+check brings it back; its /v1/models is then (re)read for model ids (LoRA adapters: the cards
+with a `parent`) and `max_model_len`, and its /metrics for the engine's KV block size
+(`vllm:cache_config_info`), which the router hashes prompts by. A failed forward marks a replica
+suspect at once (`healthy = False`, no purge) so concurrent requests avoid it until the next good
+check.
 
 Gray failures: a replica whose /health answers while its engine hangs. With `stall_after_s`
 set, a replica holding requests that got no byte from it for that long is sent a probe (a
@@ -242,7 +243,8 @@ class HealthChecker:
                 resp.close()
 
     async def _learn(self, replica: Replica) -> None:
-        """Model ids and lengths from /v1/models, the engine block size from /metrics."""
+        """Model ids (LoRA adapters apart) and lengths from /v1/models, the engine block size
+        from /metrics."""
         metrics = await self._get(replica, "/metrics")
         if metrics is not None:
             replica.block_tokens = engine_block_tokens(metrics) or replica.block_tokens
@@ -254,7 +256,12 @@ class HealthChecker:
         entries = doc.get("data") if isinstance(doc, dict) else None
         if not isinstance(entries, list):
             return
-        replica.models = tuple(str(e["id"]) for e in entries if isinstance(e, dict) and "id" in e)
+        cards = [e for e in entries if isinstance(e, dict) and "id" in e]
+        replica.models = tuple(str(e["id"]) for e in cards)
+        # vLLM lists a LoRA adapter with its base model as `parent` (null for a base model)
+        replica.adapters = frozenset(
+            str(e["id"]) for e in cards if isinstance(e.get("parent"), str)
+        )
         lens = [
             e["max_model_len"]
             for e in entries

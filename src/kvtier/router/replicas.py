@@ -38,6 +38,9 @@ class Replica:
     queued_prefill_tokens: int = 0
     models: tuple[str, ...] = ()
     """Model ids its /v1/models lists (learned by the health checker)."""
+    adapters: frozenset[str] = frozenset()
+    """Those of `models` that are LoRA adapters (their card names a `parent`): requests for one
+    are hashed with its name, as vLLM and the connector key its blocks."""
     max_model_len: int | None = None
     block_tokens: int | None = None
     """The engine's KV block size, read from its /metrics (learned by the health checker)."""
@@ -186,6 +189,10 @@ class ReplicaSet:
 
     def models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether a replica lists `model` as a LoRA adapter (a set lookup per replica)."""
+        return any(model in r.adapters for r in self.replicas.values())
 
     def max_model_len(self) -> int | None:
         lens = [r.max_model_len for r in self.replicas.values() if r.max_model_len]

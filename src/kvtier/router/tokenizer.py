@@ -4,6 +4,9 @@ The router tokenizes with the model's own tokenizer and chat template (tools inc
 hashes full blocks with `kvtier.core.keys.block_hashes` at the engine's block size, the same
 code the replicas' connector uses, so a prompt's blocks carry the same hashes on both sides. A
 mismatch would not break a request (the router forwards the original body), only its routing.
+The extra key is the connector's too (`kvtier.vllm.compat.request_extra`): the cache salt, and
+the LoRA adapter's name for a request to an adapter (its `model`, which vLLM takes as the
+adapter's `lora_name`; the router tells adapters by their /v1/models cards).
 
 Mirrors vLLM 0.32's OpenAI server: completions add special tokens (`add_special_tokens` default
 true); chat renders the template with the conversation and arguments vLLM hands it
@@ -66,10 +69,11 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
         """The Hugging Face tokenizer itself."""
         self.encoder = ChunkedEncoder(self._plain_encoder())
-        self._hashes: Lru[tuple[str, str | None, int, int], tuple[BlockHash, ...]] = Lru(
-            HEAD_CHARS, lambda key, _: len(key[0])
+        self._hashes: Lru[tuple[str, str | None, str | None, int, int], tuple[BlockHash, ...]] = (
+            Lru(HEAD_CHARS, lambda key, _: len(key[0]))
         )
-        """Block hashes of recent prompt heads, by (head, cache salt, ids count, block size)."""
+        """Block hashes of recent prompt heads, by (head, cache salt, LoRA adapter, ids count,
+        block size)."""
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
         self._specials = tuple(self.hf.encode("", add_special_tokens=True))
         probe = SELF_CHECK[0]
@@ -154,20 +158,31 @@ class Tokenizer:
 
     @staticmethod
     def hash_ids(
-        token_ids: Sequence[int], block_tokens: int, cache_salt: str | None = None
+        token_ids: Sequence[int],
+        block_tokens: int,
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> tuple[BlockHash, ...]:
-        """Hashes of the full blocks of `token_ids`, as the replicas' connector names them."""
-        return tuple(block_hashes(token_ids, block_tokens, extra_key(cache_salt=cache_salt)))
+        """Hashes of the full blocks of `token_ids`, as the replicas' connector names them for a
+        request with that salt and LoRA adapter (`kvtier.vllm.compat.request_extra`)."""
+        extra = extra_key(lora=lora, cache_salt=cache_salt)
+        return tuple(block_hashes(token_ids, block_tokens, extra))
 
     def block_hashes(
-        self, prompt: Prompt, block_tokens: int, cache_salt: str | None = None
+        self,
+        prompt: Prompt,
+        block_tokens: int,
+        cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> tuple[BlockHash, ...]:
         """`hash_ids(prompt.ids)`, memoized by the prompt's head. The ids count in the key tells
         a head encoded with leading special tokens from the same head without them."""
         if prompt.head is None:
-            return self.hash_ids(prompt.ids, block_tokens, cache_salt)
-        key = (prompt.head, cache_salt, len(prompt.ids), block_tokens)
+            return self.hash_ids(prompt.ids, block_tokens, cache_salt, lora)
+        key = (prompt.head, cache_salt, lora, len(prompt.ids), block_tokens)
         hashes = self._hashes.get(key)
         if hashes is None:
-            hashes = self._hashes.put(key, self.hash_ids(prompt.ids, block_tokens, cache_salt))
+            hashes = self._hashes.put(
+                key, self.hash_ids(prompt.ids, block_tokens, cache_salt, lora)
+            )
         return hashes

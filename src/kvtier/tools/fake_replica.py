@@ -21,9 +21,9 @@ open connections stay open and silent, and new ones time out rather than being r
 
 It speaks HTTP/1.1 with keep-alive on a raw asyncio server (httptools parses requests), so it
 controls its sockets down to the reset, and serves TLS when given an `ssl.SSLContext`.
-Endpoints: GET /health (503 while `healthy` is False), /v1/models, /metrics (the
-`vllm:cache_config_info` line with `block_tokens`); POST /v1/completions,
-/v1/chat/completions, /tokenize. Every POSTed JSON body is kept in `received`.
+Endpoints: GET /health (503 while `healthy` is False), /v1/models (the model, then any
+`adapters`), /metrics (the `vllm:cache_config_info` line with `block_tokens`); POST
+/v1/completions, /v1/chat/completions, /tokenize. Every POSTed JSON body is kept in `received`.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ class FakeReplica:
     """How completions are answered (see the module docstring)."""
     model: str = "fake"
     max_model_len: int = 8192
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters /v1/models lists after the model, as vLLM lists `--lora-modules`: cards
+    with the base model as `parent`."""
     block_tokens: int = 128
     """Engine block size reported on /metrics (vLLM's on CPU by default)."""
     healthy: bool = True
@@ -142,12 +145,7 @@ class FakeReplica:
             await _respond_json(
                 writer,
                 200,
-                {
-                    "object": "list",
-                    "data": [
-                        {"id": self.model, "object": "model", "max_model_len": self.max_model_len}
-                    ],
-                },
+                {"object": "list", "data": self._model_cards()},
             )
         elif method == "GET" and path == "/metrics":
             text = f'vllm:cache_config_info{{block_size="{self.block_tokens}",engine="0"}} 1.0\n'
@@ -168,6 +166,14 @@ class FakeReplica:
         else:
             await _respond_json(writer, 404, {"error": {"message": f"no route {path}"}})
         return True
+
+    def _model_cards(self) -> list[dict[str, Any]]:
+        base = {"id": self.model, "object": "model", "root": self.model, "parent": None}
+        adapters = [
+            {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": self.model}
+            for name in self.adapters
+        ]
+        return [{**base, "max_model_len": self.max_model_len}, *adapters]
 
     async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
         self.received.append(body)
