@@ -209,6 +209,32 @@ def test_an_adapter_request_is_hashed_with_the_adapters_name_a_base_request_is_n
     run(scenario())
 
 
+def test_an_adapter_loaded_or_unloaded_at_run_time_is_served_or_refused_after_a_refresh(
+    tokenizer: Tokenizer,
+) -> None:
+    """vLLM's `/v1/load_lora_adapter` adds a model card while the replica runs: the router
+    re-reads /v1/models every `models_refresh_s` and serves (and hashes) the adapter then."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("ok") as (rep,),
+            running_router(tokenizer, [rep], models_refresh_s=0.2) as rr,
+        ):
+            body = {**completion(), "model": ADAPTER}
+            resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+            assert resp.status_code == 404
+            rep.adapters = (ADAPTER,)
+            await wait_for(lambda: rr.router.replicas.is_adapter(ADAPTER), "adapter learned")
+            resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+            assert resp.status_code == 200
+            rep.adapters = ()
+            await wait_for(lambda: not rr.router.replicas.is_adapter(ADAPTER), "adapter gone")
+            resp = await rr.client.post(rr.url + "/v1/completions", json=body)
+            assert resp.status_code == 404
+
+    run(scenario())
+
+
 def test_kvaware_sends_an_adapter_prompt_to_the_replica_holding_the_adapters_blocks(
     tokenizer: Tokenizer,
 ) -> None:

@@ -139,6 +139,7 @@ class Router:
             self.config.stall_after_s,
             lambda name: self.metrics.stalls.labels(name).inc(),
             lambda name: self.metrics.unreachable.labels(name).inc(),
+            self.config.models_refresh_s,
         )
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))

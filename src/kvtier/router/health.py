@@ -4,11 +4,11 @@ A replica is down after `unhealthy_after` consecutive failed checks: it leaves t
 and `on_down(name)` purges what the router knew of its cache (a restart empties it). A check
 that is only late (a replica busy on a small machine answers /health slowly) keeps it a
 candidate until then; a refused connection (no process listens) takes it out at once. One good
-check brings it back; its /v1/models is then (re)read for model ids (LoRA adapters: the cards
-with a `parent`) and `max_model_len`, and its /metrics for the engine's KV block size
-(`vllm:cache_config_info`), which the router hashes prompts by. A failed forward marks a replica
-suspect at once (`healthy = False`, no purge) so concurrent requests avoid it until the next good
-check.
+check brings it back; its /v1/models is then (re)read, and every `models_refresh_s` while it
+stays healthy, for model ids (LoRA adapters: the cards with a `parent`) and `max_model_len`,
+and its /metrics for the engine's KV block size (`vllm:cache_config_info`), which the router
+hashes prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no
+purge) so concurrent requests avoid it until the next good check.
 
 Gray failures: a replica whose /health answers while its engine hangs. With `stall_after_s`
 set, a replica holding requests that got no byte from it for that long is sent a probe (a
@@ -77,6 +77,7 @@ class HealthChecker:
         stall_after_s: float = 0.0,
         on_stall: Callable[[str], None] = lambda name: None,
         on_unreachable: Callable[[str], None] = lambda name: None,
+        models_refresh_s: float = 0.0,
     ) -> None:
         self._pool = pool
         self._replicas = replicas
@@ -87,6 +88,7 @@ class HealthChecker:
         self._stall_after_s = stall_after_s
         self._on_stall = on_stall
         self._on_unreachable = on_unreachable
+        self._models_refresh_s = models_refresh_s
         self._probes: dict[str, asyncio.Task[None]] = {}
 
     async def check_all(self) -> None:
@@ -121,7 +123,7 @@ class HealthChecker:
             replica.failed_checks = 0
             return
         if ok:
-            if not replica.healthy or not replica.models:
+            if not replica.healthy or not replica.models or self._learn_due(replica):
                 await self._learn(replica)
             replica.failed_checks = 0
             replica.healthy = True
@@ -242,9 +244,15 @@ class HealthChecker:
             finally:
                 resp.close()
 
+    def _learn_due(self, replica: Replica) -> bool:
+        """Whether a healthy replica's models are due for a re-read (`models_refresh_s`)."""
+        refresh = self._models_refresh_s
+        return refresh > 0 and time.monotonic() - replica.learned_at >= refresh
+
     async def _learn(self, replica: Replica) -> None:
         """Model ids (LoRA adapters apart) and lengths from /v1/models, the engine block size
         from /metrics."""
+        replica.learned_at = time.monotonic()
         metrics = await self._get(replica, "/metrics")
         if metrics is not None:
             replica.block_tokens = engine_block_tokens(metrics) or replica.block_tokens

@@ -41,6 +41,8 @@ class Replica:
     adapters: frozenset[str] = frozenset()
     """Those of `models` that are LoRA adapters (their card names a `parent`): requests for one
     are hashed with its name, as vLLM and the connector key its blocks."""
+    learned_at: float = 0.0
+    """`time.monotonic()` when the health checker last read its models and block size."""
     max_model_len: int | None = None
     block_tokens: int | None = None
     """The engine's KV block size, read from its /metrics (learned by the health checker)."""

@@ -100,6 +100,10 @@ class RouterSettings(Settings):
     """Seconds between active health checks of each replica."""
     health_timeout_s: Annotated[float, Field(gt=0)] = 2.0
     """Timeout of one health check."""
+    models_refresh_s: Annotated[float, Field(ge=0)] = 30.0
+    """Seconds between re-reads of a healthy replica's /v1/models and /metrics (read when it
+    comes up too): LoRA adapters loaded or unloaded at run time (`/v1/load_lora_adapter`) are
+    served, and refused, at most this long later. 0: read only when a replica comes up."""
     unhealthy_after: Annotated[int, Field(gt=0)] = 2
     """Consecutive failed checks before a replica is down (and its index entries purged)."""
     stall_after_s: Annotated[float, Field(ge=0)] = 60.0
