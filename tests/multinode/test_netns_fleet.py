@@ -19,7 +19,9 @@ Kept small for CI: 2 replicas + 1 added, one 1,024-token prompt, short traffic r
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -39,6 +41,7 @@ from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.chaos.run import WINDOW, latency_bound, normal_after
 from kvtier.tools.l2ops.juicefs import (
+    fd_comm_socket,
     find_juicefs_binary,
     force_unmount,
     fuse_available,
@@ -266,13 +269,14 @@ def test_nodes_share_l2_join_and_leave(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     mounts: dict[str, Path] = {}
+    daemons: list[subprocess.Popen[bytes]] = []
     engines_tmp = tempfile.mkdtemp(prefix="kvtier-vllm-")  # their IPC sockets, removed below
     try:
         for node in replicas:  # each node its own FUSE daemon, its own caches
             point = tmp_path / f"mnt-{node.name}"
             point.mkdir()
             atexit.register(force_unmount, str(point), juicefs)
-            net.spawn(
+            daemon = net.spawn(
                 node,
                 [juicefs, "mount", meta, str(point), "--no-usage-report", "--no-syslog",
                  "--backup-meta", "0", "--metrics", "127.0.0.1:9567", "--cache-dir",
@@ -280,6 +284,7 @@ def test_nodes_share_l2_join_and_leave(
                  "--dir-entry-cache", "1s"],
                 log=log(f"juicefs-{node.name}"),
             )  # fmt: skip
+            daemons.append(daemon)
             mounts[node.name] = point
             wait_until(f"mount {point}", lambda p=point: str(p) in mounted_under(str(p)), 30)
         _fleet(
@@ -290,6 +295,9 @@ def test_nodes_share_l2_join_and_leave(
         net.close()  # engines first, then the FUSE daemons (their mounts then detach)
         for point in mounts.values():
             force_unmount(str(point), juicefs)
+        for daemon in daemons:  # stopped by signal, the supervisor leaves its socket behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(fd_comm_socket(daemon.pid))
         shutil.rmtree(engines_tmp, ignore_errors=True)
 
 
