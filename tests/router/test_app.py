@@ -39,6 +39,8 @@ from tests.helpers.router import (
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
 ADAPTER = "sql-lora"
 """A LoRA adapter the fake replicas list (vLLM: `--lora-modules sql-lora=PATH`)."""
+PATH = f"/adapters/{ADAPTER}"
+"""Its path, as the fake replicas' /v1/models cards give it (`root`)."""
 
 
 async def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
@@ -195,7 +197,7 @@ def test_an_adapter_request_is_hashed_with_the_adapters_name_a_base_request_is_n
             running_router(tokenizer, reps) as rr,
         ):
             tokens = tokenizer.request_tokens(completion(LONG_PROMPT), chat=False)
-            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER, cache_salt="s"))
+            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER, lora_path=PATH, cache_salt="s"))
             base = block_hashes(tokens, 16, extra_key(cache_salt="s"))
             routed = cast(CostPolicy, rr.router.policy).speculative  # what the router routed by
             body = completion(LONG_PROMPT, cache_salt="s")
@@ -204,7 +206,7 @@ def test_an_adapter_request_is_hashed_with_the_adapters_name_a_base_request_is_n
             assert routed.match(lora)[adapter_replica] and not any(routed.match(base).values())
             resp = await rr.client.post(rr.url + "/v1/completions", json=body)
             assert routed.match(base)[resp.headers["x-kvtier-replica"]]
-            assert all(r.adapters == {ADAPTER} for r in rr.router.replicas)  # their model cards
+            assert all(r.adapters == {ADAPTER: PATH} for r in rr.router.replicas)  # model cards
 
     run(scenario())
 
@@ -224,11 +226,12 @@ def test_an_adapter_loaded_or_unloaded_at_run_time_is_served_or_refused_after_a_
             resp = await rr.client.post(rr.url + "/v1/completions", json=body)
             assert resp.status_code == 404
             rep.adapters = (ADAPTER,)
-            await wait_for(lambda: rr.router.replicas.is_adapter(ADAPTER), "adapter learned")
+            replicas = rr.router.replicas
+            await wait_for(lambda: replicas.adapter_path(ADAPTER) == PATH, "adapter learned")
             resp = await rr.client.post(rr.url + "/v1/completions", json=body)
             assert resp.status_code == 200
             rep.adapters = ()
-            await wait_for(lambda: not rr.router.replicas.is_adapter(ADAPTER), "adapter gone")
+            await wait_for(lambda: replicas.adapter_path(ADAPTER) is None, "adapter gone")
             resp = await rr.client.post(rr.url + "/v1/completions", json=body)
             assert resp.status_code == 404
 
@@ -245,7 +248,7 @@ def test_kvaware_sends_an_adapter_prompt_to_the_replica_holding_the_adapters_blo
             body = completion(LONG_PROMPT)
             tokens = tokenizer.request_tokens(body, chat=False)
             base = block_hashes(tokens, 16)
-            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER))
+            lora = block_hashes(tokens, 16, extra_key(lora=ADAPTER, lora_path=PATH))
             with (
                 EventPublisher(endpoints[0], base_holder.url, epoch="one") as base_pub,
                 EventPublisher(endpoints[1], adapter_holder.url, epoch="one") as lora_pub,

@@ -111,18 +111,23 @@ def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() ->
 
 def test_vllm_lora_blocks_are_rehashed_from_the_adapters_root_as_the_connector_names_them() -> None:
     index = PrefixIndex()
-    rehasher = VllmRehasher("r1", index, Forgets(index))
+    paths = {"sql": "/adapters/sql"}  # what the replica's /v1/models says
+    rehasher = VllmRehasher("r1", index, Forgets(index), adapter_path=paths.get)
     # vLLM 0.32 events of a request to adapter "sql": each block's extra keys, untagged
     first = {**stored([11, 12], TOKENS[:8]), "lora_id": 1, "lora_name": "sql"}
     rest = {**stored([13, 14], TOKENS[8:], parent=12), "lora_id": 1, "lora_name": "sql"}
     first["extra_keys"], rest["extra_keys"] = [("sql",)] * 2, [("sql",)] * 2
     rehasher.apply(0, vllm_batch(first, rest), 0.0, lambda s, k: None)
-    adapter = tuple(block_hashes(TOKENS, BLOCK, extra_key(lora="sql")))
+    adapter = tuple(block_hashes(TOKENS, BLOCK, extra_key(lora="sql", lora_path="/adapters/sql")))
     assert index.match(adapter) == {"r1": [Tier.L0] * 4} and not any(index.match(HASHES).values())
     # the adapter's blocks with a cache salt (published untagged after the name): unnamable
     salted = {**stored([21], TOKENS[:4]), "lora_name": "sql", "extra_keys": [("sql", "t")]}
     rehasher.apply(1, vllm_batch(salted), 0.0, lambda s, k: None)
     assert rehasher.unnamed == 1 and len(index) == 4
+    # an adapter /v1/models has not listed (its path unknown): unnamable too
+    unknown = {**stored([31], TOKENS[:4]), "lora_name": "new", "extra_keys": [("new",)]}
+    rehasher.apply(2, vllm_batch(unknown), 0.0, lambda s, k: None)
+    assert rehasher.unnamed == 2 and len(index) == 4
 
 
 def test_vllm_block_with_an_unknown_parent_is_skipped_not_misnamed() -> None:

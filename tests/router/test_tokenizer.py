@@ -107,12 +107,18 @@ def test_a_lora_adapters_blocks_are_hashed_and_memoized_apart_from_the_base_mode
     tok = tokenizer
     head = Corpus(tok.hf).document(1200, 9)
     prompt = tok.prompt({"prompt": head + "\nQuestion: lora?"}, chat=False)
-    adapter = tok.block_hashes(prompt, 16, "salt", lora="sql")  # memoized first
-    assert adapter == tuple(block_hashes(prompt.ids, 16, extra_key(lora="sql", cache_salt="salt")))
+    sql = ("sql", "/adapters/sql")
+    adapter = tok.block_hashes(prompt, 16, "salt", lora=sql)  # memoized first
+    extra = extra_key(lora="sql", lora_path="/adapters/sql", cache_salt="salt")
+    assert adapter == tuple(block_hashes(prompt.ids, 16, extra))
     assert tok.block_hashes(prompt, 16, "salt") == tuple(
         block_hashes(prompt.ids, 16, extra_key(cache_salt="salt"))
     )
-    assert tok.block_hashes(prompt, 16, lora="sql") != tok.block_hashes(prompt, 16, lora="sql2")
+    others = [("sql2", "/adapters/sql"), ("sql", "/adapters/sql-v2")]  # another name, new weights
+    assert all(
+        tok.block_hashes(prompt, 16, lora=sql) != tok.block_hashes(prompt, 16, lora=o)
+        for o in others
+    )
 
 
 def test_memo_keeps_recent_entries_within_its_cost_budget() -> None:

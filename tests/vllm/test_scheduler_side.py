@@ -445,3 +445,19 @@ def test_a_save_plan_names_the_recently_loaded_blocks_its_blocks_were_computed_f
         assert save.engine_block_ids == (26, 27) and save.loaded_before == frozenset()
     finally:
         side.close()
+
+
+def test_a_lora_request_is_keyed_by_its_adapters_name_and_path() -> None:
+    """As vLLM keys it: an adapter name pointed at new weights (another path) never finds the
+    blocks computed with the old ones; the router hashes with the same key."""
+    from vllm.lora.request import LoRARequest
+
+    from kvtier.vllm import compat
+
+    def extra(path: str) -> bytes:
+        request = FakeRequest("r", [1], lora_request=LoRARequest("sql", 1, path))
+        return compat.request_extra(request)  # type: ignore[arg-type]
+
+    assert extra("/adapters/sql-v1") == extra_key(lora="sql", lora_path="/adapters/sql-v1")
+    assert extra("/adapters/sql-v1") != extra("/adapters/sql-v2")
+    assert extra_key(lora="sql") != extra("/adapters/sql-v1") != extra_key()

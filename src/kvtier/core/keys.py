@@ -95,12 +95,19 @@ def root_hash(extra: bytes = b"") -> BlockHash:
 
 
 def extra_key(
-    *, lora: str | None = None, cache_salt: str | None = None, mm_hashes: Sequence[str] = ()
+    *,
+    lora: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_hashes: Sequence[str] = (),
 ) -> bytes:
-    """Canonical bytes for the request attributes that must split the cache."""
+    """Canonical bytes for the request attributes that must split the cache. A LoRA adapter is
+    keyed by its name and, given, its path, as vLLM keys it: an adapter name pointed at other
+    weights never reuses the KV computed with the old ones."""
     if lora is None and cache_salt is None and not mm_hashes:
         return b""
-    doc = {"lora": lora, "salt": cache_salt, "mm": list(mm_hashes)}
+    adapter = lora if lora_path is None else [lora, lora_path]
+    doc = {"lora": adapter, "salt": cache_salt, "mm": list(mm_hashes)}
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

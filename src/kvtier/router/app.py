@@ -159,6 +159,7 @@ class Router:
                 dynamic=bool(discovered_events),
                 known=self.replicas.replicas.__contains__,
                 curve_server_key=self.config.events_curve_server_key,
+                adapter_path=lambda replica, name: self.replicas.adapter_path(name, replica),
             )
             self._feed.start()
         if self.config.replicas_dns is not None:
@@ -288,8 +289,10 @@ class Router:
         if truncation is not None:  # routed and checked as the replica will see it
             prompt = self.tokenizer.truncated(prompt, truncation, self._max_model_len())
         block_tokens = self.block_tokens
-        # a LoRA adapter's blocks are keyed by its name (vLLM's `lora_name` is the request's model)
-        lora = body["model"] if self.replicas.is_adapter(body["model"]) else None
+        # a LoRA adapter's blocks are keyed by its name (vLLM's `lora_name` is the request's
+        # model) and its path
+        path = self.replicas.adapter_path(body["model"])
+        lora = None if path is None else (body["model"], path)
         hashes = (
             ()
             if block_tokens is None

@@ -22,6 +22,7 @@ without sockets; `EventFeed` owns the sockets and one asyncio task per source.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -103,9 +104,17 @@ class VllmRehasher:
     """
 
     def __init__(
-        self, replica: str, index: PrefixIndex, forget: Forget, max_blocks: int = 1_000_000
+        self,
+        replica: str,
+        index: PrefixIndex,
+        forget: Forget,
+        max_blocks: int = 1_000_000,
+        adapter_path: Callable[[str], str | None] = lambda name: None,
     ) -> None:
+        """`adapter_path(name)`: the path of the replica's LoRA adapter `name` (None: unknown;
+        its blocks cannot be named: the events name the adapter, not its path)."""
         self.replica = replica
+        self._adapter_path = adapter_path
         self._index = index
         self._forget = forget
         self._max_blocks = max_blocks
@@ -142,18 +151,20 @@ class VllmRehasher:
         tokens: Sequence[int] = event.get("token_ids") or ()
         size = event.get("block_size")
         lora = event.get("lora_name")
+        path = self._adapter_path(lora) if isinstance(lora, str) else None
         if (
-            tier is None
+            (lora is not None and path is None)
+            or tier is None
             or not isinstance(size, int)
             or size <= 0
             or len(tokens) < size * len(hashes)
             or not _lora_only(event.get("extra_keys"), lora)
         ):
-            self.unnamed += len(hashes)  # salted/multimodal or foreign tiers: unnamable
+            self.unnamed += len(hashes)  # salted/multimodal, unknown adapter, foreign tier
             return
         parent_ext = event.get("parent_block_hash")
         if parent_ext is None:  # a LoRA adapter's chain starts at its own root, as the connector's
-            parent = root_hash(extra_key(lora=lora))
+            parent = root_hash(extra_key(lora=lora, lora_path=path))
         elif _key(parent_ext) in self._names:
             parent = self._names[_key(parent_ext)]
         else:
@@ -216,10 +227,12 @@ class EventFeed:
         *,
         known: Callable[[str], bool] | None = None,
         curve_server_key: str | None = None,
+        adapter_path: Callable[[str, str], str | None] = lambda replica, name: None,
     ) -> None:
         """`dynamic`: endpoints may join later (`connect`), even with none at start. `known`:
         the replicas whose kvtier events are accepted (None: any); `curve_server_key`: the
-        publishers' CURVE public key (`kvtier.net.kv_events`)."""
+        publishers' CURVE public key (`kvtier.net.kv_events`); `adapter_path(replica, name)`:
+        the path of a replica's LoRA adapter (`VllmRehasher`)."""
         self._index = index
         self._clock = clock
         self._count = count
@@ -236,7 +249,8 @@ class EventFeed:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(endpoint)
-            self._vllm.append((sock, VllmRehasher(replica, index, forget, max_blocks)))
+            paths = functools.partial(adapter_path, replica)
+            self._vllm.append((sock, VllmRehasher(replica, index, forget, max_blocks, paths)))
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:

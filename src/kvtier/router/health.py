@@ -267,9 +267,9 @@ class HealthChecker:
         cards = [e for e in entries if isinstance(e, dict) and "id" in e]
         replica.models = tuple(str(e["id"]) for e in cards)
         # vLLM lists a LoRA adapter with its base model as `parent` (null for a base model)
-        replica.adapters = frozenset(
-            str(e["id"]) for e in cards if isinstance(e.get("parent"), str)
-        )
+        replica.adapters = {
+            str(e["id"]): str(e.get("root")) for e in cards if isinstance(e.get("parent"), str)
+        }
         lens = [
             e["max_model_len"]
             for e in entries

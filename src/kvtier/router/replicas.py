@@ -38,9 +38,10 @@ class Replica:
     queued_prefill_tokens: int = 0
     models: tuple[str, ...] = ()
     """Model ids its /v1/models lists (learned by the health checker)."""
-    adapters: frozenset[str] = frozenset()
-    """Those of `models` that are LoRA adapters (their card names a `parent`): requests for one
-    are hashed with its name, as vLLM and the connector key its blocks."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """Those of `models` that are LoRA adapters (their card names a `parent`), with their paths
+    (the card's `root`): requests for one are hashed with both, as vLLM and the connector key
+    its blocks."""
     learned_at: float = 0.0
     """`time.monotonic()` when the health checker last read its models and block size."""
     max_model_len: int | None = None
@@ -192,9 +193,14 @@ class ReplicaSet:
     def models(self) -> set[str]:
         return {m for r in self.replicas.values() for m in r.models}
 
-    def is_adapter(self, model: str) -> bool:
-        """Whether a replica lists `model` as a LoRA adapter (a set lookup per replica)."""
-        return any(model in r.adapters for r in self.replicas.values())
+    def adapter_path(self, model: str, replica: str | None = None) -> str | None:
+        """The path of LoRA adapter `model` on `replica` (None: the first replica listing it);
+        None when it is no adapter there (a dict lookup per replica)."""
+        if replica is not None:
+            one = self.replicas.get(replica)
+            return None if one is None else one.adapters.get(model)
+        paths = (r.adapters[model] for r in self.replicas.values() if model in r.adapters)
+        return next(paths, None)
 
     def max_model_len(self) -> int | None:
         lens = [r.max_model_len for r in self.replicas.values() if r.max_model_len]

@@ -5,8 +5,9 @@ hashes full blocks with `kvtier.core.keys.block_hashes` at the engine's block si
 code the replicas' connector uses, so a prompt's blocks carry the same hashes on both sides. A
 mismatch would not break a request (the router forwards the original body), only its routing.
 The extra key is the connector's too (`kvtier.vllm.compat.request_extra`): the cache salt, and
-the LoRA adapter's name for a request to an adapter (its `model`, which vLLM takes as the
-adapter's `lora_name`; the router tells adapters by their /v1/models cards).
+the LoRA adapter's name and path for a request to an adapter (its `model`, which vLLM takes as
+the adapter's `lora_name`; the router tells adapters, and their paths, by their /v1/models
+cards).
 
 Mirrors vLLM 0.32's OpenAI server: completions add special tokens (`add_special_tokens` default
 true); chat renders the template with the conversation and arguments vLLM hands it
@@ -37,7 +38,10 @@ from kvtier.router.chat_template import names_developer_role, takes_content_part
 from kvtier.router.chunked_encoder import HEAD_CHARS, SELF_CHECK, ChunkedEncoder
 from kvtier.router.openai_request import BadRequest, Truncation, completion_prompt
 
-__all__ = ["Prompt", "Tokenizer"]
+__all__ = ["LoraAdapter", "Prompt", "Tokenizer"]
+
+LoraAdapter = tuple[str, str]
+"""A LoRA adapter as the replicas key its blocks: (name, path)."""
 
 
 class Prompt(NamedTuple):
@@ -69,9 +73,9 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(model_dir)
         """The Hugging Face tokenizer itself."""
         self.encoder = ChunkedEncoder(self._plain_encoder())
-        self._hashes: Lru[tuple[str, str | None, str | None, int, int], tuple[BlockHash, ...]] = (
-            Lru(HEAD_CHARS, lambda key, _: len(key[0]))
-        )
+        self._hashes: Lru[
+            tuple[str, str | None, LoraAdapter | None, int, int], tuple[BlockHash, ...]
+        ] = Lru(HEAD_CHARS, lambda key, _: len(key[0]))
         """Block hashes of recent prompt heads, by (head, cache salt, LoRA adapter, ids count,
         block size)."""
         # special tokens (BOS) are prepended by most tokenizers; others are encoded whole
@@ -161,11 +165,12 @@ class Tokenizer:
         token_ids: Sequence[int],
         block_tokens: int,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: LoraAdapter | None = None,
     ) -> tuple[BlockHash, ...]:
         """Hashes of the full blocks of `token_ids`, as the replicas' connector names them for a
         request with that salt and LoRA adapter (`kvtier.vllm.compat.request_extra`)."""
-        extra = extra_key(lora=lora, cache_salt=cache_salt)
+        name, path = lora or (None, None)
+        extra = extra_key(lora=name, lora_path=path, cache_salt=cache_salt)
         return tuple(block_hashes(token_ids, block_tokens, extra))
 
     def block_hashes(
@@ -173,7 +178,7 @@ class Tokenizer:
         prompt: Prompt,
         block_tokens: int,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: LoraAdapter | None = None,
     ) -> tuple[BlockHash, ...]:
         """`hash_ids(prompt.ids)`, memoized by the prompt's head. The ids count in the key tells
         a head encoded with leading special tokens from the same head without them."""

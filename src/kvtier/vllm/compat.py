@@ -167,10 +167,16 @@ def request_token_ids(request: Request) -> Sequence[int] | None:
 
 
 def request_extra(request: Request) -> bytes:
-    """The key material that must split the cache: LoRA name, cache salt, multimodal hashes."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    """The key material that must split the cache: LoRA name and path, cache salt, multimodal
+    hashes."""
+    adapter = request.lora_request
     mm = [str(f.identifier) for f in (request.mm_features or [])]
-    return extra_key(lora=lora, cache_salt=request.cache_salt, mm_hashes=mm)
+    return extra_key(
+        lora=adapter.lora_name if adapter is not None else None,
+        lora_path=adapter.lora_path if adapter is not None else None,
+        cache_salt=request.cache_salt,
+        mm_hashes=mm,
+    )
 
 
 def block_ids(blocks: KVCacheBlocks) -> list[int]:
