@@ -71,11 +71,16 @@ class Pod:
         deployment: str,
         volumes: Path,
         image_paths: dict[str, str],
+        temp_root: Path,
     ) -> None:
+        """`temp_root`: where the pod's own temporary directory goes (a container's /tmp:
+        vLLM's IPC sockets and files), kept short for socket paths; the caller removes it."""
         self.net, self.node, self.objects = net, node, objects
         self.spec = _find(objects, "Deployment", deployment)["spec"]["template"]["spec"]
         self.container: dict[str, Any] = self.spec["containers"][0]
         self.name = f"{deployment}-{node.index}"
+        self.temp = temp_root / self.name
+        self.temp.mkdir()
         self.paths = dict(image_paths)
         self._mount(volumes)
         self.env = self._environment()
@@ -144,6 +149,7 @@ class Pod:
         base = {
             "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
             "HOME": os.environ.get("HOME", "/root"),
+            "TMPDIR": str(self.temp),
         }
         with open(log, "ab") as out:
             self.process = self.net.spawn(

@@ -6,6 +6,7 @@ shared claim and its KV events reach the router on the rendered port."""
 
 from __future__ import annotations
 
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,14 +38,18 @@ def test_a_request_passes_through_the_rendered_router_to_the_rendered_replicas(
     objects = kustomize(tmp_path / "overlay")
     api_key = (tmp_path / "overlay" / "secrets" / "router-api-keys").read_text().strip()
     images = {EMBEDDED_MODEL: model_dir}
-    with Network() as net:
+    # the pods' own /tmp, removed after the network has stopped their processes
+    with tempfile.TemporaryDirectory(prefix="kvtier-pods-") as temp, Network() as net:
         client = net.node("client")
         nodes = [net.node(f"replica{i}") for i in range(spec.replicas)]
         router_node = net.node("router")
         replicas = [
-            Pod(net, n, objects, "kvtier-replica", tmp_path / "volumes", images) for n in nodes
+            Pod(net, n, objects, "kvtier-replica", tmp_path / "volumes", images, Path(temp))
+            for n in nodes
         ]
-        router = Pod(net, router_node, objects, "kvtier-router", tmp_path / "volumes", images)
+        router = Pod(
+            net, router_node, objects, "kvtier-router", tmp_path / "volumes", images, Path(temp)
+        )
         dns = {
             "kvtier-replicas": [n.address for n in nodes],
             "kvtier-router": [router_node.address],
