@@ -16,8 +16,8 @@ Runs in each worker (one per TP rank). vLLM calls, on the worker's execute threa
     submit_saves(meta)         after the forward (`wait_for_save`): ends the layered copy, then
                                queues this step's saves on the saver thread and returns; the
                                forward pass never waits for them. Blocks computed from a
-                               block a recent step failed to load are not saved (`_written_
-                               blocks`). Past
+                               block a recent step failed to load are not saved
+                               (`_written_blocks`). Past
                                `save_backlog_blocks` blocks waiting to be copied out (blocks L1
                                holds need no copy and are not counted), new saves are dropped
                                and counted: a finished request holds its KV blocks until its
