@@ -10,6 +10,7 @@ import ssl
 from pathlib import Path
 from typing import Any, cast
 
+import httpx
 import pytest
 import trustme
 
@@ -22,6 +23,7 @@ from kvtier.router.app import Router, serving
 from kvtier.router.policies import CostPolicy
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
+from kvtier.router.upstream import HELD_ANSWER_BYTES
 from tests.helpers.aio import run
 from tests.helpers.router import (
     MAX_MODEL_LEN,
@@ -553,6 +555,67 @@ def test_a_replica_dying_mid_stream_ends_the_stream_with_an_error_event(
             assert in_flight(rr) == {a.url: 0}
             text = rr.router.metrics.render().decode()
             assert 'kvtier_router_stream_errors_total{cause="upstream"} 1.0' in text
+
+    run(scenario())
+
+
+LARGE_ANSWER = 2 * HELD_ANSWER_BYTES + 12345
+"""A whole answer past what the router holds (long logprobs, say): its halves pass the limit."""
+
+
+def test_a_whole_answer_larger_than_the_router_holds_is_relayed_as_it_comes(
+    tokenizer: Tokenizer,
+) -> None:
+    """The router's memory per request stays bounded: the client has the answer's head and
+    first half while the replica still holds the second; the answer arrives whole."""
+
+    async def scenario() -> None:
+        async with fakes("slow_answer") as (a,), running_router(tokenizer, [a]) as rr:
+            a.answer_bytes = LARGE_ANSWER
+            request = rr.client.build_request("POST", rr.url + "/v1/completions", json=completion())
+            resp = await asyncio.wait_for(rr.client.send(request, stream=True), 10)
+            assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == a.url
+            raw = resp.aiter_raw()
+            received = b""
+            while len(received) <= HELD_ANSWER_BYTES:
+                received += await asyncio.wait_for(anext(raw), 10)
+            assert not a.release.is_set()  # relayed while the replica holds the rest
+            a.release.set()
+            async for chunk in raw:
+                received += chunk
+            doc = json.loads(received)
+            assert len(doc["choices"][0]["text"]) == LARGE_ANSWER
+            assert doc["served_by"] == a.url
+            await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
+            text = rr.router.metrics.render().decode()
+            assert metric(text, f'kvtier_router_prompt_tokens_total{{replica="{a.url}"}}') == 1
+
+    run(scenario())
+
+
+def test_a_replica_failing_mid_answer_fails_over_or_cuts_a_large_answer(
+    tokenizer: Tokenizer,
+) -> None:
+    """A whole answer the router still holds is resent to another replica; one already being
+    relayed cannot be, and the client's connection is dropped (its body stays incomplete)."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("die_mid_answer", "ok") as (dying, good),
+            running_router(tokenizer, [dying, good], strategy="roundrobin") as rr,
+        ):
+            for _ in range(2):  # round robin visits the dying replica first or second
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200 and resp.json()["served_by"] == good.url
+            assert len(dying.received) >= 1
+        async with fakes("die_mid_answer") as (a,), running_router(tokenizer, [a]) as rr:
+            a.answer_bytes = LARGE_ANSWER
+            with pytest.raises(httpx.RemoteProtocolError):
+                await rr.client.post(rr.url + "/v1/completions", json=completion())
+            await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
+            text = rr.router.metrics.render().decode()
+            assert 'kvtier_router_stream_errors_total{cause="upstream"} 1.0' in text
+            assert len(a.received) == 1  # committed: never resent
 
     run(scenario())
 

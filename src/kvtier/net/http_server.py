@@ -298,6 +298,11 @@ class Exchange:
         if not self._head_only:
             self._conn.write(b"0\r\n\r\n")
 
+    def abort(self) -> None:
+        """Drop the connection: a streamed body cut short that cannot say so otherwise."""
+        self._close = True
+        self._conn.abort()
+
     async def cancel_on_disconnect(self, work: Awaitable[T]) -> T:
         """Await `work` (after the body was read); if the client hangs up before the answer is
         complete, cancel it and raise ClientGone."""

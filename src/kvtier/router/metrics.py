@@ -201,7 +201,7 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
     MetricDef(
         "kvtier_router_stream_errors",
         "counter",
-        "Streams cut short after the first byte.",
+        "Answers cut short after the first byte: streams, and whole answers relayed as they come.",
         ("cause",),
         "cause: upstream (the replica), client (hung up)",
     ),

@@ -5,7 +5,8 @@ request (affinity is never re-applied to a dead replica), the decision is record
 holds the replica's load counters, and the original body is POSTed. An attempt fails over when
 connecting fails or times out, the replica answers 500/502/503/504, or the connection drops
 before anything reached the client (a stream: before its first byte; a whole answer: before it
-was complete), so another replica can serve it. The replica may then have generated part or
+was complete, or past `HELD_ANSWER_BYTES`, from when it is relayed), so another replica can
+serve it. The replica may then have generated part or
 all of the answer for nothing: failover trades that work for an answer instead of a 502.
 A replica that did not answer at all is marked suspect at once (other requests avoid it until
 its next good health check); one that answered 5xx is only excluded for this request. A replica
@@ -47,6 +48,10 @@ __all__ = ["Forward", "Upstream", "UpstreamFailed", "reported_usage"]
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({500, 502, 503, 504})
+HELD_ANSWER_BYTES = 4 << 20
+"""The most of a whole (non-streamed) answer held before relaying it. An answer within it is
+checked before the client sees it (an abort or a cut fails over); a larger one (long logprobs)
+is relayed as it comes, so a request holds at most this much of the router's memory."""
 
 
 class UpstreamFailed(Exception):
@@ -203,13 +208,16 @@ class Upstream:
             headers = _passthrough(resp.headers, replica)
             if not fwd.stream or resp.status != 200:
                 try:
-                    rest = await resp.read()
+                    held, whole = await _hold(resp, first)
                 except OSError as exc:  # nothing sent yet: still a retry
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
-                tail = first + rest
-                if resp.status == 200 and _ABORTED.search(tail):  # nothing sent yet: retry
-                    raise _Retry("it aborted the request before any token", stopping=True)
-                await exchange.respond(resp.status, tail, headers)
+                if whole:
+                    tail = b"".join(held)
+                    if resp.status == 200 and _ABORTED.search(tail):  # nothing sent: retry
+                        raise _Retry("it aborted the request before any token", stopping=True)
+                    await exchange.respond(resp.status, tail, headers)
+                else:
+                    tail = await self._relay_whole(exchange, resp, held, headers)
             else:
                 self._metrics.observe_ttft(now - fwd.arrived, fwd.endpoint, now)
                 await exchange.start(resp.status, headers)
@@ -255,6 +263,44 @@ class Upstream:
             await exchange.write(sse_error(f"replica {claim.abandoned}", 504))
             await exchange.finish()
             return b"".join(tail)
+
+    async def _relay_whole(
+        self, exchange: Exchange, resp: Response, held: list[bytes], headers: list[Header]
+    ) -> bytes:
+        """Relay a whole answer too large to hold (`HELD_ANSWER_BYTES`) as it comes, chunked;
+        committed: a replica failing mid-way drops the client's connection, the one way left
+        to tell it the body is incomplete. Returns the last two chunks (the usage, split or
+        not)."""
+        await exchange.start(resp.status, headers)
+        tail = (b"", b"")
+        for chunk in held:
+            await exchange.write(chunk)
+            tail = (tail[1], chunk)
+        try:
+            while chunk := await resp.chunk():
+                await exchange.write(chunk)
+                tail = (tail[1], chunk)
+        except OSError as exc:  # the replica died or went silent
+            self._metrics.stream_errors.labels("upstream").inc()
+            log.warning("replica failed mid-answer, client connection dropped: %s", exc)
+            exchange.abort()
+            return b""
+        await exchange.finish()
+        return b"".join(tail)
+
+
+async def _hold(resp: Response, first: bytes) -> tuple[list[bytes], bool]:
+    """A whole answer's chunks from `first` on, until its end (True) or until they pass
+    `HELD_ANSWER_BYTES` (False: the rest is still to read)."""
+    held = [first]
+    size = len(first)
+    while size <= HELD_ANSWER_BYTES:
+        chunk = await resp.chunk()
+        if not chunk:
+            return held, True
+        held.append(chunk)
+        size += len(chunk)
+    return held, False
 
 
 async def _says_shut_down(resp: Response) -> bool:

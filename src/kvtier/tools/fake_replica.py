@@ -10,6 +10,9 @@ and the router's tests run it in-process to misbehave on demand (`mode`):
     die_mid_stream  stream the first SSE event, then reset the connection
     slow_stream     stream the first SSE event, the rest once `release` is set
     slow_end        stream every SSE event, `[DONE]` included; end the body once `release` is set
+    slow_answer     send the first half of a whole (non-streamed) answer, the rest once
+                    `release` is set
+    die_mid_answer  send the first half of a whole answer, then reset the connection
     abort           answer cut short as vLLM does when it stops: `finish_reason` "abort"
     refuse          answer as a draining vLLM refuses a request: a text prompt or a chat, 500
                     "cannot schedule new futures after shutdown"; a token prompt, `finish_reason`
@@ -71,6 +74,8 @@ class FakeReplica:
     adapters: tuple[str, ...] = ()
     """LoRA adapters /v1/models lists after the model, as vLLM lists `--lora-modules`: cards
     with the base model as `parent`."""
+    answer_bytes: int = 2
+    """Length of a whole answer's text (a large one stands for long logprobs)."""
     block_tokens: int = 128
     """Engine block size reported on /metrics (vLLM's on CPU by default)."""
     healthy: bool = True
@@ -189,19 +194,7 @@ class FakeReplica:
             await asyncio.sleep(3600)
         finish = "abort" if self.mode in ("abort", "refuse") else "length"
         if not body.get("stream"):
-            await _respond_json(
-                writer,
-                200,
-                {
-                    "id": "x",
-                    "object": "text_completion",
-                    "model": self.model,
-                    "choices": [{"text": "ok", "index": 0, "finish_reason": finish}],
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-                    "served_by": self.url,
-                },
-            )
-            return True
+            return await self._answer_whole(writer, finish)
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
@@ -227,6 +220,34 @@ class FakeReplica:
         if self.mode == "slow_end":
             await self.release.wait()
         await _chunk(writer, b"")
+        return True
+
+    async def _answer_whole(self, writer: asyncio.StreamWriter, finish: str) -> bool:
+        doc = {
+            "id": "x",
+            "object": "text_completion",
+            "model": self.model,
+            "choices": [
+                {"text": "ok".ljust(self.answer_bytes, "."), "index": 0, "finish_reason": finish}
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            "served_by": self.url,
+        }
+        if self.mode not in ("slow_answer", "die_mid_answer"):
+            await _respond_json(writer, 200, doc)
+            return True
+        data = json.dumps(doc).encode()
+        half = len(data) // 2
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(data), data[:half])
+        )
+        await writer.drain()
+        if self.mode == "die_mid_answer":
+            return False
+        await self.release.wait()
+        writer.write(data[half:])
+        await writer.drain()
         return True
 
 
