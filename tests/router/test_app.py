@@ -24,6 +24,7 @@ from kvtier.router.policies import CostPolicy
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.router.upstream import HELD_ANSWER_BYTES
+from kvtier.tools.fake_replica import adapter_path
 from tests.helpers.aio import run
 from tests.helpers.router import (
     MAX_MODEL_LEN,
@@ -41,7 +42,7 @@ from tests.helpers.router import (
 LONG_PROMPT = " ".join(f"word{i}" for i in range(200))
 ADAPTER = "sql-lora"
 """A LoRA adapter the fake replicas list (vLLM: `--lora-modules sql-lora=PATH`)."""
-PATH = f"/adapters/{ADAPTER}"
+PATH = adapter_path(ADAPTER)
 """Its path, as the fake replicas' /v1/models cards give it (`root`)."""
 
 

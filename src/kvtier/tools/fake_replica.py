@@ -41,7 +41,7 @@ from typing import Any, Self
 
 import httptools
 
-__all__ = ["SSE_CHUNKS", "FakeReplica"]
+__all__ = ["SSE_CHUNKS", "FakeReplica", "adapter_path"]
 
 SSE_CHUNKS = [
     b'data: {"choices": [{"text": "a"}]}\n\n',
@@ -175,7 +175,7 @@ class FakeReplica:
     def _model_cards(self) -> list[dict[str, Any]]:
         base = {"id": self.model, "object": "model", "root": self.model, "parent": None}
         adapters = [
-            {"id": name, "object": "model", "root": f"/adapters/{name}", "parent": self.model}
+            {"id": name, "object": "model", "root": adapter_path(name), "parent": self.model}
             for name in self.adapters
         ]
         return [{**base, "max_model_len": self.max_model_len}, *adapters]
@@ -249,6 +249,11 @@ class FakeReplica:
         writer.write(data[half:])
         await writer.drain()
         return True
+
+
+def adapter_path(name: str) -> str:
+    """The path /v1/models gives for the adapter `name` (its card's `root`)."""
+    return f"/adapters/{name}"
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] | None:
