@@ -34,6 +34,7 @@ COMMANDS = {
     ("bench", "tiers-chart"),
     ("bench", "router"),
     ("bench", "router-saturation"),
+    ("bench", "router-tokenize"),
     ("bench", "chat"),
     ("bench", "trace"),
     ("bench", "rag"),

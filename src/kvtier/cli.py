@@ -36,6 +36,7 @@ BENCH_MODULES = (
     "kvtier.tools.bench.tiers_chart",
     "kvtier.tools.bench.router",
     "kvtier.tools.bench.router_saturation",
+    "kvtier.tools.bench.router_tokenize",
     "kvtier.tools.bench.fleet_runs",
     "kvtier.tools.bench.chaos",
 )
