@@ -3,16 +3,26 @@
 Every engine here is a real `vllm serve` process on the embedded model, started through
 `kvtier.tools.vllm_server` with one pinned thread and the waits of engines sharing a machine
 (`SHARED_MACHINE_WAIT`: the tests run several side by side); tests share them through
-module-scoped fixtures.
+module-scoped fixtures. `BatchEngine` runs vLLM's offline engine instead, in a process of its
+own with the same environment, for prompts that must share a scheduler step.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import queue
 import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import httpx
 
@@ -104,3 +114,64 @@ def metric_in(text: str, name: str, labels: Mapping[str, str] | None = None) -> 
             continue
         total += float(m.group(2))
     return total
+
+
+OUTPUT_MARK = "batch-engine-output: "
+"""How `tests.helpers.batch_engine` marks its output lines."""
+
+
+class BatchEngine:
+    """`tests.helpers.batch_engine` on the embedded model with the connector on `l2_dir`, one
+    pinned thread; its log (vLLM's output) goes to `log_path`. A context manager: the engine
+    exits on leaving it (killed if it does not within a minute)."""
+
+    def __init__(self, model_dir: str, l2_dir: Path, log_path: Path) -> None:
+        self._temp = tempfile.TemporaryDirectory(prefix="kvtier-batch-engine-")
+        spec = ServerSpec(model=model_dir, port=0, cpu_ids="0", queue_wait=SHARED_MACHINE_WAIT)
+        self._log = log_path.open("w")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.batch_engine", model_dir, str(l2_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=spec.environment(self._temp.name),
+            start_new_session=True,  # (its engine processes too, for a kill on timeout)
+        )
+        self._outputs: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._log.write(line)
+            if line.startswith(OUTPUT_MARK):
+                self._outputs.put(line[len(OUTPUT_MARK) :])
+        self._outputs.put(None)  # the engine exited
+
+    def generate(self, prompts: list[list[int]], timeout_s: float = 600.0) -> list[list[int]]:
+        """Greedy outputs of `prompts`, all queued before the engine's next step."""
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(prompts) + "\n")
+        self._proc.stdin.flush()
+        line = self._outputs.get(timeout=timeout_s)
+        assert line is not None, f"the batch engine exited; see {self._log.name}"
+        return [list(ids) for ids in json.loads(line)]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+        self._reader.join(timeout=10)
+        self._log.close()
+        self._temp.cleanup()

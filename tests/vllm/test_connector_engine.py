@@ -15,7 +15,8 @@ Engines (each a real `vllm serve` on the embedded model, one pinned thread):
 - `reference`: no connector; computes every expected output once, then stops;
 - `replica_a`, `replica_b`: the connector with a tiny L0 (40 x 128 tokens) and one shared L2
   directory; `replica_b` never sees a prompt before the L2 tests send it there;
-- one connector engine with an unusable L2 path (its own test).
+- one connector engine with an unusable L2 path (its own test);
+- two offline engines (`BatchEngine`) for prompts that must share a scheduler step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from kvtier.tools.bench.tiers import prompt_ids
 from kvtier.tools.l2ops.juicefs import JuiceFSMount
 from kvtier.tools.vllm_server import ServerProcess
 from tests.helpers.engines import (
+    BatchEngine,
     complete,
     kv_transfer_config,
     metric,
@@ -367,6 +369,39 @@ def test_a_corrupt_or_missing_l2_block_fails_its_load_and_is_recomputed(
         assert bad.read_bytes() != bytes(data)
     original, resaved = (_kv_values(raw) for raw in (good, bad.read_bytes()))
     assert (resaved - original).abs().mean() < 0.05 * original.abs().mean()
+
+
+def test_blocks_computed_in_the_step_of_a_failed_load_from_its_blocks_are_never_saved(
+    model_dir: str, corpus: Corpus, tmp_path: Path
+) -> None:
+    """Two prompts in one scheduler step: X loads its prefix from L2, where block 2 is corrupt;
+    Y shares X's first 5 blocks, takes them from vLLM's prefix cache as X's load writes them,
+    and computes its own blocks from them, block 2's stale KV included. The load fails; vLLM
+    recomputes both, and Y's blocks reach L2 only as computed from good KV: within rounding of
+    the same blocks computed after a clean prefix. (A save of the failed step would put blocks
+    computed from the stale block in L2, where the first write of a block stays.)"""
+    x = prompt_ids(corpus, 1400, seed=301)
+    y = x[: 5 * BLOCK] + prompt_ids(corpus, 700, seed=302)
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    with BatchEngine(model_dir, l2, tmp_path / "clean.log") as engine:
+        engine.generate([x])
+        engine.generate([y])  # after x: its first 5 blocks are L0 hits, good ones
+        x_files, y_files = _block_files(l2, x), _block_files(l2, y)[5:]
+        _wait_for_files(x_files + y_files)
+    clean = [f.read_bytes() for f in y_files]
+    for f in y_files:
+        f.unlink()
+    data = bytearray(x_files[2].read_bytes())
+    data[-100:] = bytes(100)  # the checksum no longer matches: its load fails
+    x_files[2].write_bytes(bytes(data))
+
+    with BatchEngine(model_dir, l2, tmp_path / "failed-load.log") as engine:
+        engine.generate([x, y])
+        _wait_for_files(y_files)
+    for good, resaved in zip(clean, y_files, strict=True):
+        expected, stored = _kv_values(good), _kv_values(resaved.read_bytes())
+        assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
 
 
 def _kv_values(block_file: bytes) -> torch.Tensor:
