@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.errors import ConfigError
 from kvtier.core.keys import extra_key
 from kvtier.vllm.launch import patch_vllm_cpu
 
@@ -51,6 +52,7 @@ __all__ = [
     "KVConnectorWorkerMetadata",
     "batches_in_flight",
     "block_ids",
+    "check_kv_cache_layout",
     "check_version",
     "engine_geometry",
     "extra_config",
@@ -64,6 +66,7 @@ __all__ = [
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -91,6 +94,31 @@ def check_version(version: str | None = None) -> bool:
         SUPPORTED_SERIES,
     )
     return False
+
+
+def check_kv_cache_layout(kv_cache_config: KVCacheConfig | None) -> None:
+    """Raise `ConfigError` for a KV cache kvtier cannot store: other than one group of
+    full-attention layers with K and V heads. vLLM keeps several groups (its hybrid KV cache
+    manager) for models mixing layer kinds; it turns that off for a connector like this one
+    unless `--no-disable-hybrid-kv-cache-manager` forces it on, and then asserts only when the
+    first request ends. MLA (DeepSeek) stores one latent vector per token, not K and V."""
+    if kv_cache_config is None:
+        return
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(group.kv_cache_spec).__name__ for group in groups]
+    if len(groups) > 1:
+        raise ConfigError(
+            f"kvtier stores one KV cache group; this engine has {len(groups)} ({kinds}), "
+            "kept apart by vLLM's hybrid KV cache manager: remove "
+            "--no-disable-hybrid-kv-cache-manager"
+        )
+    if groups and type(groups[0].kv_cache_spec) is not FullAttentionSpec:
+        raise ConfigError(
+            f"kvtier stores full-attention K/V blocks; this model's KV cache is {kinds[0]} "
+            "(MLA, state-space and other layouts are not supported)"
+        )
 
 
 @dataclass(frozen=True, slots=True)
