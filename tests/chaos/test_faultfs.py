@@ -3,20 +3,26 @@
 from __future__ import annotations
 
 import errno
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from kvtier.core.settings import StoreSettings
+from kvtier.core.store import TieredStore
 from kvtier.core.tiers import posix
 from kvtier.core.tiers.noreplace import RENAME_NOREPLACE, rename_noreplace
 from kvtier.tools.chaos.faultfs import FaultFS, _Control, _fuse_class, _operations
 from kvtier.tools.l2ops.juicefs import fuse_available
+from tests.helpers.l2 import IDENTITY, make_block
 
 
 @pytest.fixture
-def mount(tmp_path: Path) -> Iterator[Path]:
+def faultfs(tmp_path: Path) -> Iterator[FaultFS]:
     if not fuse_available():
         pytest.skip("FUSE mounts need root + /dev/fuse")
     backing = tmp_path / "backing"
@@ -24,9 +30,14 @@ def mount(tmp_path: Path) -> Iterator[Path]:
     fs = FaultFS(str(backing), str(tmp_path / "mnt"), str(tmp_path / "faultfs.log"))
     fs.mount()
     try:
-        yield Path(fs.mountpoint)
+        yield fs
     finally:
         fs.unmount()
+
+
+@pytest.fixture
+def mount(faultfs: FaultFS) -> Path:
+    return Path(faultfs.mountpoint)
 
 
 def test_a_rename_asked_not_to_replace_never_replaces(mount: Path) -> None:
@@ -72,3 +83,41 @@ def test_the_passthrough_keeps_rename_flags(tmp_path: Path) -> None:
     )
     assert _fuse_class().rename_fuse_3(host, b"/x", b"/y", RENAME_NOREPLACE) == 0
     assert seen == [("/x", "/y", RENAME_NOREPLACE)]
+
+
+def test_closing_a_store_returns_within_its_timeout_while_its_l2_mount_hangs(
+    faultfs: FaultFS,
+) -> None:
+    """The mount's FUSE daemon is stopped, so the janitor's next pass hangs in it: the store's
+    close waits for that pass only until its timeout, as for its L2 writers (the connector
+    closes its store so when vLLM stops)."""
+    store = TieredStore(
+        StoreSettings(
+            l1_bytes=0,
+            l2_path=faultfs.mountpoint,
+            l2_capacity_bytes=10**8,
+            l2_janitor_interval_s=0.05,
+        ),
+        IDENTITY,
+    )
+    for index in range(3):
+        store.save(*make_block(1, index, 64 << 10))
+    assert store.flush(10)
+    assert faultfs.process is not None
+    closed = threading.Event()
+
+    def close() -> None:
+        store.close(timeout_s=1)
+        closed.set()
+
+    closer = threading.Thread(target=close)
+    faultfs.process.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(0.5)  # the janitor's next pass is in the frozen mount
+        started = time.monotonic()
+        closer.start()
+        assert closed.wait(10), "close() waited for the hung mount"
+        assert time.monotonic() - started < 5
+    finally:
+        faultfs.process.send_signal(signal.SIGCONT)
+        closer.join(10)

@@ -414,8 +414,10 @@ class TieredStore:
         `timeout_s` (counted from the call) runs out; they are daemons, so a hung mount cannot
         keep the process alive.
         An L2 tier the store built is closed, after its janitor (whose lease is handed over at
-        once); L1 keeps its blocks until the store is dropped.
+        once; a janitor pass stuck in a hung mount is also waited for only until `timeout_s`
+        runs out); L1 keeps its blocks until the store is dropped.
         """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             if self._closed:
                 return
@@ -423,7 +425,7 @@ class TieredStore:
         if self._writes is not None:
             self._writes.close(drain=drain, timeout_s=timeout_s)
         if self._shared is not None:
-            self._shared.close()
+            self._shared.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Self:
         return self

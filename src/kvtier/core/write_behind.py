@@ -125,10 +125,13 @@ class WriteBehind:
         if not (drain and self.flush(timeout_s)):
             self._abandon = True
             self._discard_queued()
-        for _ in self._threads:
-            self._queue.put(None)
+        for _ in self._threads:  # (a full queue of hung writers takes none: they are left)
+            try:
+                self._queue.put(None, timeout=_left(deadline))
+            except queue.Full:
+                break
         for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            thread.join(_left(deadline))
 
     def _recently_confirmed(self, block_hash: BlockHash) -> bool:
         """Did a writer confirm this block in L2 within the TTL? (lock held) Re-saving a hot
@@ -186,3 +189,8 @@ class WriteBehind:
                 self._counts[count] += 1
             if not self._pending:
                 self._idle.notify_all()
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (never negative); None without one."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,6 +160,37 @@ def test_a_newest_lease_that_is_not_a_lease_is_expired_and_the_next_epoch_is_tak
     assert a.try_acquire() and a.epoch == 5 and not b.try_acquire()
     (lease_dir / "lease.000000000006").write_bytes(body)
     assert b.try_acquire() and b.epoch == 7 and not a.try_acquire()
+
+
+def _refuse(err: int) -> Callable[..., object]:
+    def refused(*args: object, **kwargs: object) -> object:
+        raise OSError(err, os.strerror(err))
+
+    return refused
+
+
+@pytest.mark.parametrize(
+    ("call", "err"),
+    [("write", errno.ENOSPC), ("link", errno.EPERM)],
+    ids=["full-volume", "no-hard-links"],
+)
+def test_a_take_the_file_system_refuses_leaves_no_file_and_says_why_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    call: str,
+    err: int,
+) -> None:
+    """A full volume (the lease's temp file gets no data) or one without hard links: every
+    attempt fails, none leaves its temp file behind, and the reason is logged once; once the
+    file system allows it, the lease is taken."""
+    lease = FileLease(str(tmp_path), "a", ttl_s=10, stale_s=0)
+    with monkeypatch.context() as patched:
+        patched.setattr(os, call, _refuse(err))
+        assert not any(lease.try_acquire() for _ in range(5))
+    assert os.listdir(tmp_path) == []
+    assert caplog.text.count("cannot take the lease") == 1 and os.strerror(err) in caplog.text
+    assert lease.try_acquire() and os.listdir(tmp_path) == ["lease.000000000001"]
 
 
 def _plant_outside(directory: Path) -> list[str]:

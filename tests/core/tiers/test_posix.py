@@ -141,6 +141,22 @@ def test_an_opened_block_with_a_bad_header_is_removed_at_its_first_piece(
     assert Path(tier.path(other)).exists() and tier.stats().misses == 2
 
 
+@pytest.mark.parametrize("keep", [NBYTES // 2, 0], ids=["torn", "empty"])
+def test_an_opened_block_of_a_size_its_header_does_not_explain_is_removed(
+    tmp_path: Path, keep: int
+) -> None:
+    """A file torn short (a crash before its data reached the disk) is not another layout's:
+    opening it for pieces removes it, so the next save of the block writes it whole again
+    (before, the file stayed, every lookup offered it and every load of it failed)."""
+    tier = tier_in(tmp_path)
+    h = put(tier, "a")
+    path = Path(tier.path(h))
+    path.write_bytes(path.read_bytes()[:keep])
+    assert tier.open_block(h, NBYTES) is None
+    assert not path.exists() and tier.stats().corrupt_removed == 1
+    assert put(tier, "a") == h and tier.open_block(h, NBYTES) is not None
+
+
 def test_a_read_into_a_buffer_removes_damaged_files_and_leaves_other_layouts(
     tmp_path: Path,
 ) -> None:

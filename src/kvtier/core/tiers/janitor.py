@@ -392,11 +392,20 @@ class Janitor:
                 log.exception("kvtier L2 janitor pass failed; retrying next interval")
             self._stop.wait(self.config.interval_s)
 
-    def close(self) -> None:
-        """Stop the thread and hand the lease over at once."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the thread and hand the lease over at once. A pass stuck in a hung mount is
+        waited for up to `timeout_s`, then left (a daemon thread) with the lease, which then
+        expires by its TTL: handing it over would touch the same mount."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning(
+                    "kvtier L2 janitor: its pass did not end within %s s; the lease expires by "
+                    "its TTL",
+                    timeout_s,
+                )
+                return
             self._thread = None
         self.lease.release()
 

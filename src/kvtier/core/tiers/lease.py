@@ -81,6 +81,8 @@ class FileLease:
         self._parts = [] if root is None else os.path.relpath(directory, root).split(os.sep)
         self._refused = False
         """Whether the last look found the directory reached through a symlink (logged)."""
+        self._cannot_take: int | None = None
+        """The errno of the last failed take (logged when it changes), None after a take."""
         if root is None:
             os.makedirs(directory, exist_ok=True)
             return
@@ -197,17 +199,29 @@ class FileLease:
             }
         ).encode()
         tmp = os.path.join(self.directory, f".{uuid.uuid4().hex}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            os.write(fd, body)
-        finally:
-            os.close(fd)
-        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                os.write(fd, body)
+            finally:
+                os.close(fd)
             os.link(tmp, self._path(epoch))
         except FileExistsError:
             return False  # another contender won this epoch
+        except OSError as exc:  # a full volume, a file system without hard links...
+            if exc.errno != self._cannot_take:
+                self._cannot_take = exc.errno
+                log.warning(
+                    "kvtier lease: cannot take the lease in %s (%s): until it can, no replica "
+                    "holds it (the L2 janitor does not run)",
+                    self.directory,
+                    exc,
+                )
+            raise
         finally:
-            os.unlink(tmp)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        self._cannot_take = None
         self.epoch = epoch
         for old in self._epochs():
             if old < epoch:

@@ -622,7 +622,8 @@ class PosixTier:
         self, block_hash: BlockHash, payload_bytes: int | None = None
     ) -> OpenedBlock | None:
         """Open the block's file; its header read and validated now unless `payload_bytes`
-        (then the file's size is checked against it, the header left to the first read)."""
+        (then the file's size is checked against it, the header left to the first read; a file
+        of another size is checked now, and removed unless its header explains the size)."""
         if self._unusable(misses=1):
             return None
         path = self.path(block_hash)
@@ -643,18 +644,17 @@ class PosixTier:
                 if opened.st_dev != self._volume.device and not self._volume.check(now=True):
                     raise OSError(errno.ENODEV, "L2 volume not mounted", path)
                 size = opened.st_size
-                if payload_bytes is not None:
-                    if size == HEADER_BYTES + payload_bytes:
-                        return OpenedBlock(self, block_hash, path, fd, opened, None)
-                    # another layout (or a damaged file, which a whole read removes): leave it
-                    os.close(fd)
-                    self._counters.add(misses=1)
-                    return None
+                if payload_bytes is not None and size == HEADER_BYTES + payload_bytes:
+                    return OpenedBlock(self, block_hash, path, fd, opened, None)
                 if not HEADER_BYTES <= size <= HEADER_BYTES + MAX_PAYLOAD_BYTES:
                     raise CodecError(f"file: {size} bytes is not a plausible block")
                 head = memoryview(bytearray(HEADER_BYTES))
                 got = _read_into(fd, head)
                 header = self._checked_header(head[:got], block_hash, size)
+                if payload_bytes is not None:  # a sound block of another layout: leave it
+                    os.close(fd)
+                    self._counters.add(misses=1)
+                    return None
             except BaseException:
                 os.close(fd)  # whatever failed, and before the file may be removed
                 raise

@@ -37,10 +37,11 @@ class SharedL2:
     access: AccessRecorder | None = None
     """Read hits recorded for the janitor (directory L2 only)."""
 
-    def close(self) -> None:
-        """Stop the janitor (handing its lease over at once), then release the tier."""
+    def close(self, timeout_s: float | None = None) -> None:
+        """Stop the janitor (handing its lease over at once; a pass stuck in a hung mount is
+        waited for up to `timeout_s`), then release the tier."""
         if self.janitor is not None:
-            self.janitor.close()
+            self.janitor.close(timeout_s)
         self.tier.close()
 
 
