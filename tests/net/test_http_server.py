@@ -383,3 +383,44 @@ def test_a_framing_error_in_a_pipelined_request_is_not_answered_in_place_of_the_
             writer.close()
 
     run(scenario())
+
+
+def test_an_answer_given_before_a_large_body_is_read_reaches_the_client() -> None:
+    """The handler answers (404) without reading an 8 MiB body: the client, still sending,
+    reads the whole answer, told the connection closes, instead of a reset that destroys it
+    (the router refuses so: a bad key, an unknown path, a body over the limit)."""
+
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            size = 8 << 20
+            writer.write(b"POST /nothing HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+
+            async def send_body() -> None:
+                with contextlib.suppress(ConnectionError):
+                    for _ in range(size // 65536):
+                        writer.write(b"x" * 65536)
+                        await writer.drain()
+
+            sending = asyncio.create_task(send_body())
+            status, headers, _ = await asyncio.wait_for(read_answer(reader), 5)
+            assert status == b"HTTP/1.1 404 Not Found" and headers[b"connection"] == b"close"
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # then the server's end
+            assert handler.seen == ["/nothing"]
+            sending.cancel()
+            writer.close()
+
+    run(scenario())
+
+
+def test_a_head_of_too_many_header_lines_is_a_431() -> None:
+    async def scenario() -> None:
+        async with serving() as (_, handler, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            lines = b"".join(b"x%d: y\r\n" % i for i in range(300))  # 3 KiB: under the size
+            writer.write(b"GET /echo HTTP/1.1\r\nHost: x\r\n%s\r\n" % lines)
+            answer = await asyncio.wait_for(reader.read(), 5)
+            assert answer.startswith(b"HTTP/1.1 431") and handler.seen == []
+            writer.close()
+
+    run(scenario())

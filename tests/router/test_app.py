@@ -86,6 +86,35 @@ def test_non_streaming_response_is_passed_through_with_the_chosen_replica(
     run(scenario())
 
 
+def test_headers_about_the_replicas_connection_are_not_relayed(tokenizer: Tokenizer) -> None:
+    """Hop-by-hop headers, and those the replica's `Connection` names, stay between the
+    replica and the router; the others reach the client."""
+
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            a.answer_headers = (
+                b"Connection: keep-alive, X-Hop\r\nX-Hop: secret\r\nUpgrade: h2c\r\n"
+                b"Trailer: x-sum\r\nProxy-Authenticate: Basic\r\nX-Request-Id: 7\r\n"
+            )
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 200 and resp.headers["x-request-id"] == "7"
+            for name in ("x-hop", "upgrade", "trailer", "proxy-authenticate"):
+                assert name not in resp.headers
+
+    run(scenario())
+
+
+def test_get_endpoints_answer_head_requests(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            for path in ("/health", "/v1/models"):
+                resp = await rr.client.head(rr.url + path)
+                assert resp.status_code == 200 and resp.content == b"", path
+                assert int(resp.headers["content-length"]) > 0
+
+    run(scenario())
+
+
 def test_streaming_response_is_relayed_byte_for_byte(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         chat = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hi"}]}

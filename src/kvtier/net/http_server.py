@@ -62,6 +62,12 @@ JSON_HEADERS: list[Header] = [(b"content-type", b"application/json")]
 _BODY_PAUSE_BYTES = 1 << 20
 """Body bytes of one request received at which the connection stops being read until its
 handler reads the body."""
+_LINGER_S = 2.0
+_LINGER_BYTES = 16 << 20
+"""How long, and how many bytes, a connection closed on a client still sending is read and
+dropped after its answer (`_Connection.close_unread`)."""
+_MAX_HEADERS = 256
+"""Header lines a request head may hold (each costs more in memory than on the wire)."""
 
 
 class BodyTooLarge(Exception):
@@ -259,7 +265,8 @@ class Exchange:
             lines.append(name + b": " + value + b"\r\n")
         lines.append(_date.header())
         lines.append(framing)
-        self._close = self._close or self._conn.server.stopping  # draining: the last answer
+        # draining: the last answer; a body not read: the connection cannot carry another
+        self._close = self._close or self._conn.server.stopping or not self._body_done
         lines.append(b"connection: close\r\n\r\n" if self._close else b"\r\n")
         return b"".join(lines)
 
@@ -336,6 +343,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers: dict[str, str] = {}
         self._header_bytes = 0
+        self._header_lines = 0
         self._current: Exchange | None = None  # the request whose body is being parsed
         self._parsed_last: Exchange | None = None  # the last request parsed, until another begins
         self._active: Exchange | None = None  # the request being answered
@@ -344,6 +352,9 @@ class _Connection(asyncio.Protocol):
         self._reading_paused = False
         self._writable: asyncio.Future[None] | None = None
         self._write_paused = False
+        self._lingering = False
+        self._lingered_bytes = 0
+        self._lost = False
         self.closed = False
 
     @property
@@ -358,6 +369,11 @@ class _Connection(asyncio.Protocol):
         self._time_head()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            self._lingered_bytes += len(data)
+            if self._lingered_bytes > _LINGER_BYTES and self._transport is not None:
+                self._transport.close()
+            return
         if self._in_head:
             self._head_bytes += len(data)
         try:
@@ -376,6 +392,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._lost = True
         self._deadline.close()
         self.server.connections.discard(self)
         if self._active is not None:
@@ -400,6 +417,7 @@ class _Connection(asyncio.Protocol):
         self._url = b""
         self._headers = {}
         self._header_bytes = 0
+        self._header_lines = 0
         if self._active is None:
             self._time_head()
 
@@ -409,7 +427,8 @@ class _Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self._in_head:  # a chunked body's trailer: the request's headers are set
             return
-        self._header_bytes += len(name) + len(value)
+        self._header_bytes += len(name) + len(value) + 4  # (": " and the line's end)
+        self._header_lines += 1
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -422,6 +441,9 @@ class _Connection(asyncio.Protocol):
         if len(self._url) + self._header_bytes > limits.max_head_bytes:
             # a head that came whole in one read (a trickled one is cut in data_received)
             self._refuse(431, f"request head exceeds {limits.max_head_bytes} bytes")
+            return
+        if self._header_lines > _MAX_HEADERS:
+            self._refuse(431, f"request head has more than {_MAX_HEADERS} header lines")
             return
         path = httptools.parse_url(self._url).path.decode("latin-1")
         exchange = Exchange(
@@ -474,7 +496,9 @@ class _Connection(asyncio.Protocol):
         finally:
             self._active = None
             self._task = None
-        if exchange._close or self.server.stopping or not exchange._body_done:
+        if not exchange._body_done:
+            self.close_unread()
+        elif exchange._close or self.server.stopping:
             self.close()
         elif self._queue:
             self.resume_reading()
@@ -499,7 +523,8 @@ class _Connection(asyncio.Protocol):
                     await self._writable_or_lost()
         except TimeoutError:
             self.abort()
-            await self._writable_or_lost()  # connection_lost follows the abort
+            if not self._lost:  # (unless it came in the same turn as the timeout)
+                await self._writable_or_lost()  # connection_lost follows the abort
 
     async def _writable_or_lost(self) -> None:
         """Wait for `resume_writing` or `connection_lost`."""
@@ -522,6 +547,25 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self.closed:
             self.closed = True
             self._transport.close()
+
+    def close_unread(self) -> None:
+        """Close a connection whose client may still be sending (a request answered before its
+        body was read, or refused): the answer goes out and the write side is shut, then what
+        arrives is read and dropped until the client closes, for at most `_LINGER_S` and
+        `_LINGER_BYTES`. Closed at once on unread bytes, the kernel would reset the connection
+        and the client could lose the answer. A request in flight hangs up."""
+        if self._transport is None or self.closed:
+            return
+        self.closed = True  # nothing more is parsed or answered
+        self._lingering = True
+        if self._active is not None:
+            self._active._hang_up()
+        self._queue.clear()
+        if self._transport.can_write_eof():
+            self._transport.write_eof()
+        self._deadline.arm(_LINGER_S, self._transport.close)
+        self._reading_paused = False
+        self._transport.resume_reading()
 
     def abort(self) -> None:
         """Drop the connection now, unsent bytes too."""
@@ -555,7 +599,7 @@ class _Connection(asyncio.Protocol):
             if active is not None:
                 active.started = True
             self.write(error_response(status, message))
-        self.close()
+        self.close_unread()
 
 
 class HttpServer:

@@ -226,7 +226,7 @@ class Router:
             if route is None:
                 raise BadRequest(404, f"no such endpoint: {exchange.path}")
             method, handler = route
-            if exchange.method != method:
+            if exchange.method != method and not (method == "GET" and exchange.method == "HEAD"):
                 raise BadRequest(405, f"{exchange.path} takes {method}, not {exchange.method}")
             if self.auth.enabled and exchange.path.startswith("/v1/"):
                 try:
@@ -307,12 +307,17 @@ class Router:
             ("Content-Type", "application/json"),
             ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity")),
         ]
-        if not self.auth.enabled and "authorization" in exchange.headers:
-            # without a key of its own the router passes the client's on (the replicas' key)
-            headers.append(("Authorization", exchange.headers["authorization"]))
+        headers += self._passed_key(exchange)
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)
         assert self._upstream is not None
         return await exchange.cancel_on_disconnect(self._upstream.forward(exchange, fwd))
+
+    def _passed_key(self, exchange: Exchange) -> list[tuple[str, str]]:
+        """The client's Authorization header, passed on to the replicas (their key) when the
+        router has no key of its own; else nothing."""
+        if self.auth.enabled or "authorization" not in exchange.headers:
+            return []
+        return [("Authorization", exchange.headers["authorization"])]
 
     @property
     def block_tokens(self) -> int | None:
@@ -361,7 +366,9 @@ class Router:
         for replica in replicas:
             try:
                 async with asyncio.timeout(self.config.health_timeout_s):
-                    resp = await self._pool.get(replica.settings.url, "/v1/models")
+                    resp = await self._pool.get(
+                        replica.settings.url, "/v1/models", self._passed_key(exchange)
+                    )
                     try:
                         body = await resp.read(CONTROL_ANSWER_BYTES)
                     finally:

@@ -37,7 +37,7 @@ from functools import partial
 from typing import NamedTuple
 
 from kvtier.core.errors import RoutingError
-from kvtier.net.http_client import HttpPool, Response
+from kvtier.net.http_client import CONTROL_ANSWER_BYTES, HttpPool, Response
 from kvtier.net.http_server import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Decision, Policy, RouteRequest, work_tokens
@@ -306,7 +306,7 @@ async def _hold(resp: Response, first: bytes) -> tuple[list[bytes], bool]:
 async def _says_shut_down(resp: Response) -> bool:
     """Whether an error answer is vLLM's refusal once it is stopping (see `_SHUT_DOWN`)."""
     try:
-        return _SHUT_DOWN.search(await resp.read()) is not None
+        return _SHUT_DOWN.search(await resp.read(CONTROL_ANSWER_BYTES)) is not None
     except OSError:
         return False
 
@@ -341,11 +341,31 @@ class _Retry(Exception):
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.
 _HOP_BY_HOP = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server"}
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"transfer-encoding",
+        b"te",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"content-length",
+        b"date",
+        b"server",
+    }
 )
+"""The replica's headers that are about its connection to the router (with `date` and
+`server`, which the router's own server sets), never relayed; so are those its `Connection`
+header names."""
 
 
 def _passthrough(headers: list[Header], replica: Replica) -> list[Header]:
-    kept = [(name, value) for name, value in headers if name.lower() not in _HOP_BY_HOP]
+    dropped = _HOP_BY_HOP
+    for name, value in headers:
+        if name.lower() == b"connection":
+            dropped = dropped | {token.strip().lower() for token in value.split(b",")}
+    kept = [(name, value) for name, value in headers if name.lower() not in dropped]
     kept.append((b"x-kvtier-replica", replica.name.encode("latin-1")))
     return kept

@@ -76,6 +76,8 @@ class FakeReplica:
     with the base model as `parent`."""
     answer_bytes: int = 2
     """Length of a whole answer's text (a large one stands for long logprobs)."""
+    answer_headers: bytes = b""
+    """Header lines added to a whole answer's head (each ending with CRLF)."""
     block_tokens: int = 128
     """Engine block size reported on /metrics (vLLM's on CPU by default)."""
     healthy: bool = True
@@ -234,7 +236,9 @@ class FakeReplica:
             "served_by": self.url,
         }
         if self.mode not in ("slow_answer", "die_mid_answer"):
-            await _respond_json(writer, 200, doc)
+            await _respond(
+                writer, 200, json.dumps(doc).encode(), b"application/json", self.answer_headers
+            )
             return True
         data = json.dumps(doc).encode()
         half = len(data) // 2
@@ -282,11 +286,15 @@ async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str, bytes] 
 
 
 async def _respond(
-    writer: asyncio.StreamWriter, status: int, body: bytes, content_type: bytes
+    writer: asyncio.StreamWriter,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    extra_headers: bytes = b"",
 ) -> None:
     writer.write(
-        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-        % (status, _STATUS.get(status, b"Status"), content_type, len(body), body)
+        b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s"
+        % (status, _STATUS.get(status, b"Status"), content_type, len(body), extra_headers, body)
     )
     await writer.drain()
 
