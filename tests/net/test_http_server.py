@@ -192,6 +192,22 @@ def test_http_1_0_and_connection_close_end_the_connection_after_the_answer() -> 
     run(scenario())
 
 
+def test_a_stream_to_an_http_1_0_client_is_not_chunked_and_ends_at_the_close() -> None:
+    """HTTP/1.0 has no chunked encoding: the body is sent as it comes, the close ends it."""
+
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /stream HTTP/1.0\r\nX-Chunks: 2\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 5)
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding" not in head
+            assert b"connection: close" in head and body == b"0" * 65536 + b"1" * 65536
+            writer.close()
+
+    run(scenario())
+
+
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout() -> None:
     async def scenario() -> None:
         async with serving(Limits(keep_alive_s=0.3)) as (_, _, port):

@@ -154,6 +154,7 @@ class Exchange:
         "_continue",
         "_guarded",
         "_head_only",
+        "_http10",
         "client_gone",
         "done",
         "headers",
@@ -170,6 +171,7 @@ class Exchange:
         path: str,
         headers: dict[str, str],
         keep_alive: bool,
+        http10: bool = False,
     ) -> None:
         self._conn = conn
         self.method = method
@@ -187,6 +189,9 @@ class Exchange:
         """The tenant of the request's API key (`kvtier.router.auth`); None: shared."""
         self._close = not keep_alive
         self._head_only = method == "HEAD"
+        self._http10 = http10
+        """An HTTP/1.0 client: a streamed answer is not chunked (1.0 has no chunking) and the
+        connection's close ends it."""
         self._continue = headers.get("expect", "").lower() == "100-continue"
         self._body: deque[bytes] = deque()
         self._body_size = 0
@@ -286,23 +291,28 @@ class Exchange:
         await self.respond(status, json.dumps(doc).encode(), headers)
 
     async def start(self, status: int, headers: Iterable[Header]) -> None:
-        """Begin a streamed response (chunked transfer encoding)."""
+        """Begin a streamed response (chunked transfer encoding; for HTTP/1.0, ended by the
+        connection's close)."""
         self.started = True
-        self._conn.write(self._head(status, headers, b"transfer-encoding: chunked\r\n"))
+        if self._http10:
+            self._close = True
+            self._conn.write(self._head(status, headers, b""))
+        else:
+            self._conn.write(self._head(status, headers, b"transfer-encoding: chunked\r\n"))
 
     async def write(self, chunk: bytes, *, complete: bool = False) -> None:
         """Send a body chunk, waiting while the client reads slower than it comes; `complete`:
         the client has its whole answer with it (SSE's `[DONE]`), so a hang-up after it is not
         a lost answer."""
         if chunk and not self._head_only:
-            self._conn.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            self._conn.write(chunk if self._http10 else b"%x\r\n%b\r\n" % (len(chunk), chunk))
         self.done = self.done or complete
         await self._conn.drained()
 
     async def finish(self) -> None:
         """End a streamed response."""
         self.done = True
-        if not self._head_only:
+        if not self._head_only and not self._http10:
             self._conn.write(b"0\r\n\r\n")
 
     def abort(self) -> None:
@@ -452,6 +462,7 @@ class _Connection(asyncio.Protocol):
             unquote(path) if "%" in path else path,
             self._headers,
             self._parser.should_keep_alive(),
+            self._parser.get_http_version() == "1.0",
         )
         self._current = self._parsed_last = exchange
         limit = limits.max_connections
