@@ -325,6 +325,29 @@ def test_a_framing_error_after_the_head_is_a_400_and_closes(request_: bytes) -> 
     run(scenario())
 
 
+def test_a_request_offering_an_upgrade_without_a_body_is_answered_over_http_1_1() -> None:
+    """`curl --http2 http://...` offers h2c: the offer is ignored and the connection ends after
+    the answer; one with a body (which the parser drops) is still refused."""
+
+    async def scenario() -> None:
+        async with serving() as (_, _, port):
+            h2c = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AA\r\n"
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /headers HTTP/1.1\r\nHost: x\r\n%s\r\n" % h2c)
+            status, headers, body = await asyncio.wait_for(read_answer(reader), 5)
+            assert status == b"HTTP/1.1 200 OK" and headers[b"connection"] == b"close"
+            assert json.loads(body)["upgrade"] == "h2c"
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/echo", b"hi", h2c))
+            answer = await asyncio.wait_for(reader.read(), 5)
+            assert answer.startswith(b"HTTP/1.1 400")
+            writer.close()
+
+    run(scenario())
+
+
 def test_stopping_drains_the_request_in_flight_and_refuses_new_connections() -> None:
     async def scenario() -> None:
         handler = Handler()

@@ -389,13 +389,32 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, "protocol upgrades are not supported")
+            if not self._ignore_upgrade():
+                self._refuse(400, "protocol upgrades are not supported")
             return
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
             return
         if self._in_head and self._head_bytes > self.server.limits.max_head_bytes:
             self._refuse(431, f"request head exceeds {self.server.limits.max_head_bytes} bytes")
+
+    def _ignore_upgrade(self) -> bool:
+        """Answer a request offering HTTP/2 (h2c: `curl --http2` on http://) over HTTP/1.1, as
+        a server may (RFC 9110, 7.8): possible for one without a body, which the parser stopped
+        after; the connection ends after the answer (its parser cannot go on). Other upgrades
+        (WebSocket, CONNECT) are refused."""
+        exchange = self._parsed_last
+        if (
+            exchange is None
+            or exchange.headers.get("upgrade", "").strip().lower() != "h2c"
+            or not exchange._body_done
+            or exchange.headers.get("content-length", "0") != "0"
+            or "transfer-encoding" in exchange.headers
+        ):
+            return False
+        exchange._close = True
+        self._lingering = True  # nothing more is parsed: what follows is dropped
+        return True
 
     def eof_received(self) -> bool | None:
         return None  # the client is done: close (a hang-up for a request in flight)
