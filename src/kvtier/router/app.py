@@ -303,10 +303,9 @@ class Router:
         self._check_length(body, prompt, chat)
         session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
         route = RouteRequest(hashes, block_tokens or 1, prompt.estimated_tokens, session)
-        headers = [
-            ("Content-Type", "application/json"),
-            ("Accept-Encoding", exchange.headers.get("accept-encoding", "identity")),
-        ]
+        # identity: the router reads the answer's bytes (usage, aborts, the stream's end), which
+        # a compressing proxy in front of a replica would hide (vLLM itself never compresses)
+        headers = [("Content-Type", "application/json"), ("Accept-Encoding", "identity")]
         headers += self._passed_key(exchange)
         fwd = Forward(endpoint, raw, headers, route, bool(body.get("stream", False)), arrived)
         assert self._upstream is not None
