@@ -90,3 +90,17 @@ def _assert_drains_in_grace(
     assert drain is not None
     assert pod["terminationGracePeriodSeconds"] >= int(pre_stop[1]) + drain + 5, pod
     return drain
+
+
+def assert_rollouts_outlast_startup(objects: list[dict[str, Any]]) -> None:
+    """A replica rollout is not reported failed while a pod still loads its model (its
+    progress deadline outlasts the startup probe's budget), and readiness probes wait 5 s for
+    an answer (the default, 1 s, takes a busy pod out of the Service)."""
+    replicas = by_kind(objects, "Deployment", "kvtier-replica")["spec"]
+    probe = container(objects, "kvtier-replica")["startupProbe"]
+    budget = (
+        probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    )
+    assert replicas.get("progressDeadlineSeconds", 600) > budget, probe
+    for deployment in ("kvtier-replica", "kvtier-router"):
+        assert container(objects, deployment)["readinessProbe"].get("timeoutSeconds", 1) >= 5

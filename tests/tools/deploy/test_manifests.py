@@ -18,6 +18,7 @@ from kvtier.tools.deploy.render import (
 )
 from tests.tools.deploy.kube import (
     assert_pods_drain_in_grace,
+    assert_rollouts_outlast_startup,
     by_kind,
     container,
     kustomize,
@@ -51,6 +52,7 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replica[probe]["httpGet"]["path"] == "/health"
     assert_pods_drain_in_grace(objects)
+    assert_rollouts_outlast_startup(objects)
     router = container(objects, "kvtier-router")
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     headless = by_kind(objects, "Service", "kvtier-replicas")
@@ -123,3 +125,14 @@ def test_the_bases_command_lines_are_what_render_writes() -> None:
     ):
         pod = by_kind(gpu, "Deployment", deployment)["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == grace_s(gpu_spec)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_pods_are_offline_unless_the_hub_is_reachable(overlay: str) -> None:
+    """The pods run offline (HF_HUB_OFFLINE=1) unless hub-egress lets them out (the model is an
+    HF id), whatever their image sets."""
+    objects = kustomize(find_manifests() / "overlays" / overlay)
+    hub = any(o["metadata"]["name"] == "kvtier-model-download" for o in objects)
+    for deployment in ("kvtier-replica", "kvtier-router"):
+        env = {e["name"]: e.get("value") for e in container(objects, deployment)["env"]}
+        assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == ("0" if hub else "1")

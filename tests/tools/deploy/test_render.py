@@ -3,8 +3,10 @@ validates, and what the file says is what the cluster would run."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -14,9 +16,11 @@ from kvtier.core.errors import ConfigError
 from kvtier.tools.cluster.spec import parse_spec
 from kvtier.tools.deploy import render as render_module
 from kvtier.tools.deploy.render import connector_env, render
+from kvtier.tools.monitoring import scrape_config
 from kvtier.vllm.settings import ConnectorSettings
 from tests.tools.deploy.kube import (
     assert_pods_drain_in_grace,
+    assert_rollouts_outlast_startup,
     by_kind,
     container,
     kustomize,
@@ -33,7 +37,12 @@ FILES: dict[str, dict[str, Any]] = {
             "engineDtype": "float32",
             "replicaDrainSeconds": 300,
         },
-        "kubernetes": {"device": "cpu", "namespace": "demo", "serviceMonitor": True},
+        "kubernetes": {
+            "device": "cpu",
+            "namespace": "demo",
+            "serviceMonitor": True,
+            "serviceMonitorLabels": {"release": "prom"},
+        },
     },
     "gpu-curvine": {
         "model": "Qwen/Qwen2-7B-Instruct",
@@ -53,6 +62,30 @@ FILES: dict[str, dict[str, Any]] = {
     "existing-claim": {
         "model": "Qwen/Qwen2-7B-Instruct",
         "kubernetes": {"l2Volume": "existingClaim", "l2ClaimName": "efs-kv", "l2FileSystem": "efs"},
+    },
+    "existing-claim-model-claim": {
+        "model": "/models/qwen",
+        "kubernetes": {
+            "l2Volume": "existingClaim",
+            "l2ClaimName": "efs-kv",
+            "modelClaim": "weights",
+            "modelMountPath": "/models",
+        },
+    },
+    "gpu-resources": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kubernetes": {"replicaResources": {"requests": {"cpu": "6", "memory": "30Gi"}}},
+    },
+    "one-router": {"model": "Qwen/Qwen2-7B-Instruct", "replicas": 1, "kubernetes": {"routers": 1}},
+    "gated": {
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "kubernetes": {
+            "replicaEnv": {"HF_TOKEN": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+            "routerEnv": {
+                "HF_TOKEN": {"secretKeyRef": {"name": "hf", "key": "token"}},
+                "HF_HUB_ETAG_TIMEOUT": "30",
+            },
+        },
     },
     "valkey-inside": {
         "model": "Qwen/Qwen2-7B-Instruct",
@@ -138,6 +171,7 @@ def test_every_rendered_object_validates(tmp_path: Path, name: str) -> None:
     assert env_of(objects) == connector_env(spec)
     ConnectorSettings.from_sources({}, env_of(objects))
     assert assert_pods_drain_in_grace(objects) == (spec.local.replica_drain_s, spec.router_drain_s)
+    assert_rollouts_outlast_startup(objects)
 
 
 def test_cpu_fleet(tmp_path: Path) -> None:
@@ -168,7 +202,10 @@ def test_gpu_curvine_fleet(tmp_path: Path) -> None:
     objects = rendered(tmp_path, "gpu-curvine")
     replica = container(objects, "kvtier-replica")
     assert replica["image"] == "registry.example/kvtier/vllm-gpu:1"
-    assert replica["resources"] == {"requests": {"cpu": "8", "nvidia.com/gpu": "2"}, "limits": {}}
+    assert replica["resources"] == {
+        "requests": {"cpu": "8", "nvidia.com/gpu": "2"},
+        "limits": {"nvidia.com/gpu": "2"},  # Kubernetes takes an extended resource as a limit
+    }
     assert replica["args"][-2:] == ["--tensor-parallel-size", "2"]
     assert by_kind(objects, "PersistentVolumeClaim", "kvtier-l2")["spec"]["storageClassName"] == (
         "kvtier-curvine"
@@ -202,6 +239,106 @@ def test_existing_claim(tmp_path: Path) -> None:
     pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
     assert pod["volumes"][0] == {"name": "l2", "persistentVolumeClaim": {"claimName": "efs-kv"}}
     assert env_of(objects)["KVTIER_L2_PROFILE"] == "efs"
+
+
+def test_an_existing_claim_and_a_model_claim_each_mount_their_own(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "existing-claim-model-claim")
+    pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
+    claims = {
+        v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in pod["volumes"]
+    }
+    assert claims == {"l2": "efs-kv", "model": "weights", "dshm": None}
+
+
+def test_gpu_replica_resources_keep_their_gpu_as_a_limit(tmp_path: Path) -> None:
+    replica = container(rendered(tmp_path, "gpu-resources"), "kvtier-replica")
+    assert replica["resources"] == {
+        "requests": {"cpu": "6", "memory": "30Gi"},
+        "limits": {"nvidia.com/gpu": "1"},  # the default GPU, where the API server needs it
+    }
+    unequal = {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
+    with pytest.raises(ConfigError, match=r"kubernetes\.replicaResources.*nvidia\.com/gpu"):
+        parse_spec({"kubernetes": {"replicaResources": unequal}})
+
+
+@pytest.mark.parametrize(
+    ("name", "offline"),
+    [("gpu-curvine", "0"), ("cpu-model", "0"), ("gpu-juicefs", "1"), ("cpu-claim", "1")],
+)
+def test_routers_and_replicas_reach_the_hub_when_the_model_is_downloaded(
+    tmp_path: Path, name: str, offline: str
+) -> None:
+    """An HF id: the pods may reach the hub (the CPU image, the default router image, and the
+    cpu component would otherwise keep them offline); a path: offline, as the network is."""
+    objects = rendered(tmp_path, name)
+    for deployment in ("kvtier-replica", "kvtier-router"):
+        env = {e["name"]: e.get("value") for e in container(objects, deployment)["env"]}
+        assert env["HF_HUB_OFFLINE"] == env["TRANSFORMERS_OFFLINE"] == offline, deployment
+
+
+def test_router_and_replica_environment_with_a_secret(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "gated")
+    token = {"valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    for deployment in ("kvtier-replica", "kvtier-router"):
+        env = {e["name"]: e for e in container(objects, deployment)["env"]}
+        assert env["HF_TOKEN"] == {"name": "HF_TOKEN", **token}
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"
+    router = {e["name"]: e for e in container(objects, "kvtier-router")["env"]}
+    assert router["HF_HUB_ETAG_TIMEOUT"] == {"name": "HF_HUB_ETAG_TIMEOUT", "value": "30"}
+    assert "KVTIER_TENANT_SALT_KEY" in router  # the base's, kept
+    with pytest.raises(ConfigError, match=r"kubernetes\.routerEnv\.HF_TOKEN.*key: required"):
+        parse_spec({"kubernetes": {"routerEnv": {"HF_TOKEN": {"secretKeyRef": {"name": "hf"}}}}})
+
+
+def test_disruption_budgets_let_a_drain_evict_a_lone_or_unready_pod(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "one-router")
+    for name in ("kvtier-replica", "kvtier-router"):
+        pods = by_kind(objects, "Deployment", name)["spec"]["replicas"]
+        budget = by_kind(objects, "PodDisruptionBudget", name)["spec"]
+        allowed = budget.get("maxUnavailable", pods - budget.get("minAvailable", 0))
+        assert pods == 1 and allowed >= 1, name
+        assert budget["unhealthyPodEvictionPolicy"] == "AlwaysAllow"  # routers, no replica up
+
+
+def relabel(target: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str]:
+    """Prometheus' relabeling of a target's labels by `replace` rules; the labels kept."""
+    labels = dict(target)
+    for rule in rules:
+        assert rule.get("action", "replace") == "replace", rule
+        value = rule.get("separator", ";").join(labels.get(n, "") for n in rule["sourceLabels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            replacement = re.sub(r"\$\{?(\d+)\}?", r"\\\1", rule.get("replacement", "$1"))
+            labels[rule["targetLabel"]] = match.expand(replacement)
+    return {k: v for k, v in labels.items() if not k.startswith("__")}
+
+
+def test_the_service_monitor_labels_targets_as_kvtier_up_monitor_does(tmp_path: Path) -> None:
+    """The same `job` and `replica` labels as the local Prometheus (kvtier.tools.monitoring),
+    which deploy/prometheus' rules and alerts and the Grafana dashboard select and group by."""
+    monitor = by_kind(rendered(tmp_path, "cpu-claim"), "ServiceMonitor", "kvtier")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    (endpoint,) = monitor["spec"]["endpoints"]
+    # pods as the router names them (kvtier.router.discovery): http://ADDRESS:PORT, [IPv6]
+    router, replicas = "http://10.0.0.9:8000", ["http://10.0.0.7:8000", "http://[fd00::7]:8000"]
+    local = scrape_config(router, replicas, interval_s=15, rules=[])["scrape_configs"]
+    expected = {
+        target: {"job": job["job_name"], **group.get("labels", {})}
+        for job in local
+        for group in job["static_configs"]
+        for target in group["targets"]
+    }
+    services = [("kvtier-router", "router", router)]
+    services += [("kvtier-replicas", "replica", url) for url in replicas]
+    for service, component, url in services:
+        address = urlsplit(url).netloc  # as Prometheus writes __address__ ([IPv6]:port)
+        target = {  # as prometheus-operator gives it to the endpoint's relabelings
+            "__address__": address,
+            "__meta_kubernetes_service_name": service,
+            "__meta_kubernetes_service_label_app_kubernetes_io_component": component,
+            "job": service,
+        }
+        assert relabel(target, endpoint["relabelings"]) == expected[address], url
 
 
 def test_valkey_inside_gets_a_password_and_its_size(tmp_path: Path) -> None:

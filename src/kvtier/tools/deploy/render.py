@@ -32,6 +32,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.settings import to_flags
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
+from kvtier.tools.deploy.settings import Env, Resources
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.tools.vllm_server import STOP_GRACE_S
@@ -58,6 +59,7 @@ VALKEY_DATA = "/data"
 """Where a persistent in-cluster Valkey keeps its append-only file (its claim's mount)."""
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
 IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
+GPU = "nvidia.com/gpu"
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
 REPLICA_PRESTOP_S = 20
 """The replica's preStop sleep (deploy/k8s/base/replicas.yaml): the pod leaves the Service and
@@ -263,7 +265,7 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     replica = _container_patch("kvtier-replica", "vllm", k8s.image or IMAGES[k8s.device])
     container = replica["spec"]["template"]["spec"]["containers"][0]
     container["args"] = replica_args(spec)
-    env = dict(k8s.replica_env)
+    env: Env = dict(k8s.replica_env)
     if k8s.device == "cpu":
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(spec.local.engine_kv_cache_gib),
@@ -272,25 +274,28 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     elif spec.local.engine_kv_cache_gib != 1:
         notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
     if env:
-        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        container["env"] = _env(env)
     if k8s.replica_resources is not None:
-        container["resources"] = {"$patch": "replace", **k8s.replica_resources.model_dump()}
+        container["resources"] = _resources(k8s.replica_resources, gpu=k8s.device == "gpu")
     elif k8s.device == "cpu" and spec.local.threads_per_replica > 1:
         container["resources"] = {"requests": {"cpu": str(spec.local.threads_per_replica)}}
     replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = replica_grace_s(spec)
     if k8s.node_selector:
         replica["spec"]["template"]["spec"]["nodeSelector"] = dict(k8s.node_selector)
     router = _container_patch("kvtier-router", "router", k8s.router_image)
-    router["spec"]["template"]["spec"]["containers"][0]["args"] = router_args(spec)
+    router_container = router["spec"]["template"]["spec"]["containers"][0]
+    router_container["args"] = router_args(spec)
+    if k8s.router_env:
+        router_container["env"] = _env(k8s.router_env)
     router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = router_grace_s(spec)
     if k8s.router_resources is not None:
-        router["spec"]["template"]["spec"]["containers"][0]["resources"] = {
-            "$patch": "replace",
-            **k8s.router_resources.model_dump(),
-        }
+        router_container["resources"] = _resources(k8s.router_resources, gpu=False)
     if k8s.model_claim is not None:
         for patch in (replica, router):
             _mount_model(patch, k8s.model_claim, k8s.model_mount_path)
+    if volume == "existingClaim":
+        l2_claim = {"claimName": k8s.l2_claim_name}
+        _volumes(replica).append({"name": "l2", "persistentVolumeClaim": l2_claim})
     _write(out / "patches" / "replica.yaml", replica)
     _write(out / "patches" / "router.yaml", router)
     patches += [{"path": "patches/replica.yaml"}, {"path": "patches/router.yaml"}]
@@ -299,8 +304,6 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     if volume is not None and volume != "existingClaim":
         claim = {"spec": _claim_spec(spec, l2.size_gib * 1.25)}
         patches.append(_inline("PersistentVolumeClaim", "kvtier-l2", claim))
-    if volume == "existingClaim":
-        patches.append(_json_patch("Deployment", "kvtier-replica", [_claim_op(k8s.l2_claim_name)]))
     if volume == "curvine":
         parameters = {"master-addrs": k8s.curvine_master_addrs}
         patches.append(_inline("StorageClass", "kvtier-curvine", {"parameters": parameters}))
@@ -314,6 +317,9 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         password = _secret(out, "valkey-password", "raw")
         generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
         patches.append(_valkey_patch(out, spec))
+    if k8s.service_monitor_labels:
+        labels = {"metadata": {"labels": dict(k8s.service_monitor_labels)}}
+        patches.append(_inline("ServiceMonitor", "kvtier", labels))
     if valkey_inside and l2.url is not None:
         resources.append(_external_valkey_policy(out, l2.url))
         notes.append("l2CacheLocalUrl: lands in a ConfigMap; a password in it is readable there")
@@ -383,25 +389,45 @@ def _container_patch(deployment: str, container: str, image: str) -> dict[str, A
     }
 
 
+def _env(env: Env) -> list[dict[str, Any]]:
+    """A container's `env` entries (merged by name into the base's)."""
+    return [
+        {"name": k, "value": v}
+        if isinstance(v, str)
+        else {"name": k, "valueFrom": v.model_dump(by_alias=True)}
+        for k, v in env.items()
+    ]
+
+
+def _resources(resources: Resources, gpu: bool) -> dict[str, Any]:
+    """`resources` in place of the base's whole block; with `gpu`, one GPU unless they give a
+    count (Kubernetes takes it as a limit: `Resources` copies a request there)."""
+    dumped = resources.model_dump()
+    if gpu:
+        dumped["limits"].setdefault(GPU, "1")
+    return {"$patch": "replace", **dumped}
+
+
+def _volumes(patch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's volumes in a Deployment patch (merged by name into the base's)."""
+    volumes: list[dict[str, Any]] = patch["spec"]["template"]["spec"].setdefault("volumes", [])
+    return volumes
+
+
 def _mount_model(patch: dict[str, Any], claim: str, path: str) -> None:
-    pod = patch["spec"]["template"]["spec"]
-    pod["containers"][0]["volumeMounts"] = [{"name": "model", "mountPath": path, "readOnly": True}]
-    pod["volumes"] = [{"name": "model", "persistentVolumeClaim": {"claimName": claim}}]
+    container = patch["spec"]["template"]["spec"]["containers"][0]
+    container["volumeMounts"] = [{"name": "model", "mountPath": path, "readOnly": True}]
+    _volumes(patch).append({"name": "model", "persistentVolumeClaim": {"claimName": claim}})
 
 
 def _inline(kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-    version = {"StorageClass": "storage.k8s.io/v1"}.get(kind, "v1")
-    doc = {"apiVersion": version, "kind": kind, "metadata": {"name": name}, **body}
+    version = {
+        "StorageClass": "storage.k8s.io/v1",
+        "ServiceMonitor": "monitoring.coreos.com/v1",
+    }.get(kind, "v1")
+    metadata = {"name": name, **body.get("metadata", {})}
+    doc = {"apiVersion": version, "kind": kind, **body, "metadata": metadata}
     return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(doc)}
-
-
-def _json_patch(kind: str, name: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(ops)}
-
-
-def _claim_op(claim: str | None) -> dict[str, Any]:
-    path = "/spec/template/spec/volumes/0/persistentVolumeClaim/claimName"
-    return {"op": "replace", "path": path, "value": claim}
 
 
 def _valkey_patch(out: Path, spec: FleetSpec) -> dict[str, Any]:

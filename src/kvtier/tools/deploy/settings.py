@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from kvtier.core.settings import L2ProfileName, Settings
 
-__all__ = ["KubernetesSpec", "Resources"]
+__all__ = ["Env", "EnvFrom", "KubernetesSpec", "Resources", "SecretKeyRef"]
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -37,9 +37,39 @@ class Resources(_Strict):
     """Container resources, as Kubernetes writes them."""
 
     requests: dict[str, Quantity] = Field(default_factory=dict)
-    """e.g. {cpu: "6", memory: 30Gi, nvidia.com/gpu: "1"}."""
+    """e.g. {cpu: "6", memory: 30Gi, nvidia.com/gpu: "1"}; an extended resource (a name with a
+    domain: nvidia.com/gpu) is copied to the limits, which must hold the same count if they
+    give one."""
     limits: dict[str, Quantity] = Field(default_factory=dict)
     """e.g. {memory: 30Gi, nvidia.com/gpu: "1"}."""
+
+    @model_validator(mode="after")
+    def _extended_in_limits(self) -> Self:
+        """Kubernetes takes an extended resource (a name with a domain: nvidia.com/gpu) as a
+        limit, its request equal to it or absent: a request alone is copied to the limits."""
+        for name, quantity in self.requests.items():
+            if "/" in name and self.limits.setdefault(name, quantity) != quantity:
+                raise ValueError(
+                    f"{name}: requests and limits differ (Kubernetes needs them equal)"
+                )
+        return self
+
+
+class SecretKeyRef(_Strict):
+    """A key of a Secret in the fleet's namespace."""
+
+    name: str
+    key: str
+
+
+class EnvFrom(_Strict):
+    """An environment variable's value from a Secret, as Kubernetes' `valueFrom` writes it."""
+
+    secret_key_ref: SecretKeyRef = Field(alias="secretKeyRef")
+
+
+Env = dict[str, EnvFrom | str]
+"""Extra environment: a value, or {secretKeyRef: {name, key}} for a key of a Secret."""
 
 
 class KubernetesSpec(_Strict):
@@ -62,11 +92,15 @@ class KubernetesSpec(_Strict):
     served_model_name: str | None = Field(None, alias="servedModelName")
     """Model name clients send; unset: the last part of `model`."""
     replica_resources: Resources | None = Field(None, alias="replicaResources")
-    """Replica container resources; unset: 6 CPUs, 30Gi and one GPU (gpu), 1 CPU and 4Gi (cpu)."""
+    """Replica container resources, in place of the defaults: 6 CPUs, 30Gi and one GPU (gpu), 1
+    CPU and 4Gi (cpu). On gpu, one nvidia.com/gpu is added to the limits unless given."""
     router_resources: Resources | None = Field(None, alias="routerResources")
     """Router container resources; unset: 1 CPU, 2Gi requested, 4Gi limit."""
-    replica_env: dict[str, str] = Field(default_factory=dict, alias="replicaEnv")
-    """Extra environment of the replicas (e.g. HF_TOKEN is better given as a Secret)."""
+    replica_env: Env = Field(default_factory=dict, alias="replicaEnv")
+    """Extra environment of the replicas: NAME: value, or NAME: {secretKeyRef: {name, key}} for
+    a key of a Secret in the namespace (e.g. HF_TOKEN of a gated model)."""
+    router_env: Env = Field(default_factory=dict, alias="routerEnv")
+    """Extra environment of the routers, as `replicaEnv` (they load the model's tokenizer)."""
     vllm_args: list[str] = Field(default_factory=list, alias="vllmArgs")
     """Extra `vllm serve` arguments, e.g. [--max-model-len, "8192"]."""
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
@@ -104,19 +138,27 @@ class KubernetesSpec(_Strict):
     """Image of the in-cluster Valkey (valkey/redis backend without l2CacheLocalUrl)."""
     service_monitor: bool = Field(False, alias="serviceMonitor")
     """Add a ServiceMonitor (prometheus-operator) for the router and the replicas."""
+    service_monitor_labels: dict[str, str] = Field(
+        default_factory=dict, alias="serviceMonitorLabels"
+    )
+    """Labels of the ServiceMonitor, for a Prometheus that selects ServiceMonitors by label
+    (kube-prometheus-stack: {release: RELEASE-NAME})."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
         for key in ("namespace", "instance"):
             if not _DNS_LABEL.match(getattr(self, key)):
                 raise ValueError(f"{key}: not a DNS label: {getattr(self, key)!r}")
-        for name in self.replica_env:
-            if not _ENV_NAME.match(name):
-                raise ValueError(f"replicaEnv.{name}: not an environment variable name")
+        for key, env in (("replicaEnv", self.replica_env), ("routerEnv", self.router_env)):
+            for name in env:
+                if not _ENV_NAME.match(name):
+                    raise ValueError(f"{key}.{name}: not an environment variable name")
         if (self.l2_volume == "existingClaim") != (self.l2_claim_name is not None):
             raise ValueError("l2ClaimName: set it exactly when l2Volume is existingClaim")
         if self.l2_storage_class is not None and self.l2_volume not in (None, "claim"):
             raise ValueError(f"l2StorageClass: only for l2Volume claim, not {self.l2_volume}")
+        if self.service_monitor_labels and not self.service_monitor:
+            raise ValueError("serviceMonitorLabels: only with serviceMonitor: true")
         if not self.model_mount_path.startswith("/"):
             raise ValueError(f"modelMountPath: not an absolute path: {self.model_mount_path!r}")
         return self
