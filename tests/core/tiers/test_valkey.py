@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import time
@@ -157,6 +159,40 @@ def test_server_restart_mid_run_degrades_to_misses_and_recovers() -> None:
         got = tier.get(h)
         assert got is not None and bytes(got.payload) == payload
     finally:
+        server.stop()
+
+
+def test_a_lookup_on_a_hung_server_costs_the_lookup_timeout_then_the_backoff_answers() -> None:
+    """A server that stops answering (frozen, or its network cut) holds an existence check
+    `lookup_timeout_s`, not the transfer timeout; the lookups after it are instant misses
+    while the backoff lasts; once it answers again, so does the tier."""
+    server = start_valkey()
+    assert server.pid is not None
+    stopped = False
+    try:
+        tier = ValkeyTier(
+            ValkeyTierSettings(
+                url=server.url, lookup_timeout_s=0.3, backoff_initial_s=2.0, backoff_max_s=2.0
+            ),
+            NAMESPACE,
+        )
+        h, meta, payload = make_block(6, 0, 4 * KIB)
+        assert tier.put(h, meta, payload).stored and tier.contains_many([h]) == [True]
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped = True
+        started = time.monotonic()
+        assert tier.contains_many([h]) == [False]
+        assert time.monotonic() - started < 3  # the transfer timeout is 10 s
+        started = time.monotonic()
+        assert tier.contains_many([h]) == [False]  # in the backoff: not asked
+        assert time.monotonic() - started < 0.2
+        os.kill(server.pid, signal.SIGCONT)
+        stopped = False
+        assert poll(lambda: tier.contains_many([h]) == [True] or None, deadline_s=10)
+        tier.close()
+    finally:
+        if stopped:
+            os.kill(server.pid, signal.SIGCONT)
         server.stop()
 
 

@@ -75,8 +75,13 @@ class ValkeyTierSettings(Settings):
     tls_ca_file: str | None = None
     """CA bundle (PEM) that signs the server's certificate (rediss://); unset: the system's."""
     socket_timeout_s: Annotated[float, Field(gt=0)] = 10.0
-    """Per-command timeout: a hung server costs at most this. One batch of blocks is one reply
-    of many megabytes, so keep it well above that transfer's time."""
+    """Per-command timeout of reads and writes: a hung server costs them at most this. One
+    batch of blocks is one reply of many megabytes, so keep it well above that transfer's
+    time."""
+    lookup_timeout_s: Annotated[float, Field(gt=0)] = 0.5
+    """Timeout of an existence check (`contains_many`, the lookup on the scheduler's path): a
+    reply of a few bytes per block, so a server that hangs costs a lookup this much, not
+    `socket_timeout_s`, and the backoff after it turns the next lookups into instant misses."""
     connect_timeout_s: Annotated[float, Field(gt=0)] = 0.5
     """Connect timeout; short, because a down server must not stall a lookup."""
     backoff_initial_s: Annotated[float, Field(gt=0)] = 0.1
@@ -156,13 +161,16 @@ class ValkeyTier:
             options["password"] = password
         if config.tls_ca_file is not None:
             options["ssl_ca_certs"] = config.tls_ca_file
-        self._client = valkey.Valkey.from_url(
-            config.url,
-            socket_timeout=config.socket_timeout_s,
-            socket_connect_timeout=config.connect_timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            **options,
+        self._client, self._lookup_client = (
+            valkey.Valkey.from_url(
+                config.url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=config.connect_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+                retry_on_timeout=False,
+                **options,
+            )
+            for timeout_s in (config.socket_timeout_s, config.lookup_timeout_s)
         )
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
@@ -179,14 +187,17 @@ class ValkeyTier:
 
     # ---- the one place that talks to the server ------------------------------------------
 
-    def _call(self, fn: Callable[[valkey.Valkey], Any], op: str) -> Any | None:
-        """Run `fn(client)`; None when the server is in backoff or the call failed (both
-        counted in `errors`: a call skipped in the backoff is a lost read or write too)."""
+    def _call(
+        self, fn: Callable[[valkey.Valkey], Any], op: str, client: valkey.Valkey | None = None
+    ) -> Any | None:
+        """Run `fn(client)` (default: the reads' and writes' client); None when the server is
+        in backoff or the call failed (both counted in `errors`: a call skipped in the backoff
+        is a lost read or write too)."""
         if not self._backoff.ready():
             self._counters.add(errors=1)
             return None
         try:
-            result = fn(self._client)
+            result = fn(client or self._client)
         except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError) as exc:
             self._counters.add(errors=1)
             delay = self._backoff.failed()
@@ -219,7 +230,7 @@ class ValkeyTier:
                 pipe.exists(self.key(h))
             return list(pipe.execute())  # type: ignore[no-untyped-call]
 
-        found = self._call(run, "exists")
+        found = self._call(run, "exists", self._lookup_client)
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
@@ -279,3 +290,4 @@ class ValkeyTier:
 
     def close(self) -> None:
         self._client.close()  # type: ignore[no-untyped-call]
+        self._lookup_client.close()  # type: ignore[no-untyped-call]
