@@ -364,6 +364,8 @@ class _Connection(asyncio.Protocol):
         self._write_paused = False
         self._lingering = False
         self._lingered_bytes = 0
+        self._close_after_queue = False
+        """A request behind those parsed was refused: close once they are answered."""
         self._lost = False
         self.closed = False
 
@@ -530,6 +532,8 @@ class _Connection(asyncio.Protocol):
             self.close_unread()
         elif exchange._close or self.server.stopping:
             self.close()
+        elif self._close_after_queue and not self._queue:
+            self.close_unread()
         elif self._queue:
             self.resume_reading()
             self._begin(self._queue.popleft())
@@ -623,13 +627,22 @@ class _Connection(asyncio.Protocol):
         """Answer `status` with an OpenAI error body and close. With a request in flight, only
         when the fault is in that request itself (its body, an upgrade it asks for) and its
         answer has not begun: the error then replaces the handler's answer. A fault in a
-        pipelined request behind it is never answered in its place."""
+        pipelined request behind it is never answered in its place: the requests before the
+        fault are answered, then the connection closes."""
         active = self._active
         if active is None or (active is self._parsed_last and not active.started):
             if active is not None:
                 active.started = True
             self.write(error_response(status, message))
-        self.close_unread()
+            self.close_unread()
+            return
+        # a fault behind the request in flight: nothing more is parsed, the requests before the
+        # faulty one are answered, then the connection closes
+        faulty = self._parsed_last  # (None for a fault in a head: it made no request)
+        if faulty is not None and faulty in self._queue:
+            self._queue.remove(faulty)
+        self._lingering = True
+        self._close_after_queue = True
 
 
 class HttpServer:
