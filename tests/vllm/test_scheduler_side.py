@@ -34,6 +34,7 @@ class FakeRequest:
     cache_salt: str | None = None
     lora_request: Any = None
     mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -461,3 +462,23 @@ def test_a_lora_request_is_keyed_by_its_adapters_name_and_path() -> None:
     assert extra("/adapters/sql-v1") == extra_key(lora="sql", lora_path="/adapters/sql-v1")
     assert extra("/adapters/sql-v1") != extra("/adapters/sql-v2")
     assert extra_key(lora="sql") != extra("/adapters/sql-v1") != extra_key()
+
+
+def test_a_prompt_with_embeddings_mixed_in_is_neither_looked_up_nor_saved(
+    rt: process_store.ProcessStore,
+) -> None:
+    """vLLM puts 0 at the embedded positions of a mixed prompt's token ids: two requests with
+    the same text and other embeddings would name the same blocks, and one would load the
+    other's KV."""
+    tokens = [0] * 512 + list(range(600))
+    _store_blocks(rt, tokens, 4)  # blocks of the same token ids, computed with other embeddings
+    side = _side(rt, {"e": list(range(10))})
+    try:
+        request = FakeRequest("e", tokens, prompt_embeds=object())
+        assert side.matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+        side.new_request(request)  # type: ignore[arg-type]
+        assert not side.build_meta(FakeSchedulerOutput({"e": 1112})).saves  # type: ignore[arg-type]
+        plain = FakeRequest("p", tokens)
+        assert _answer(side, plain, 0)[0] == 1024  # the same ids without embeddings: a hit
+    finally:
+        side.close()

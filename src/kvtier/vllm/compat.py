@@ -188,8 +188,11 @@ def worker_tp_rank() -> int:
 
 
 def request_token_ids(request: Request) -> Sequence[int] | None:
-    """All tokens of the request (prompt, then output); None for prompt embeddings."""
-    if request.prompt_token_ids is None:
+    """All tokens of the request (prompt, then output); None, so that the request is neither
+    looked up nor saved, when its prompt has embeddings: alone, or mixed with text (vLLM then
+    puts 0 at the embedded positions of the token ids, which would name different embeddings
+    alike)."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
         return None
     return request.all_token_ids
 
