@@ -175,3 +175,21 @@ def test_a_setting_given_explicitly_wins_over_the_environment_even_at_its_defaul
     replica = ConnectorSettings.from_sources(extra, env)
     assert (replica.l1_bytes, replica.load_async) == (2 * 1024**3, False)
     assert replica.admission == "reused"  # not given: the environment still applies
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        # a pod on an IPv6 cluster names itself by http://$(POD_IP):8000 (deploy/k8s)
+        ("http://fd00::7:8000", "http://[fd00::7]:8000"),
+        ("http://[fd00::7]:8000", "http://[fd00::7]:8000"),
+        ("http://fd00::7:8000/", "http://[fd00::7]:8000/"),
+        ("http://10.0.0.7:8000", "http://10.0.0.7:8000"),
+        ("host-1:4242", "host-1:4242"),
+    ],
+)
+def test_a_replica_id_names_an_ipv6_host_as_the_router_does(given: str, named: str) -> None:
+    """The router names a discovered replica http://[ADDRESS]:PORT (kvtier.router.discovery):
+    an unbracketed IPv6 host would make the replica's events come from an unknown replica."""
+    settings = ConnectorSettings.from_sources({}, {"KVTIER_REPLICA_ID": given})
+    assert settings.replica_id == named

@@ -15,6 +15,7 @@ with defaults. Imports neither vLLM nor torch: tools build transfer configs with
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Annotated, Any, Self
@@ -51,8 +52,9 @@ class ConnectorSettings(StoreSettings):
     """ZMQ endpoint this replica's KV-event publisher binds, e.g. tcp://0.0.0.0:5601; unset: no
     events."""
     replica_id: str | None = None
-    """Replica id carried by events: the router's name for this replica, usually its base URL.
-    Unset: "<hostname>:<pid>"."""
+    """Replica id carried by events: the router's name for this replica, usually its base URL
+    (an IPv6 host is bracketed as the router writes it: http://fd00::7:8000 is read as
+    http://[fd00::7]:8000). Unset: "<hostname>:<pid>"."""
     model_id: str | None = None
     """Model name in the namespace; unset: the model directory's name. Replicas that share blocks
     need the same value and the same weights."""
@@ -112,6 +114,18 @@ class ConnectorSettings(StoreSettings):
         if value is not None and value != "inherit":
             parse_cpu_list(value)
         return value
+
+    @field_validator("replica_id")
+    @classmethod
+    def _bracketed(cls, value: str | None) -> str | None:
+        """A URL's unbracketed IPv6 host (a pod naming itself by `$(POD_IP)`) in brackets."""
+        scheme, _, rest = (value or "").partition("://")
+        host = rest.partition("/")[0].rpartition(":")[0]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return value
+        return f"{scheme}://[{host}]{rest[len(host) :]}"
 
     @field_validator("events_endpoint")
     @classmethod

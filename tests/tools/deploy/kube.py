@@ -104,3 +104,21 @@ def assert_rollouts_outlast_startup(objects: list[dict[str, Any]]) -> None:
     assert replicas.get("progressDeadlineSeconds", 600) > budget, probe
     for deployment in ("kvtier-replica", "kvtier-router"):
         assert container(objects, deployment)["readinessProbe"].get("timeoutSeconds", 1) >= 5
+
+
+def assert_hardened(objects: list[dict[str, Any]]) -> None:
+    """Every pod runs under the runtime's seccomp profile, its containers without privilege
+    escalation or capabilities; the routers and Valkey as a non-root user (Pod Security
+    "restricted"), the replicas as the vLLM image's root (docs/kubernetes.md)."""
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, obj
+        for main in pod["containers"]:
+            context = main["securityContext"]
+            assert context["allowPrivilegeEscalation"] is False, obj["metadata"]["name"]
+            assert context["capabilities"] == {"drop": ["ALL"]}, obj["metadata"]["name"]
+        if obj["metadata"]["name"] != "kvtier-replica":
+            assert pod["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
+            assert pod["securityContext"]["runAsUser"] > 0, obj["metadata"]["name"]

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier.tools.cluster.spec import parse_spec
 from kvtier.tools.deploy.render import (
     find_manifests,
+    render,
     replica_args,
     replica_grace_s,
     router_args,
     router_grace_s,
 )
 from tests.tools.deploy.kube import (
+    assert_hardened,
     assert_pods_drain_in_grace,
     assert_rollouts_outlast_startup,
     by_kind,
@@ -53,6 +56,7 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
         assert replica[probe]["httpGet"]["path"] == "/health"
     assert_pods_drain_in_grace(objects)
     assert_rollouts_outlast_startup(objects)
+    assert_hardened(objects)
     router = container(objects, "kvtier-router")
     assert router["readinessProbe"]["httpGet"]["path"] == "/health"
     headless = by_kind(objects, "Service", "kvtier-replicas")
@@ -125,6 +129,29 @@ def test_the_bases_command_lines_are_what_render_writes() -> None:
     ):
         pod = by_kind(gpu, "Deployment", deployment)["spec"]["template"]["spec"]
         assert pod["terminationGracePeriodSeconds"] == grace_s(gpu_spec)
+
+
+@pytest.mark.parametrize(
+    ("overlay", "file"),
+    [("gpu", {"model": "Qwen/Qwen2-7B-Instruct"}), ("cpu", {"kubernetes": {"device": "cpu"}})],
+)
+def test_the_static_replicas_are_sized_and_placed_as_render_does(
+    tmp_path: Path, overlay: str, file: dict[str, Any]
+) -> None:
+    """The base and the components hold what `render` writes for a default file: memory for
+    vLLM, the L1 and /dev/shm, the model cache (a downloaded model), the GPU toleration."""
+    render(parse_spec(file), tmp_path / "out")
+    static = kustomize(find_manifests() / "overlays" / overlay)
+    ours = kustomize(tmp_path / "out")
+    pods = [
+        by_kind(o, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
+        for o in (static, ours)
+    ]
+    for key in ("tolerations", "volumes", "securityContext"):
+        assert pods[0].get(key) == pods[1].get(key), key
+    mains = [pod["containers"][0] for pod in pods]
+    for key in ("resources", "volumeMounts", "securityContext"):
+        assert mains[0].get(key) == mains[1].get(key), key
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

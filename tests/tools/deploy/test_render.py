@@ -19,6 +19,7 @@ from kvtier.tools.deploy.render import connector_env, render
 from kvtier.tools.monitoring import scrape_config
 from kvtier.vllm.settings import ConnectorSettings
 from tests.tools.deploy.kube import (
+    assert_hardened,
     assert_pods_drain_in_grace,
     assert_rollouts_outlast_startup,
     by_kind,
@@ -85,6 +86,43 @@ FILES: dict[str, dict[str, Any]] = {
                 "HF_TOKEN": {"secretKeyRef": {"name": "hf", "key": "token"}},
                 "HF_HUB_ETAG_TIMEOUT": "30",
             },
+        },
+    },
+    "big-l1": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kvCacheSpec": {"l1CacheSizeGiB": 64},
+        "kubernetes": {"modelCacheGiB": 80},
+    },
+    "scheduled": {
+        "model": "Qwen/Qwen2-7B-Instruct",
+        "kvCacheSpec": {"l2CacheSpec": {"l2CacheBackend": "valkey", "l2CacheSizeGiB": 2}},
+        "kubernetes": {
+            "replicaTolerations": [
+                {"key": "dedicated", "value": "inference", "effect": "NoSchedule"},
+                {
+                    "key": "spot",
+                    "operator": "Exists",
+                    "effect": "NoExecute",
+                    "tolerationSeconds": 60,
+                },
+            ],
+            "routerTolerations": [{"operator": "Exists"}],
+            "routerNodeSelector": {"pool": "system"},
+            "replicaAffinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "gpu", "operator": "Exists"}]}
+                        ]
+                    }
+                }
+            },
+            "replicaPriorityClassName": "inference-high",
+            "routerPriorityClassName": "system-cluster-critical",
+            "replicaPodAnnotations": {"karpenter.sh/do-not-disrupt": "true"},
+            "replicaPodLabels": {"team": "ml"},
+            "routerPodLabels": {"example.com/tier": "edge"},
+            "imagePullSecrets": ["registry", "mirror"],
         },
     },
     "valkey-inside": {
@@ -172,6 +210,7 @@ def test_every_rendered_object_validates(tmp_path: Path, name: str) -> None:
     ConnectorSettings.from_sources({}, env_of(objects))
     assert assert_pods_drain_in_grace(objects) == (spec.local.replica_drain_s, spec.router_drain_s)
     assert_rollouts_outlast_startup(objects)
+    assert_hardened(objects)
 
 
 def test_cpu_fleet(tmp_path: Path) -> None:
@@ -203,7 +242,7 @@ def test_gpu_curvine_fleet(tmp_path: Path) -> None:
     replica = container(objects, "kvtier-replica")
     assert replica["image"] == "registry.example/kvtier/vllm-gpu:1"
     assert replica["resources"] == {
-        "requests": {"cpu": "8", "nvidia.com/gpu": "2"},
+        "requests": {"cpu": "8", "nvidia.com/gpu": "2", "ephemeral-storage": "32Gi"},
         "limits": {"nvidia.com/gpu": "2"},  # Kubernetes takes an extended resource as a limit
     }
     assert replica["args"][-2:] == ["--tensor-parallel-size", "2"]
@@ -237,7 +276,8 @@ def test_existing_claim(tmp_path: Path) -> None:
     objects = rendered(tmp_path, "existing-claim")
     assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
     pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
-    assert pod["volumes"][0] == {"name": "l2", "persistentVolumeClaim": {"claimName": "efs-kv"}}
+    (l2,) = [v for v in pod["volumes"] if v["name"] == "l2"]
+    assert l2 == {"name": "l2", "persistentVolumeClaim": {"claimName": "efs-kv"}}
     assert env_of(objects)["KVTIER_L2_PROFILE"] == "efs"
 
 
@@ -253,7 +293,7 @@ def test_an_existing_claim_and_a_model_claim_each_mount_their_own(tmp_path: Path
 def test_gpu_replica_resources_keep_their_gpu_as_a_limit(tmp_path: Path) -> None:
     replica = container(rendered(tmp_path, "gpu-resources"), "kvtier-replica")
     assert replica["resources"] == {
-        "requests": {"cpu": "6", "memory": "30Gi"},
+        "requests": {"cpu": "6", "memory": "30Gi", "ephemeral-storage": "32Gi"},
         "limits": {"nvidia.com/gpu": "1"},  # the default GPU, where the API server needs it
     }
     unequal = {"requests": {"nvidia.com/gpu": "2"}, "limits": {"nvidia.com/gpu": "1"}}
@@ -502,3 +542,124 @@ def test_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     config.write_text("kubernetes: {devise: cpu}\n")
     assert main(["deploy", "render", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
     assert "kubernetes.devise: unknown setting" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "memory"),
+    [("big-l1", "92Gi"), ("one-router", "30Gi"), ("cpu-model", "9Gi"), ("no-cache", "5Gi")],
+)
+def test_replica_memory_holds_the_l1_and_the_shared_memory(
+    tmp_path: Path, name: str, memory: str
+) -> None:
+    """vLLM's own (26Gi on GPU, 2Gi on CPU) + L1 + the memory-backed /dev/shm (2Gi) + on CPU
+    the engine's KV cache: a 64 GiB L1 in a 30Gi limit is an OOM kill once warm."""
+    replica = container(rendered(tmp_path, name), "kvtier-replica")
+    assert replica["resources"]["requests"]["memory"] == memory
+    assert replica["resources"]["limits"]["memory"] == memory
+
+
+def test_a_replica_memory_limit_below_the_l1_is_refused(tmp_path: Path) -> None:
+    small = {"requests": {"memory": "16Gi"}, "limits": {"memory": "70Gi"}}
+    file = {**FILES["big-l1"], "kubernetes": {"replicaResources": small}}
+    with pytest.raises(
+        ConfigError,
+        match=r"kubernetes\.replicaResources\.limits\.memory: 70Gi is below "
+        r"kvCacheSpec\.l1CacheSizeGiB \(64\) \+ /dev/shm \(2\) \+ 8 for vLLM = 74Gi",
+    ):
+        render(parse_spec(file), tmp_path / "out")
+    cpu = {**FILES["cpu-model"], "kubernetes": {"device": "cpu", "replicaResources": small}}
+    cpu["kubernetes"]["replicaResources"] = {"limits": {"memory": "7800Mi"}}
+    with pytest.raises(ConfigError, match=r"engineKvCacheGiB \(1\) \+ 1 for vLLM = 8Gi"):
+        render(parse_spec(cpu), tmp_path / "cpu")
+    cpu["kubernetes"]["replicaResources"] = {"limits": {"memory": "8Gi"}}
+    render(parse_spec(cpu), tmp_path / "cpu")
+
+
+def test_a_downloaded_model_is_cached_on_a_volume_of_its_size(tmp_path: Path) -> None:
+    """An HF id downloads into an emptyDir at HF_HOME (kept across container restarts), the
+    size the pod asks of the node's ephemeral storage; a path needs none."""
+    objects = rendered(tmp_path, "big-l1")
+    pod = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["spec"]
+    replica = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in replica["env"]}
+    (mount,) = [m for m in replica["volumeMounts"] if m["name"] == "model-cache"]
+    assert mount["mountPath"] == env["HF_HOME"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"]["emptyDir"] == {"sizeLimit": "80Gi"}
+    assert replica["resources"]["requests"]["ephemeral-storage"] == "80Gi"
+    for name in ("gpu-juicefs", "cpu-claim"):
+        replica = container(rendered(tmp_path, name), "kvtier-replica")
+        assert "ephemeral-storage" not in replica["resources"]["requests"]
+        assert "HF_HOME" not in {e["name"] for e in replica["env"]}
+
+
+def pod_spec(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    spec: dict[str, Any] = by_kind(objects, kind, name)["spec"]["template"]["spec"]
+    return spec
+
+
+def test_scheduling_on_tainted_nodes_and_private_registries(tmp_path: Path) -> None:
+    objects = rendered(tmp_path, "scheduled")
+    replica = pod_spec(objects, "Deployment", "kvtier-replica")
+    router = pod_spec(objects, "Deployment", "kvtier-router")
+    gpu = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    assert replica["tolerations"] == [
+        gpu,
+        {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"},
+        {"key": "spot", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60},
+    ]
+    assert router["tolerations"] == [{"operator": "Exists"}]
+    assert router["nodeSelector"] == {"pool": "system"} and "nodeSelector" not in replica
+    assert list(replica["affinity"]) == ["nodeAffinity"] and "affinity" not in router
+    assert replica["priorityClassName"] == "inference-high"
+    assert router["priorityClassName"] == "system-cluster-critical"
+    valkey = pod_spec(objects, "StatefulSet", "kvtier-valkey")
+    for pod in (replica, router, valkey):
+        assert pod["imagePullSecrets"] == [{"name": "registry"}, {"name": "mirror"}]
+    metadata = by_kind(objects, "Deployment", "kvtier-replica")["spec"]["template"]["metadata"]
+    assert metadata["annotations"] == {"karpenter.sh/do-not-disrupt": "true"}
+    assert metadata["labels"]["team"] == "ml"
+    assert metadata["labels"]["app.kubernetes.io/component"] == "replica"  # kept
+    metadata = by_kind(objects, "Deployment", "kvtier-router")["spec"]["template"]["metadata"]
+    assert metadata["labels"]["example.com/tier"] == "edge" and "annotations" not in metadata
+    # GPU replicas tolerate the GPU taint by default; CPU ones stay off GPU nodes
+    assert pod_spec(rendered(tmp_path, "gpu-curvine"), "Deployment", "kvtier-replica")[
+        "tolerations"
+    ] == [gpu]
+    cpu = pod_spec(rendered(tmp_path, "cpu-claim"), "Deployment", "kvtier-replica")
+    assert not cpu.get("tolerations")
+
+
+@pytest.mark.parametrize(
+    ("kubernetes", "error"),
+    [
+        (
+            {"replicaTolerations": [{"key": "a", "effect": "Never"}]},
+            r"replicaTolerations\.0\.effect",
+        ),
+        ({"routerTolerations": [{"value": "x"}]}, r"routerTolerations\.0\.key: required"),
+        (
+            {"replicaTolerations": [{"operator": "Exists", "value": "x"}]},
+            r"replicaTolerations\.0\.value: none",
+        ),
+        (
+            {"replicaTolerations": [{"key": "a", "tolerationSeconds": 5}]},
+            r"replicaTolerations\.0\.tolerationSeconds",
+        ),
+        ({"routerAffinity": {"nodeAfinity": {}}}, r"routerAffinity\.nodeAfinity: unknown"),
+        ({"replicaPriorityClassName": "High"}, "replicaPriorityClassName"),
+        ({"imagePullSecrets": ["my_registry"]}, r"imagePullSecrets\.0"),
+        ({"replicaPodLabels": {"team": "a b"}}, r"replicaPodLabels\.team"),
+        ({"routerPodLabels": {"app.kubernetes.io/name": "x"}}, "routerPodLabels: app.kuber"),
+        ({"replicaPodAnnotations": {"bad key": "x"}}, r"replicaPodAnnotations\.bad key"),
+        (
+            {"replicaPodAnnotations": {"karpenter.sh/do-not-disrupt": True}},
+            r"replicaPodAnnotations\.karpenter\.sh/do-not-disrupt: input should be a valid string",
+        ),
+    ],
+)
+def test_bad_scheduling_settings_are_refused_naming_the_key(
+    kubernetes: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=rf"kubernetes[.:] ?{error}"):
+        parse_spec({"kubernetes": kubernetes})

@@ -32,7 +32,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.settings import to_flags
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import GIB, FleetSpec
-from kvtier.tools.deploy.settings import Env, Resources
+from kvtier.tools.deploy.settings import Affinity, Env, Resources, Toleration
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.tools.vllm_server import STOP_GRACE_S
@@ -45,6 +45,7 @@ __all__ = [
     "render",
     "replica_args",
     "replica_grace_s",
+    "replica_memory_gib",
     "router_grace_s",
     "router_args",
 ]
@@ -60,6 +61,20 @@ VALKEY_DATA = "/data"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
 IMAGES = {"gpu": "kvtier/vllm-gpu:0.2.0", "cpu": "kvtier/vllm-cpu:0.2.0"}
 GPU = "nvidia.com/gpu"
+GPU_TOLERATION = Toleration(key=GPU, operator="Exists", effect="NoSchedule")
+"""Tolerated by GPU replicas (deploy/k8s/base/replicas.yaml): the taint of GPU nodes on EKS
+(Karpenter, GPU node groups) and GKE."""
+SHM_GIB = 2
+"""The replicas' memory-backed /dev/shm (deploy/k8s/base/replicas.yaml): its pages count against
+the container's memory limit."""
+ENGINE_MEMORY_GIB = {"gpu": 26, "cpu": 2}
+"""A replica's host memory for vLLM itself (processes, CUDA, weights on CPU), by device."""
+MIN_ENGINE_MEMORY_GIB = {"gpu": 8, "cpu": 1}
+"""The least of it a `replicaResources` memory limit may leave."""
+MODEL_CACHE = "model-cache"
+"""The replicas' download cache volume (deploy/k8s/components/model-cache)."""
+_QUANTITY_UNITS = {"": 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_QUANTITY_UNITS |= {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
 REPLICA_PRESTOP_S = 20
 """The replica's preStop sleep (deploy/k8s/base/replicas.yaml): the pod leaves the Service and
@@ -119,6 +134,17 @@ def replica_grace_s(spec: FleetSpec) -> int:
     """The replica pod's terminationGracePeriodSeconds: preStop, drain, and the engine's exit
     (`STOP_GRACE_S`: its teardown and the connector's last L2 writes)."""
     return REPLICA_PRESTOP_S + spec.local.replica_drain_s + int(STOP_GRACE_S)
+
+
+def replica_memory_gib(spec: FleetSpec, engine_gib: float | None = None) -> int:
+    """A replica's host memory in whole GiB: `engine_gib` for vLLM (`ENGINE_MEMORY_GIB` of the
+    device by default), its L1, the memory-backed /dev/shm, and on CPU the engine's KV cache."""
+    device = spec.kubernetes.device
+    gib = ENGINE_MEMORY_GIB[device] if engine_gib is None else engine_gib
+    gib += SHM_GIB + (spec.cache.l1_gib if spec.cache.l1_enabled else 0)
+    if device == "cpu":
+        gib += spec.local.engine_kv_cache_gib
+    return math.ceil(gib)
 
 
 def router_grace_s(spec: FleetSpec) -> int:
@@ -225,11 +251,14 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     manifests = manifests or find_manifests()
     k8s = spec.kubernetes
     model, served = _model(spec)
+    if k8s.replica_resources is not None:
+        _check_memory(spec, k8s.replica_resources)
     notes: list[str] = []
     components = []
     if k8s.device == "cpu":
         components.append("cpu")
-    hub = k8s.hub_egress if k8s.hub_egress is not None else not model.startswith("/")
+    download = not model.startswith("/")  # an HF id, downloaded into the model-cache volume
+    hub = k8s.hub_egress if k8s.hub_egress is not None else download
     if hub:
         components.append("hub-egress")
     volume = _l2_volume(spec)
@@ -242,6 +271,8 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         components.append("valkey")
     elif volume is None:
         components.append("no-l2")
+    if download:
+        components.append(MODEL_CACHE)
     if k8s.service_monitor:
         components.append("servicemonitor")
 
@@ -275,13 +306,31 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
     if env:
         container["env"] = _env(env)
+    ephemeral = {"ephemeral-storage": f"{k8s.model_cache_gib}Gi"} if download else {}
     if k8s.replica_resources is not None:
-        container["resources"] = _resources(k8s.replica_resources, gpu=k8s.device == "gpu")
-    elif k8s.device == "cpu" and spec.local.threads_per_replica > 1:
-        container["resources"] = {"requests": {"cpu": str(spec.local.threads_per_replica)}}
+        container["resources"] = _resources(
+            k8s.replica_resources, gpu=k8s.device == "gpu", requests=ephemeral
+        )
+    else:
+        memory = f"{replica_memory_gib(spec)}Gi"
+        requests = {"memory": memory, **ephemeral}
+        if k8s.device == "cpu" and spec.local.threads_per_replica > 1:
+            requests["cpu"] = str(spec.local.threads_per_replica)
+        container["resources"] = {"requests": requests, "limits": {"memory": memory}}
+    if download:
+        cache = {"sizeLimit": f"{k8s.model_cache_gib}Gi"}
+        _volumes(replica).append({"name": MODEL_CACHE, "emptyDir": cache})
     replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = replica_grace_s(spec)
-    if k8s.node_selector:
-        replica["spec"]["template"]["spec"]["nodeSelector"] = dict(k8s.node_selector)
+    gpu_tolerations = [GPU_TOLERATION] if k8s.device == "gpu" else []
+    _schedule(
+        replica,
+        node_selector=k8s.node_selector,
+        tolerations=[*gpu_tolerations, *k8s.replica_tolerations],
+        affinity=k8s.replica_affinity,
+        priority_class=k8s.replica_priority_class_name,
+        labels=k8s.replica_pod_labels,
+        annotations=k8s.replica_pod_annotations,
+    )
     router = _container_patch("kvtier-router", "router", k8s.router_image)
     router_container = router["spec"]["template"]["spec"]["containers"][0]
     router_container["args"] = router_args(spec)
@@ -290,6 +339,15 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = router_grace_s(spec)
     if k8s.router_resources is not None:
         router_container["resources"] = _resources(k8s.router_resources, gpu=False)
+    _schedule(
+        router,
+        node_selector=k8s.router_node_selector,
+        tolerations=k8s.router_tolerations,
+        affinity=k8s.router_affinity,
+        priority_class=k8s.router_priority_class_name,
+        labels=k8s.router_pod_labels,
+        annotations=k8s.router_pod_annotations,
+    )
     if k8s.model_claim is not None:
         for patch in (replica, router):
             _mount_model(patch, k8s.model_claim, k8s.model_mount_path)
@@ -317,6 +375,11 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         password = _secret(out, "valkey-password", "raw")
         generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
         patches.append(_valkey_patch(out, spec))
+    if k8s.image_pull_secrets:
+        pull = [{"name": name} for name in k8s.image_pull_secrets]
+        add = [{"op": "add", "path": "/spec/template/spec/imagePullSecrets", "value": pull}]
+        workloads = {"kind": "Deployment|StatefulSet"}  # replicas, routers, Valkey
+        patches.append({"target": workloads, "patch": yaml.safe_dump(add)})
     if k8s.service_monitor_labels:
         labels = {"metadata": {"labels": dict(k8s.service_monitor_labels)}}
         patches.append(_inline("ServiceMonitor", "kvtier", labels))
@@ -399,13 +462,66 @@ def _env(env: Env) -> list[dict[str, Any]]:
     ]
 
 
-def _resources(resources: Resources, gpu: bool) -> dict[str, Any]:
-    """`resources` in place of the base's whole block; with `gpu`, one GPU unless they give a
-    count (Kubernetes takes it as a limit: `Resources` copies a request there)."""
+def _resources(
+    resources: Resources, gpu: bool, requests: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`resources` in place of the base's whole block, with `requests` they do not give; with
+    `gpu`, one GPU unless they give a count (Kubernetes takes it as a limit: `Resources` copies
+    a request there)."""
     dumped = resources.model_dump()
+    dumped["requests"] = {**(requests or {}), **dumped["requests"]}
     if gpu:
         dumped["limits"].setdefault(GPU, "1")
     return {"$patch": "replace", **dumped}
+
+
+def _check_memory(spec: FleetSpec, resources: Resources) -> None:
+    """A `ConfigError` if `resources` limit the replicas' memory below their L1, /dev/shm (and
+    on CPU the engine's KV cache) with the least memory vLLM runs in: an OOM kill once warm."""
+    limit = resources.limits.get("memory")
+    device = spec.kubernetes.device
+    needed = replica_memory_gib(spec, MIN_ENGINE_MEMORY_GIB[device])
+    if limit is None or _gib(limit) >= needed:
+        return
+    l1 = spec.cache.l1_gib if spec.cache.l1_enabled else 0
+    engine_kv = f" + kvtier.engineKvCacheGiB ({spec.local.engine_kv_cache_gib})"
+    raise ConfigError(
+        f"kubernetes.replicaResources.limits.memory: {limit} is below kvCacheSpec.l1CacheSizeGiB "
+        f"({l1:g}) + /dev/shm ({SHM_GIB}){engine_kv if device == 'cpu' else ''} + "
+        f"{MIN_ENGINE_MEMORY_GIB[device]} for vLLM = {needed}Gi: raise the limit or lower the L1"
+    )
+
+
+def _gib(quantity: str) -> float:
+    """A Kubernetes quantity ("30Gi", "32G", "500m") in GiB."""
+    number = quantity.rstrip("mkMGTi")
+    return float(number) * _QUANTITY_UNITS[quantity[len(number) :]] / GIB
+
+
+def _schedule(
+    patch: dict[str, Any],
+    *,
+    node_selector: dict[str, str],
+    tolerations: list[Toleration],
+    affinity: Affinity | None,
+    priority_class: str | None,
+    labels: dict[str, str],
+    annotations: dict[str, str],
+) -> None:
+    """Where a Deployment's pods run (nodes, priority), their extra labels and annotations.
+    Tolerations replace the base's (a list a patch does not merge): the GPU one included."""
+    template = patch["spec"]["template"]
+    pod = template["spec"]
+    if tolerations:
+        pod["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
+    if affinity is not None:
+        pod["affinity"] = affinity.model_dump(by_alias=True, exclude_none=True)
+    if priority_class is not None:
+        pod["priorityClassName"] = priority_class
+    metadata = {"labels": dict(labels), "annotations": dict(annotations)}
+    template["metadata"] = {key: value for key, value in metadata.items() if value}
 
 
 def _volumes(patch: dict[str, Any]) -> list[dict[str, Any]]:

@@ -15,18 +15,35 @@ Every key is optional; `kvtier deploy render` reads it with the rest of the file
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import ConfigDict, Field, model_validator
 
 from kvtier.core.settings import L2ProfileName, Settings
 
-__all__ = ["Env", "EnvFrom", "KubernetesSpec", "Resources", "SecretKeyRef"]
+__all__ = [
+    "Affinity",
+    "Env",
+    "EnvFrom",
+    "KubernetesSpec",
+    "Resources",
+    "SecretKeyRef",
+    "Toleration",
+]
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SUBDOMAIN = r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?"
+_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?"
 Quantity = Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$")]
 """A Kubernetes resource quantity ("6", "500m", "30Gi")."""
+ObjectName = Annotated[str, Field(pattern=rf"^{_SUBDOMAIN}$")]
+"""The name of a Kubernetes object (a Secret, a PriorityClass)."""
+QualifiedName = Annotated[str, Field(pattern=rf"^({_SUBDOMAIN}/)?{_NAME}$")]
+"""A label's or an annotation's key ("karpenter.sh/do-not-disrupt")."""
+LabelValue = Annotated[str, Field(pattern=rf"^({_NAME})?$")]
+OWN_LABELS = "app.kubernetes.io/"
+"""The prefix of the labels kvtier sets (and selects its pods by)."""
 
 
 class _Strict(Settings):
@@ -68,6 +85,34 @@ class EnvFrom(_Strict):
     secret_key_ref: SecretKeyRef = Field(alias="secretKeyRef")
 
 
+class Toleration(_Strict):
+    """A pod's toleration of a node taint, as Kubernetes writes it."""
+
+    key: QualifiedName | None = None
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: LabelValue | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = Field(None, alias="tolerationSeconds")
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("value: none with operator Exists")
+        if self.key is None and self.operator != "Exists":
+            raise ValueError("key: required unless operator is Exists")
+        if self.toleration_seconds is not None and self.effect != "NoExecute":
+            raise ValueError("tolerationSeconds: only with effect NoExecute")
+        return self
+
+
+class Affinity(_Strict):
+    """A pod's affinity, as Kubernetes writes it (the terms are checked by the API server)."""
+
+    node_affinity: dict[str, Any] | None = Field(None, alias="nodeAffinity")
+    pod_affinity: dict[str, Any] | None = Field(None, alias="podAffinity")
+    pod_anti_affinity: dict[str, Any] | None = Field(None, alias="podAntiAffinity")
+
+
 Env = dict[str, EnvFrom | str]
 """Extra environment: a value, or {secretKeyRef: {name, key}} for a key of a Secret."""
 
@@ -92,8 +137,11 @@ class KubernetesSpec(_Strict):
     served_model_name: str | None = Field(None, alias="servedModelName")
     """Model name clients send; unset: the last part of `model`."""
     replica_resources: Resources | None = Field(None, alias="replicaResources")
-    """Replica container resources, in place of the defaults: 6 CPUs, 30Gi and one GPU (gpu), 1
-    CPU and 4Gi (cpu). On gpu, one nvidia.com/gpu is added to the limits unless given."""
+    """Replica container resources, in place of the defaults: 6 CPUs and one GPU (gpu), 1 CPU
+    (cpu), and memory (request = limit) for vLLM (26Gi on gpu, 2Gi on cpu) + the L1
+    (kvCacheSpec.l1CacheSizeGiB) + the memory-backed /dev/shm (2Gi) + on cpu the engine's KV
+    cache (kvtier.engineKvCacheGiB). On gpu, one nvidia.com/gpu is added to the limits unless
+    given; a memory limit below that sum with 8Gi (gpu) or 1Gi (cpu) for vLLM is an error."""
     router_resources: Resources | None = Field(None, alias="routerResources")
     """Router container resources; unset: 1 CPU, 2Gi requested, 4Gi limit."""
     replica_env: Env = Field(default_factory=dict, alias="replicaEnv")
@@ -103,8 +151,46 @@ class KubernetesSpec(_Strict):
     """Extra environment of the routers, as `replicaEnv` (they load the model's tokenizer)."""
     vllm_args: list[str] = Field(default_factory=list, alias="vllmArgs")
     """Extra `vllm serve` arguments, e.g. [--max-model-len, "8192"]."""
+    model_cache_gib: Annotated[int, Field(gt=0)] = Field(32, alias="modelCacheGiB")
+    """Size of the replicas' download cache (an emptyDir at HF_HOME) when `model` is an HF id,
+    also requested as ephemeral storage: the weights' size (about 2 bytes a parameter in
+    bf16); the default holds a model up to ~14B parameters."""
     node_selector: dict[str, str] = Field(default_factory=dict, alias="nodeSelector")
     """Node labels the replicas must run on (e.g. node.kubernetes.io/instance-type)."""
+    router_node_selector: dict[str, str] = Field(default_factory=dict, alias="routerNodeSelector")
+    """Node labels the routers must run on."""
+    replica_tolerations: list[Toleration] = Field(default_factory=list, alias="replicaTolerations")
+    """Taints the replicas tolerate, e.g. [{key: dedicated, value: inference, effect:
+    NoSchedule}]; on gpu, `nvidia.com/gpu` (NoSchedule, any value) is tolerated as well."""
+    router_tolerations: list[Toleration] = Field(default_factory=list, alias="routerTolerations")
+    """Taints the routers tolerate."""
+    replica_affinity: Affinity | None = Field(None, alias="replicaAffinity")
+    """The replicas' affinity: {nodeAffinity, podAffinity, podAntiAffinity}."""
+    router_affinity: Affinity | None = Field(None, alias="routerAffinity")
+    """The routers' affinity."""
+    replica_priority_class_name: ObjectName | None = Field(None, alias="replicaPriorityClassName")
+    """PriorityClass of the replicas."""
+    router_priority_class_name: ObjectName | None = Field(None, alias="routerPriorityClassName")
+    """PriorityClass of the routers."""
+    replica_pod_labels: dict[QualifiedName, LabelValue] = Field(
+        default_factory=dict, alias="replicaPodLabels"
+    )
+    """Extra labels of the replica pods (not app.kubernetes.io/*: kvtier's own)."""
+    router_pod_labels: dict[QualifiedName, LabelValue] = Field(
+        default_factory=dict, alias="routerPodLabels"
+    )
+    """Extra labels of the router pods."""
+    replica_pod_annotations: dict[QualifiedName, str] = Field(
+        default_factory=dict, alias="replicaPodAnnotations"
+    )
+    """Annotations of the replica pods, e.g. {karpenter.sh/do-not-disrupt: "true"}."""
+    router_pod_annotations: dict[QualifiedName, str] = Field(
+        default_factory=dict, alias="routerPodAnnotations"
+    )
+    """Annotations of the router pods."""
+    image_pull_secrets: list[ObjectName] = Field(default_factory=list, alias="imagePullSecrets")
+    """Secrets (kubernetes.io/dockerconfigjson, in the namespace) every pod of the fleet pulls
+    its image with: replicas, routers, the in-cluster Valkey."""
     model_claim: str | None = Field(None, alias="modelClaim")
     """An existing claim holding the model, mounted read-only at `modelMountPath` on the
     replicas and the routers; set `model` to the path under it."""
@@ -153,6 +239,13 @@ class KubernetesSpec(_Strict):
             for name in env:
                 if not _ENV_NAME.match(name):
                     raise ValueError(f"{key}.{name}: not an environment variable name")
+        for key, labels in (
+            ("replicaPodLabels", self.replica_pod_labels),
+            ("routerPodLabels", self.router_pod_labels),
+        ):
+            for name in labels:
+                if name.startswith(OWN_LABELS):
+                    raise ValueError(f"{key}: {name}: kvtier sets the {OWN_LABELS}* labels")
         if (self.l2_volume == "existingClaim") != (self.l2_claim_name is not None):
             raise ValueError("l2ClaimName: set it exactly when l2Volume is existingClaim")
         if self.l2_storage_class is not None and self.l2_volume not in (None, "claim"):
