@@ -4,6 +4,9 @@ engine tests run the connector on the config vLLM builds for the embedded model.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -17,7 +20,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvtier.core.errors import ConfigError
-from kvtier.vllm.compat import check_kv_cache_layout
+from kvtier.vllm.compat import check_kv_cache_layout, check_pipeline
 
 FULL = FullAttentionSpec(block_size=128, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
 SLIDING = SlidingWindowSpec(
@@ -53,3 +56,15 @@ def test_a_state_space_model_is_refused() -> None:
     mamba = MambaSpec(block_size=128, shapes=((4, 8),), dtypes=(torch.bfloat16,))
     with pytest.raises(ConfigError, match="MambaSpec"):
         check_kv_cache_layout(config(mamba))
+
+
+def test_pipeline_parallelism_is_refused_and_tensor_parallelism_is_not() -> None:
+    """Stages of equal size would name their different layers' blocks alike (per TP rank)."""
+
+    def config(stages: int, ranks: int) -> Any:
+        parallel = SimpleNamespace(pipeline_parallel_size=stages, tensor_parallel_size=ranks)
+        return SimpleNamespace(parallel_config=parallel)
+
+    check_pipeline(config(1, 4))
+    with pytest.raises(ConfigError, match="pipeline_parallel_size=2"):
+        check_pipeline(config(2, 1))

@@ -482,3 +482,21 @@ def test_a_prompt_with_embeddings_mixed_in_is_neither_looked_up_nor_saved(
         assert _answer(side, plain, 0)[0] == 1024  # the same ids without embeddings: a hit
     finally:
         side.close()
+
+
+def test_a_preempted_request_no_longer_holds_its_blocks_for_dropped_saves(
+    rt: process_store.ProcessStore,
+) -> None:
+    """Its saves were dropped with its blocks at the preemption: finishing after it resumed
+    (with nothing saved since) does not ask vLLM to wait for them."""
+    tokens = list(range(1100))
+    side = _side(rt, {"r": list(range(10))})
+    try:
+        request = FakeRequest("r", tokens)
+        side.new_request(request)  # type: ignore[arg-type]
+        assert side.build_meta(FakeSchedulerOutput({"r": 600})).saves  # type: ignore[arg-type]
+        request.num_computed_tokens = 0
+        side.build_meta(FakeSchedulerOutput({}, preempted_req_ids={"r"}))  # type: ignore[arg-type]
+        assert side.finished(request) is False  # type: ignore[arg-type]
+    finally:
+        side.close()

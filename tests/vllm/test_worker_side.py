@@ -565,6 +565,35 @@ def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Pa
         close_replica(a)
 
 
+def test_a_preempted_request_is_never_reported_for_saves_it_no_longer_has(
+    tmp_path: Path,
+) -> None:
+    """A request preempted with saves, resumed with an asynchronous load and aborted during it
+    is reported once, when its load settles: not also as finished sending for the dropped saves
+    (vLLM frees a request at its first report and asserts it still exists at the second, and
+    the first would free blocks the load is still writing)."""
+    writer, _ = replica(tmp_path)
+    side, _ = replica(tmp_path)
+    try:
+        save_blocks(writer, "w", (7, 8, 9))
+        assert writer._store.flush(30)
+        side.submit_saves(KvtierMetadata(saves=[SaveSpec("r", CHAIN[:1], PARENTS[:1], (1,), 0, 0)]))
+        side.handle_preemptions(KvtierMetadata(preempted=frozenset({"r"})))
+        side.submit_saves(KvtierMetadata(preempted=frozenset({"r"})))
+        load = LoadSpec("r", CHAIN, (4, 5, 6), 0, (Tier.L2,) * 3)  # resumed: an async hit
+        side.start_loads(KvtierMetadata(loads=[load]))
+        reports = [side.finished({"r"})]  # aborted by the client
+        deadline = time.monotonic() + 30
+        while not any("r" in (recving or ()) for _, recving in reports):
+            assert time.monotonic() < deadline, reports
+            time.sleep(0.01)
+            reports.append(side.finished(set()))
+        assert not any("r" in (sending or ()) for sending, _ in reports)
+    finally:
+        close_replica(writer)
+        close_replica(side)
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs")
 def test_background_threads_leave_the_cpus_the_engine_is_bound_to() -> None:
     cpus = os.cpu_count() or 1

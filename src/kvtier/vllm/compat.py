@@ -53,6 +53,7 @@ __all__ = [
     "batches_in_flight",
     "block_ids",
     "check_kv_cache_layout",
+    "check_pipeline",
     "check_version",
     "engine_geometry",
     "extra_config",
@@ -118,6 +119,18 @@ def check_kv_cache_layout(kv_cache_config: KVCacheConfig | None) -> None:
         raise ConfigError(
             f"kvtier stores full-attention K/V blocks; this model's KV cache is {kinds[0]} "
             "(MLA, state-space and other layouts are not supported)"
+        )
+
+
+def check_pipeline(vllm_config: VllmConfig) -> None:
+    """Raise `ConfigError` under pipeline parallelism: blocks are named per tensor-parallel
+    rank only, so two stages holding as many layers would share a namespace and each load the
+    other's layers' KV."""
+    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if stages > 1:
+        raise ConfigError(
+            f"kvtier does not support pipeline parallelism (pipeline_parallel_size={stages}): "
+            "its blocks are named per tensor-parallel rank, not per stage"
         )
 
 

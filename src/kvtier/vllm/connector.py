@@ -69,6 +69,7 @@ class KvtierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         compat.check_version()
         compat.check_kv_cache_layout(kv_cache_config)
+        compat.check_pipeline(vllm_config)
         self.config = ConnectorSettings.from_sources(compat.extra_config(vllm_config))
         geometry = compat.engine_geometry(vllm_config)
         block_tokens = process_store.block_tokens(self.config, geometry)

@@ -251,6 +251,10 @@ class SchedulerSide:
         )
         loaded = frozenset[int]().union(*self._recent_loads)
         self._loads = []
+        for req_id in meta.preempted:  # vLLM freed its blocks; the worker drops its saves
+            tracked = self._tracked.get(req_id)
+            if tracked is not None:
+                tracked.has_saves = False
         for req_id, n_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:

@@ -323,8 +323,11 @@ class WorkerSide:
     # ---- per step -----------------------------------------------------------------------
 
     def handle_preemptions(self, meta: KvtierMetadata) -> None:
+        """Drop the saves of preempted requests (vLLM frees their blocks) and forget them: a
+        request is reported finished sending only for saves planned after it resumed (the
+        scheduler side no longer counts the dropped ones either)."""
         with self._lock:
-            runs = [run for r in meta.preempted for run in self._save_runs.get(r, ())]
+            runs = [run for r in meta.preempted for run in self._save_runs.pop(r, ())]
         for run in runs:
             run.drop()
 
