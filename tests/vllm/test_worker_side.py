@@ -565,6 +565,64 @@ def test_a_preemption_stops_a_save_without_waiting_for_a_slow_store(tmp_path: Pa
         close_replica(a)
 
 
+class RanksUnion:
+    """Two ranks' `ranks_union` for one step: each waits for the other's set, as vLLM's
+    all-gather over the TP group does."""
+
+    def __init__(self) -> None:
+        self._sets: list[set[int]] = []
+        self._lock = threading.Lock()
+        self._both = threading.Barrier(2, timeout=30)
+
+    def __call__(self, mine: set[int]) -> set[int]:
+        with self._lock:
+            self._sets.append(mine)
+        self._both.wait()
+        return set().union(*self._sets)
+
+
+def test_with_tensor_parallelism_one_ranks_failed_load_bars_every_ranks_saves(
+    tmp_path: Path,
+) -> None:
+    """TP=2, one step loads blocks 0-1 and computes block 2; rank 1 fails to load block 1 (its
+    L1 or L2 lost it). Rank 1's attention then reads stale KV, and its output is all-reduced
+    into every rank's: rank 0's block 2 is wrong too, though its own loads succeeded. Neither
+    rank saves it (before, rank 0 did, and its later recompute found the block held)."""
+    dirs = [tmp_path / "rank0", tmp_path / "rank1"]
+    union = RanksUnion()
+    sides = []
+    for d in dirs:
+        d.mkdir()
+        writer, _ = replica(d)
+        save_blocks(writer, "w", (7, 8), blocks=2)
+        assert writer._store.flush(30)
+        close_replica(writer)
+        sides.append(replica(d, ranks_union=union))
+    (r0, c0), (r1, c1) = sides
+    try:
+        os.unlink(r1._store._l2.path(CHAIN[1]))  # rank 1 lost block 1
+        load = LoadSpec("a", CHAIN[:2], (1, 2), 0, (Tier.L2,) * 2, asynchronous=False)
+        save = SaveSpec("a", CHAIN, PARENTS, (1, 2, 3), 0, 0)
+
+        def step(side: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+            side.start_loads(KvtierMetadata(loads=[load]))
+            for name in caches:
+                side.wait_for_layer(name)
+            side.submit_saves(KvtierMetadata(loads=[load], saves=[save]))
+
+        rank1 = threading.Thread(target=step, args=(r1, c1))
+        rank1.start()
+        step(r0, c0)
+        rank1.join(30)
+        assert r0.load_errors() == set() and r1.load_errors() == {2}
+        r0._saver.shutdown(wait=True)
+        assert not r0._store.has_near(CHAIN[2])  # computed from rank 1's stale block 1
+        assert r0._store.has_near(CHAIN[0])  # computed before it: saved
+    finally:
+        close_replica(r0)
+        close_replica(r1)
+
+
 def test_a_preempted_request_is_never_reported_for_saves_it_no_longer_has(
     tmp_path: Path,
 ) -> None:

@@ -18,7 +18,7 @@ Supported versions (the connector API is `KVConnectorBase_V1`):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +60,7 @@ __all__ = [
     "model_path",
     "request_extra",
     "request_token_ids",
+    "tensor_parallel_union",
     "vllm_version",
     "worker_tp_rank",
 ]
@@ -198,6 +199,25 @@ def worker_tp_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
     return int(get_tensor_model_parallel_rank())
+
+
+def tensor_parallel_union() -> Callable[[set[int]], set[int]] | None:
+    """With several tensor-parallel ranks, a function giving the union over the ranks of a set
+    of ints each rank passes (a collective on vLLM's CPU group: every rank must call it in the
+    same steps); None with one rank."""
+    import torch.distributed
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return None
+
+    def union(mine: set[int]) -> set[int]:
+        gathered: list[list[int] | None] = [None] * group.world_size
+        torch.distributed.all_gather_object(gathered, sorted(mine), group=group.cpu_group)
+        return {i for ids in gathered for i in ids or ()}
+
+    return union
 
 
 def request_token_ids(request: Request) -> Sequence[int] | None:

@@ -126,6 +126,7 @@ class KvtierConnector(KVConnectorBase_V1):
                 load_deadline_s=self.config.load_deadline_s,
                 load_layerwise=self.config.load_layerwise,
                 batches_in_flight=compat.batches_in_flight(vllm_config),
+                ranks_union=compat.tensor_parallel_union(),
             )
         self.counters.watch(
             (s.store for s in self._stores),

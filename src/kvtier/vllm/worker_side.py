@@ -222,11 +222,15 @@ class WorkerSide:
         load_deadline_s: float = 2.0,
         load_layerwise: bool | None = None,
         batches_in_flight: int = 1,
+        ranks_union: Callable[[set[int]], set[int]] | None = None,
     ) -> None:
         """`cpus`: where background threads run (`background_cpus`); asynchronous loads run
         there too when `loads_in_background`. `load_staging`, `load_read_threads`,
         `load_deadline_s`, `load_layerwise`: see `ConnectorSettings`. `batches_in_flight`:
-        `compat.batches_in_flight` (how many steps' failed loads bar saves)."""
+        `compat.batches_in_flight` (how many steps' failed loads bar saves). `ranks_union`:
+        with tensor parallelism, the union over the ranks of a set each gives
+        (`compat.tensor_parallel_union`, a collective)."""
+        self._ranks_union = ranks_union
         self._shared = shared
         self._rank = tp_rank
         self._store = shared.store
@@ -418,6 +422,11 @@ class WorkerSide:
         self._end_layered()
         with self._lock:
             unwritten, self._unwritten = self._unwritten, set()
+        if self._ranks_union is not None and any(not load.asynchronous for load in meta.loads):
+            # one rank's stale block taints every rank's forward pass (its attention output is
+            # all-reduced): every rank bars the saves a failed load on any rank taints. Every
+            # rank gets the same loads, so all take part in this collective in the same steps.
+            unwritten = self._ranks_union(unwritten)
         self._recent_unwritten.append(unwritten)
         stale = set[int]().union(*self._recent_unwritten)
         dropped = 0
