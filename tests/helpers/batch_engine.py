@@ -6,9 +6,11 @@ sharing a prefix are scheduled in the same step (over HTTP that is a race).
 
 Reads batches from stdin, one JSON line each: a list of token-id prompts. For each batch it
 generates greedily (`max_tokens` 4) and prints one line, `OUTPUT_MARK` then JSON: the outputs'
-token ids (vLLM logs to stdout too). It exits at the end of stdin; the connector's L2 writes
-still queued then may be lost, so the caller waits for the files it needs before closing stdin
-(`tests.helpers.engines.BatchEngine`).
+token ids (vLLM logs to stdout too). A line `{"abort_after_one_step": PROMPT}` instead runs
+one engine step with that prompt, aborts it, and prints an empty list (the engine core runs
+in this process, so a step is exactly one schedule, forward pass and update). It exits at the
+end of stdin; the connector's L2 writes still queued then may be lost, so the caller waits for
+the files it needs before closing stdin (`tests.helpers.engines.BatchEngine`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,17 @@ def main() -> None:
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     for line in sys.stdin:
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in json.loads(line)]
+        batch = json.loads(line)
+        if isinstance(batch, dict):
+            engine = llm.llm_engine
+            engine.add_request(
+                "aborted", TokensPrompt(prompt_token_ids=batch["abort_after_one_step"]), greedy
+            )
+            engine.step()
+            engine.abort_request(["aborted"])
+            print(OUTPUT_MARK + "[]", flush=True)
+            continue
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in batch]
         outputs = llm.generate(prompts, greedy, use_tqdm=False)
         print(OUTPUT_MARK + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
 

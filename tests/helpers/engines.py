@@ -135,7 +135,7 @@ class BatchEngine:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=spec.environment(self._temp.name),
+            env={**spec.environment(self._temp.name), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
             start_new_session=True,  # (its engine processes too, for a kill on timeout)
         )
         self._outputs: queue.Queue[str | None] = queue.Queue()
@@ -152,12 +152,19 @@ class BatchEngine:
 
     def generate(self, prompts: list[list[int]], timeout_s: float = 600.0) -> list[list[int]]:
         """Greedy outputs of `prompts`, all queued before the engine's next step."""
+        return [list(ids) for ids in self._ask(prompts, timeout_s)]
+
+    def abort_after_one_step(self, prompt: list[int], timeout_s: float = 600.0) -> None:
+        """Run one engine step with `prompt` alone, then abort it."""
+        self._ask({"abort_after_one_step": prompt}, timeout_s)
+
+    def _ask(self, doc: object, timeout_s: float) -> Any:
         assert self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps(prompts) + "\n")
+        self._proc.stdin.write(json.dumps(doc) + "\n")
         self._proc.stdin.flush()
         line = self._outputs.get(timeout=timeout_s)
         assert line is not None, f"the batch engine exited; see {self._log.name}"
-        return [list(ids) for ids in json.loads(line)]
+        return json.loads(line)
 
     def __enter__(self) -> Self:
         return self

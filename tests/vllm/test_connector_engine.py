@@ -404,6 +404,39 @@ def test_blocks_computed_in_the_step_of_a_failed_load_from_its_blocks_are_never_
         assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
 
 
+def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_request(
+    model_dir: str, corpus: Corpus, tmp_path: Path
+) -> None:
+    """X loads its prefix from L2 with block 2 corrupt, and is aborted right after that step,
+    before it recomputes the block. vLLM (`recompute` policy) keeps the blocks it cached for
+    the load, the failed one included; the connector evicts the failed one from vLLM's prefix
+    cache. Y, extending X, then takes only the good blocks before it from L0, and its own
+    blocks reach L2 computed from good KV, within rounding of a clean run's."""
+    x = prompt_ids(corpus, 1400, seed=303)
+    y = x + prompt_ids(corpus, 700, seed=304)
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    with BatchEngine(model_dir, l2, tmp_path / "clean.log") as engine:
+        engine.generate([x])
+        engine.generate([y])  # after x: its first 10 blocks are L0 hits
+        x_files, y_files = _block_files(l2, x), _block_files(l2, y)[10:]
+        _wait_for_files(x_files + y_files)
+    clean = [f.read_bytes() for f in y_files]
+    for f in y_files:
+        f.unlink()
+    data = bytearray(x_files[2].read_bytes())
+    data[-100:] = bytes(100)  # the checksum no longer matches: its load fails
+    x_files[2].write_bytes(bytes(data))
+
+    with BatchEngine(model_dir, l2, tmp_path / "aborted.log") as engine:
+        engine.abort_after_one_step(x)
+        engine.generate([y])
+        _wait_for_files(y_files)
+    for good, resaved in zip(clean, y_files, strict=True):
+        expected, stored = _kv_values(good), _kv_values(resaved.read_bytes())
+        assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
+
+
 def _kv_values(block_file: bytes) -> torch.Tensor:
     """A stored block's KV payload as floats, in the dtype its header names."""
     namespace = Namespace(block_file[16:48].rstrip(b"\0").decode("ascii"))

@@ -225,6 +225,12 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, KvtierWorkerMeta):
             self._scheduler_side().apply_worker_meta(meta)
+        failed = connector_output.invalid_block_ids
+        if failed and self._kv_cache_manager is not None:
+            # vLLM (`recompute` policy) keeps a block that failed to load in its prefix cache,
+            # where it cached it for the load, until its request recomputes it; a request
+            # aborted or preempted first would leave its stale KV there for later L0 hits
+            self._kv_cache_manager.evict_blocks(set(failed))
 
     def request_finished(
         self, request: Request, block_ids: list[int]
