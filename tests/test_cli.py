@@ -1,10 +1,12 @@
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -43,19 +45,27 @@ COMMANDS = {
 """Every command a user can run, as `kvtier --help` and its subcommands list them."""
 
 
-def leaf_commands(
+def parsers(
     parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
-) -> set[tuple[str, ...]]:
-    """The runnable commands under `parser`, by walking its subcommand parsers."""
-    found: set[tuple[str, ...]] = set()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """`parser` and every subcommand parser under it, by command."""
+    yield path, parser
     for action in parser._actions:  # argparse keeps subparsers only here
         if isinstance(action, argparse._SubParsersAction):
             seen: set[int] = set()  # an alias maps to its command's own parser
             for name, sub in action.choices.items():
                 if id(sub) not in seen:
                     seen.add(id(sub))
-                    found |= leaf_commands(sub, (*path, name))
-    return found or {path}
+                    yield from parsers(sub, (*path, name))
+
+
+def leaf_commands(parser: argparse.ArgumentParser) -> set[tuple[str, ...]]:
+    """The runnable commands under `parser`: those without subcommands."""
+    return {
+        path
+        for path, sub in parsers(parser)
+        if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+    }
 
 
 def test_help_lists_every_command_and_every_command_has_help(
@@ -72,7 +82,9 @@ def test_help_lists_every_command_and_every_command_has_help(
         assert done.value.code == 0
         text = capsys.readouterr().out
         assert text.startswith(f"usage: kvtier {' '.join(command)}")
-        assert not text.split("\n\n")[1].startswith("options:")  # a description says what it does
+        description = text.split("\n\n")[1]
+        assert not description.startswith("options:")  # a description says what it does,
+        assert description.rstrip().endswith((".", ")"))  # in whole sentences
 
 
 def test_unknown_command_is_a_usage_error() -> None:
@@ -154,3 +166,21 @@ def test_main_runs_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     thread.start()
     thread.join(30)
     assert result == [7]
+
+
+def expanded_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The help text of `action` as `--help` prints it (%(default)s filled in)."""
+    return parser._get_formatter()._expand_help(action) if action.help else ""
+
+
+def test_every_option_says_what_it_is() -> None:
+    """Not only "(default N)": a help text that says what the option does."""
+    missing = [
+        f"kvtier {' '.join(path)} {'/'.join(action.option_strings) or action.dest}"
+        for path, parser in parsers(build_parser())
+        for action in parser._actions
+        if not isinstance(action, argparse._SubParsersAction)
+        and action.help != argparse.SUPPRESS
+        and not re.sub(r"\(default[^)]*\)", "", expanded_help(parser, action)).strip()
+    ]
+    assert missing == []

@@ -8,12 +8,15 @@ writer's bytes a reader got, and that they were never a mix.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 import numpy as np
@@ -98,3 +101,22 @@ def finish_worker(proc: subprocess.Popen[str], timeout_s: float = 120.0) -> dict
         out, err = proc.communicate()
     assert proc.returncode == 0, err[-4000:]
     return json.loads(out.strip().splitlines()[-1])
+
+
+def refuse(
+    monkeypatch: pytest.MonkeyPatch,
+    module: ModuleType,
+    name: str,
+    path: str,
+    err: int = errno.EACCES,
+) -> None:
+    """Make `module.name(path, ...)` fail with `err` for `path` alone: the tests run as root,
+    which reads everything, so a denial is faked."""
+    real = getattr(module, name)
+
+    def call(target: object, *args: object, **kwargs: object) -> object:
+        if target == path:
+            raise OSError(err, os.strerror(err), target)
+        return real(target, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, call)

@@ -1001,14 +1001,20 @@ def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served(tokenizer:
     run(scenario())
 
 
-def test_a_port_already_taken_is_a_config_error_naming_it(tokenizer: Tokenizer) -> None:
+def test_a_port_already_taken_or_an_unknown_host_is_a_config_error_naming_it(
+    tokenizer: Tokenizer,
+) -> None:
     async def scenario() -> None:
+        router = Router(RouterSettings(replicas=["http://127.0.0.1:1"]), tokenizer=tokenizer)
         with socket.create_server(("127.0.0.1", 0)) as taken:
             port = taken.getsockname()[1]
-            router = Router(RouterSettings(replicas=["http://127.0.0.1:1"]), tokenizer=tokenizer)
-            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}"):
+            with pytest.raises(ConfigError, match=f"cannot listen on 127.0.0.1:{port}: Address"):
                 async with serving(router, "127.0.0.1", port):
                     pass
+        with pytest.raises(ConfigError, match="cannot listen on host.invalid:0: ") as info:
+            async with serving(router, "host.invalid", 0):
+                pass
+        assert "Unknown error" not in str(info.value)
 
     run(scenario())
 

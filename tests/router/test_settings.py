@@ -37,11 +37,13 @@ def test_replicas_file_accepts_urls_and_objects_in_yaml_or_json(tmp_path: Path) 
         ("- {url: 'http://a:1', colour: red}\n", "entry 0.colour: unknown setting"),
         ("- 5\n", "entry 0"),
         ("{oops", "cannot read"),
+        ("- http://a:1=notzmq\n", "entry 0.vllm_events: 'notzmq' is not a ZMQ endpoint"),
+        ("\udcc3(", "cannot read .*: 'utf-8' codec can't decode byte 0xc3"),
     ],
 )
 def test_bad_replicas_files_are_config_errors(tmp_path: Path, text: str, match: str) -> None:
     path = tmp_path / "r.yaml"
-    path.write_text(text)
+    path.write_bytes(text.encode(errors="surrogateescape"))
     with pytest.raises(ConfigError, match=match):
         load_replicas_file(path)
 
@@ -57,6 +59,8 @@ def test_bad_replicas_files_are_config_errors(tmp_path: Path, text: str, match: 
         ({"strategy": "fastest"}, "^strategy:"),
         ({"max_body_bytes": "1x"}, "^max_body_bytes: cannot read"),
         ({"replicas": ["http://a:1", "http://a:1"]}, "^replicas: duplicate"),
+        ({"replicas": ["http://a:1=tcp://*:5557"]}, "^replicas.0.vllm_events: 'tcp://"),
+        ({"replicas": ["http://a:1=tcp://a"]}, "^replicas.0.vllm_events: .* not a ZMQ endpoint"),
     ],
 )
 def test_router_settings_name_the_bad_field(options: dict, message: str) -> None:

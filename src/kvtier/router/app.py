@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
 import random
 import socket
 import ssl
@@ -415,8 +414,7 @@ async def serving(
     try:
         sock = socket.create_server((host, port))
     except OSError as exc:
-        reason = os.strerror(exc.errno) if exc.errno else str(exc)
-        raise ConfigError(f"cannot listen on {host}:{port}: {reason}") from exc
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     with sock:
         await router.start()
         try:

@@ -9,6 +9,7 @@ vllm_events?}`. A replicas file is YAML or JSON: a list of those, or `{"replicas
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
@@ -25,6 +26,10 @@ __all__ = ["STRATEGIES", "ReplicaSettings", "RouterSettings", "Strategy", "load_
 Strategy = Literal["prefixaware", "kvaware", "session", "roundrobin", "leastload"]
 """Routing strategies served by `kvtier router` (see `kvtier.router.policies`)."""
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
+
+
+_ZMQ_ENDPOINT = re.compile(r"tcp://[^\s*]+:\d+|ipc://\S+")
+"""What the router can connect a ZMQ socket to: tcp://HOST:PORT or ipc://PATH."""
 
 
 def replica_fields(text: str) -> dict[str, Any]:
@@ -53,6 +58,11 @@ class ReplicaSettings(Settings):
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url: {self.url!r} is not an http(s) base URL")
+        if self.vllm_events is not None and not _ZMQ_ENDPOINT.fullmatch(self.vllm_events):
+            raise ValueError(
+                f"vllm_events: {self.vllm_events!r} is not a ZMQ endpoint "
+                "(tcp://HOST:PORT or ipc://PATH)"
+            )
         object.__setattr__(self, "url", self.url.rstrip("/"))
         if not self.name:
             object.__setattr__(self, "name", self.url)
@@ -183,7 +193,7 @@ def load_replicas_file(path: str | Path) -> tuple[ReplicaSettings, ...]:
     """Replicas listed in a YAML or JSON file (JSON is YAML)."""
     try:
         doc = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"replicas_file: cannot read {path}: {exc}") from exc
     if isinstance(doc, dict):
         doc = doc.get("replicas")

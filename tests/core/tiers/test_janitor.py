@@ -14,7 +14,7 @@ from kvtier.core.tiers.janitor import AccessRecorder, Janitor, JanitorSettings, 
 from kvtier.core.tiers.lease import FileLease
 from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.usage import Entry, Usage, control_dir, plan_eviction, scan
-from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, refuse
 
 KIB = 1024
 
@@ -191,6 +191,22 @@ def test_a_take_the_file_system_refuses_leaves_no_file_and_says_why_once(
     assert os.listdir(tmp_path) == []
     assert caplog.text.count("cannot take the lease") == 1 and os.strerror(err) in caplog.text
     assert lease.try_acquire() and os.listdir(tmp_path) == ["lease.000000000001"]
+
+
+def test_a_directory_the_scan_cannot_read_is_named_and_the_janitor_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    paths = fill(tmp_path, 10, 100 * KIB)
+    unreadable = os.path.dirname(paths[0])
+    refuse(monkeypatch, os, "scandir", unreadable)
+    (tmp_path / ("0" * 32)).mkdir()
+    refuse(monkeypatch, os, "scandir", str(tmp_path / ("0" * 32)), errno.ENOENT)  # vanished
+    usage = scan(str(tmp_path), float("inf"), 0.0)
+    assert usage.unreadable == ((unreadable, "Permission denied"),)
+    assert paths[0] not in [e.path for e in usage.blocks] and len(usage.blocks) > 0
+    janitor = Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB)))
+    assert janitor.run_once() is not None and janitor.run_once() is not None
+    assert caplog.text.count(f"cannot read {unreadable} (Permission denied)") == 1
 
 
 def _plant_outside(directory: Path) -> list[str]:

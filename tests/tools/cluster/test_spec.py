@@ -153,3 +153,6 @@ def test_unreadable_and_malformed_files_are_config_errors(tmp_path: Path) -> Non
     bad.write_text("replicas: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_spec(bad)
+    bad.write_bytes(b"\xc3\x28 binary")
+    with pytest.raises(ConfigError, match="bad.yaml: not a text file"):
+        load_spec(bad)

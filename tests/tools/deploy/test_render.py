@@ -3,6 +3,8 @@ validates, and what the file says is what the cluster would run."""
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -506,6 +508,32 @@ def test_render_keeps_out_of_a_directory_it_did_not_write(tmp_path: Path) -> Non
     (tmp_path / "empty").mkdir()
     render(spec, tmp_path / "empty")
     render(spec, tmp_path / "empty")  # its own: re-rendered
+
+
+def test_a_render_that_fails_leaves_the_earlier_overlay_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "fleet"
+    spec = parse_spec(FILES["valkey-inside"])
+    render(spec, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(render_module, "_write", full)
+    with pytest.raises(ConfigError, match=f"--out {out}: No space left on device"):
+        render(spec.replaced(replicas=4), out)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_an_out_that_cannot_be_made_is_an_error_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").touch()
+    spec = parse_spec(FILES["cpu-model"])
+    with pytest.raises(ConfigError, match=f"--out {tmp_path}/file/x: Not a directory"):
+        render(spec, tmp_path / "file" / "x")
+    with pytest.raises(ConfigError, match="--out /proc/x: No such file or directory"):
+        render(spec, Path("/proc/x"))
 
 
 def test_rerender_keeps_the_secrets(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import builtins
+import errno
 import json
 import os
 from pathlib import Path
@@ -16,7 +18,7 @@ from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops import cli
 from kvtier.tools.l2ops.valkey_server import ValkeyServer
-from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, refuse
 
 
 def run(*argv: str) -> int:
@@ -114,8 +116,77 @@ def test_verify_finds_and_removes_a_corrupt_file(
         "checked": 3,
         "bad": 1,
         "removed": 1,
+        "unreadable": 0,
     }
     assert not os.path.exists(paths[1]) and os.path.exists(paths[0])
+
+
+def test_verify_removes_only_bad_blocks_never_one_it_cannot_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = stored_dir(tmp_path, 3)
+    with open(paths[1], "r+b") as f:
+        f.seek(4096 + 100)
+        f.write(b"\x00garbage")
+    refuse(monkeypatch, builtins, "open", paths[0], errno.EIO)
+    assert run("l2", "verify", str(tmp_path), "--remove", "--json") == 1
+    out, err = capsys.readouterr()
+    assert f"cannot read {paths[0]}: Input/output error" in err
+    assert json.loads(out.split("\n", 1)[1]) == {
+        "checked": 2,
+        "bad": 1,
+        "removed": 1,
+        "unreadable": 1,
+    }
+    assert os.path.exists(paths[0]) and not os.path.exists(paths[1])
+
+
+def test_verify_fails_when_a_bad_block_cannot_be_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = stored_dir(tmp_path, 2)
+    os.truncate(paths[1], 100)
+    refuse(monkeypatch, os, "unlink", paths[1])
+    assert run("l2", "verify", str(tmp_path), "--remove") == 1
+    out = capsys.readouterr().out
+    assert f"BAD {paths[1]}" in out and "not removed: Permission denied" in out
+
+
+@pytest.mark.parametrize("action", ["status", "verify"])
+def test_status_and_verify_fail_on_a_directory_they_cannot_read(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    action: str,
+) -> None:
+    paths = stored_dir(tmp_path, 1)
+    refuse(monkeypatch, os, "scandir", str(tmp_path / NAMESPACE))
+    assert run("l2", action, str(tmp_path), "--json") == 1
+    assert f"cannot read {tmp_path / NAMESPACE}: Permission denied" in capsys.readouterr().err
+    assert os.path.exists(paths[0])
+
+
+def test_status_creates_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("l2", "status", str(tmp_path)) == 0
+    assert "janitor: none" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gc_where_it_cannot_write_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    refuse(monkeypatch, os, "mkdir", str(tmp_path / ".kvtier"))
+    assert main(["l2", "gc", str(tmp_path), "--capacity", "1G"]) == 2
+    assert f"{tmp_path / '.kvtier'}: Permission denied" in capsys.readouterr().err
+    monkeypatch.undo()
+    os.makedirs(tmp_path / ".kvtier" / "lease")
+    monkeypatch.setattr(os, "link", _denied)
+    assert main(["l2", "gc", str(tmp_path), "--capacity", "1G"]) == 2
+    assert "lease: cannot take the janitor lease" in capsys.readouterr().err
+
+
+def _denied(*args: object) -> None:
+    raise PermissionError(errno.EACCES, "Permission denied")
 
 
 @pytest.mark.valkey
@@ -146,12 +217,15 @@ def test_status_and_verify_on_a_valkey_l2(
         (["status", "{missing}"], "{missing}: no such L2 directory"),
         (["gc", "{missing}", "--capacity", "1G"], "{missing}: no such L2 directory"),
         (["verify", "{missing}"], "{missing}: no such L2 directory"),
+        (["status", "{file}"], "{file}: not a directory"),
+        (["gc", "{file}", "--capacity", "1G"], "{file}: not a directory"),
+        (["verify", "{file}"], "{file}: not a directory"),
         (["gc", "redis://127.0.0.1:1/0", "--capacity", "1G"], "gc runs on an L2 directory"),
         (["status", "redis://:secret@127.0.0.1:1/0"], "redis://:***@127.0.0.1:1/0: Error"),
         (["verify", "redis://127.0.0.1:1/0"], "redis://127.0.0.1:1/0: Error"),
     ],
 )
-def test_a_missing_directory_or_an_unreachable_valkey_is_an_error_and_creates_nothing(
+def test_a_missing_directory_a_file_or_an_unreachable_valkey_is_an_error_and_creates_nothing(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -159,7 +233,8 @@ def test_a_missing_directory_or_an_unreachable_valkey_is_an_error_and_creates_no
     message: str,
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    missing = str(tmp_path / "missing")
-    assert main(["l2", *(a.format(missing=missing) for a in argv)]) == 2
-    assert message.format(missing=missing) in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []
+    missing, file = str(tmp_path / "missing"), tmp_path / "file"
+    file.touch()
+    assert main(["l2", *(a.format(missing=missing, file=file) for a in argv)]) == 2
+    assert message.format(missing=missing, file=file) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == [file]

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
+from kvtier.core.errors import ConfigError
+from kvtier.tools.sim.report import prepare_output
 from tests.helpers.sim import MOONCAKE
 
 REQUIRED = {
@@ -143,6 +145,55 @@ def test_bad_values_exit_2_with_the_field_named(capsys: pytest.CaptureFixture[st
     code = main(["sim", "--trace", str(MOONCAKE), "--limit", "10", "--cost", "warp=9", "--quiet"])
     assert code == 2
     assert "unknown field 'warp'" in capsys.readouterr().err
+
+
+def test_a_bad_capacity_flag_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "--trace", str(MOONCAKE), "--l1-blocks", "-5"])
+    assert exit_info.value.code == 2
+    assert "argument --l1-blocks: capacity: must be >= 0, got -5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["sim", "--json", "{file}/x.json"],
+        ["sim", "--sweep", "l1=0,inf", "--plot", "{file}/x.png"],
+        ["plan", "--target-hit-rate", "0.1", "--json", "{file}/sub/x.json"],
+    ],
+)
+def test_an_output_that_cannot_be_written_is_an_error_before_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]
+) -> None:
+    file = tmp_path / "file"
+    file.touch()
+    argv = [a.format(file=file, tmp=tmp_path) for a in argv]
+    assert main([*argv, "--trace", str(MOONCAKE), "--limit", "10", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "kvtier: error: --" in err  # nothing simulated
+    assert sorted(tmp_path.iterdir()) == [file]
+
+
+def test_a_plot_without_a_suffix_is_the_png_it_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["sim", "--trace", str(MOONCAKE), "--limit", "10", "--sweep", "l1=0,inf"]
+    assert main([*argv, "--plot", str(tmp_path / "curve"), "--quiet"]) == 0
+    assert f"plot: {tmp_path / 'curve.png'}" in capsys.readouterr().out
+    assert (tmp_path / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prepare_output_makes_the_directory_or_names_the_flag(tmp_path: Path) -> None:
+    prepare_output(tmp_path / "a" / "b.json", "--json")
+    prepare_output(tmp_path / "reports", "--report-dir", directory=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "reports"]
+    (tmp_path / "file").touch()
+    with pytest.raises(ConfigError, match=f"--report-dir {tmp_path}/file: .* not a directory"):
+        prepare_output(tmp_path / "file", "--report-dir", directory=True)
+    with pytest.raises(ConfigError, match="--json /proc/x/y.json: No such file or directory"):
+        prepare_output(Path("/proc/x/y.json"), "--json")
+    with pytest.raises(ConfigError, match=f"--plot {tmp_path}/a: is a directory"):
+        prepare_output(tmp_path / "a", "--plot")
 
 
 def test_public_surface_of_the_sim_package_is_pinned() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -74,3 +75,27 @@ def test_invalid_numbers_name_the_field() -> None:
         make_costs(prefill_tokens_per_s=0)
     with pytest.raises(ConfigError, match="request_overhead_s: must be >= 0"):
         make_costs(request_overhead_s=-1)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.5])
+def test_kv_bytes_per_token_must_be_a_whole_number(value: float) -> None:
+    with pytest.raises(
+        ConfigError, match=f"kv_bytes_per_token: must be a whole number, got {value}"
+    ):
+        load_costs(None, {"kv_bytes_per_token": value})
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"default": "a", "profiles": {"a": [1]}}, "profile 'a' is not an object"),
+        ({"profiles": {"a": {}}}, "names no 'default' profile"),
+    ],
+)
+def test_a_profile_file_of_another_shape_is_named(
+    tmp_path: Path, doc: dict[str, object], message: str
+) -> None:
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ConfigError, match=message):
+        load_costs(str(path))

@@ -64,6 +64,14 @@ def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
         load_trace(tmp_path / "absent.jsonl")
 
 
+def test_a_directory_or_a_trace_without_requests_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"trace: {tmp_path} is a directory"):
+        load_trace(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="empty.jsonl holds no requests"):
+        load_trace(tmp_path / "empty.jsonl")
+
+
 def test_mooncake_ideal_hit_rate_is_36_6_percent() -> None:
     trace = load_trace(MOONCAKE)
     assert len(trace) == 12_031

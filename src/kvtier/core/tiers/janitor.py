@@ -223,6 +223,8 @@ class Janitor:
             clock=clock,
         )
         self._last_scan: float | None = None
+        self._unreadable = False
+        """Whether the last scan found directories it could not read (logged when it changes)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.passes = 0
@@ -241,6 +243,15 @@ class Janitor:
             return None
         started = self._clock()
         usage = scan(self.root, self.config.temp_max_age_s, started)
+        if bool(usage.unreadable) != self._unreadable:
+            self._unreadable = bool(usage.unreadable)
+            if usage.unreadable:
+                log.warning(
+                    "kvtier L2 janitor: cannot read %s (%s) and %d more: their blocks are "
+                    "neither counted nor evicted",
+                    *usage.unreadable[0],
+                    len(usage.unreadable) - 1,
+                )
         idle = (
             self.config.trim_when_idle
             and self._last_scan is not None

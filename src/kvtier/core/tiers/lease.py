@@ -69,7 +69,9 @@ class FileLease:
         root: str | None = None,
         stale_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        create: bool = True,
     ) -> None:
+        """`create=False` makes no directory (a reader's view, for `current()` alone)."""
         self.directory = directory
         self.holder = holder
         self.ttl_s = ttl_s
@@ -83,6 +85,8 @@ class FileLease:
         """Whether the last look found the directory reached through a symlink (logged)."""
         self._cannot_take: int | None = None
         """The errno of the last failed take (logged when it changes), None after a take."""
+        if not create:
+            return
         if root is None:
             os.makedirs(directory, exist_ok=True)
             return

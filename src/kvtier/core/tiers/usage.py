@@ -7,13 +7,15 @@
 `scan` walks the directory (I/O, no changes); `plan_eviction` picks victims from a scan (pure).
 No walk follows a symlink (anyone who can write the root can plant one): a symlink, a
 top-level entry that is not a namespace, or a `.kvtier` or graveyard that is not a real
-directory, is skipped, so nothing outside the root is ever counted or deleted.
+directory, is skipped, so nothing outside the root is ever counted or deleted. A directory
+that cannot be listed is skipped too, and named in `Usage.unreadable` (one that vanished is not).
 The janitor (`kvtier.core.tiers.janitor`) acts on them; `kvtier l2 status` and `verify` read
 them too.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -59,6 +61,8 @@ class Usage:
     orphans: tuple[Entry, ...]
     """Temp files older than `temp_max_age_s`."""
     graveyard: tuple[Entry, ...]
+    unreadable: tuple[tuple[str, str], ...] = ()
+    """(directory, reason) of every directory the scan could not list: not accounted."""
 
     @property
     def block_bytes(self) -> int:
@@ -101,29 +105,33 @@ def real_dir(root: str, *parts: str) -> bool:
     return True
 
 
-def _entries(directory: str) -> list[os.DirEntry[str]]:
+def _entries(directory: str, unreadable: list[tuple[str, str]]) -> list[os.DirEntry[str]]:
+    """The entries of `directory`; none if it vanished, none and noted in `unreadable` if it
+    cannot be read."""
     try:
         with os.scandir(directory) as it:
             return list(it)
-    except OSError:
-        return []  # vanished or unreadable: nothing to account here
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            unreadable.append((directory, exc.strerror or str(exc)))
+        return []
 
 
-def _walk(directory: str) -> Iterator[os.DirEntry[str]]:
+def _walk(directory: str, unreadable: list[tuple[str, str]]) -> Iterator[os.DirEntry[str]]:
     """Regular files under `directory`, at any depth; symlinks are neither followed nor listed."""
-    for entry in _entries(directory):
+    for entry in _entries(directory, unreadable):
         try:
             if entry.is_dir(follow_symlinks=False):
-                yield from _walk(entry.path)
+                yield from _walk(entry.path, unreadable)
             elif entry.is_file(follow_symlinks=False):
                 yield entry
         except OSError:
             continue
 
 
-def _namespaces(root: str) -> Iterator[os.DirEntry[str]]:
+def _namespaces(root: str, unreadable: list[tuple[str, str]]) -> Iterator[os.DirEntry[str]]:
     """The namespace directories under `root` (never a symlink, never `.kvtier`)."""
-    for entry in _entries(root):
+    for entry in _entries(root, unreadable):
         try:
             if NAMESPACE.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
                 yield entry
@@ -131,19 +139,20 @@ def _namespaces(root: str) -> Iterator[os.DirEntry[str]]:
             continue
 
 
-def _graveyard(root: str) -> Iterator[os.DirEntry[str]]:
+def _graveyard(root: str, unreadable: list[tuple[str, str]]) -> Iterator[os.DirEntry[str]]:
     """The files in the graveyard; none where it, or `.kvtier`, is not a real directory."""
     if real_dir(root, CONTROL_DIR, "graveyard"):
-        yield from _walk(control_dir(root, "graveyard"))
+        yield from _walk(control_dir(root, "graveyard"), unreadable)
 
 
 def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
     """Walk every namespace under `root` and the graveyard (see the module docstring)."""
     blocks: list[Entry] = []
     orphans: list[Entry] = []
+    unreadable: list[tuple[str, str]] = []
     temp_bytes = 0
-    for top in _namespaces(root):
-        for f in _walk(top.path):
+    for top in _namespaces(root, unreadable):
+        for f in _walk(top.path, unreadable):
             try:
                 st = f.stat(follow_symlinks=False)
             except OSError:
@@ -157,13 +166,13 @@ def scan(root: str, temp_max_age_s: float, now: float) -> Usage:
                 else:
                     temp_bytes += st.st_size
     graveyard = []
-    for f in _graveyard(root):
+    for f in _graveyard(root, unreadable):
         try:
             st = f.stat(follow_symlinks=False)
             graveyard.append(Entry(f.path, st.st_size, float(f.name.split(".", 1)[0]) / 1e9))
         except (OSError, ValueError):
             continue
-    return Usage(tuple(blocks), temp_bytes, tuple(orphans), tuple(graveyard))
+    return Usage(tuple(blocks), temp_bytes, tuple(orphans), tuple(graveyard), tuple(unreadable))
 
 
 def plan_eviction(usage: Usage, config: Watermarks, *, trim: bool) -> list[Entry]:

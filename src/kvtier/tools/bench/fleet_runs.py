@@ -41,6 +41,7 @@ from kvtier.tools.bench.report import (
 )
 from kvtier.tools.bench.scenarios import ChatShape, RagShape, TraceShape
 from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, LocalSpec, RoutingSpec
+from kvtier.tools.sim.report import prepare_output
 
 CONFIGS: dict[str, tuple[CacheSpec, RoutingSpec]] = {
     "roundrobin-l0": (CacheSpec(l1_enabled=False, l2_enabled=False), RoutingSpec(enabled=False)),
@@ -165,6 +166,9 @@ def _watched(
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    prepare_output(Path(args.report_dir), "--report-dir", directory=True)
+    if args.json:
+        prepare_output(Path(args.json), "--json")
     runs = run_scenario(args)
     rows = [summarize(r) for r in runs]
     out = Path(args.report_dir)
@@ -269,7 +273,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         help="S2 multi-round chat across fleet configurations",
         description="S2: users share a system prompt, each opens with a document of their "
         "own, then chats for several rounds (growing history, short answers, "
-        "Poisson arrivals). " + __doc__.split("\n\n")[1],
+        "Poisson arrivals). Each configuration (--configs) gets a fresh fleet and a fresh L2, "
+        "receives exactly the same requests with the same timing through its router, and is "
+        "stopped before the next starts.",
     )
     _common(chat)
     shape = ChatShape()
@@ -308,7 +314,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     _common(trace)
     trace.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
-    trace.add_argument("--requests", type=int, default=120)
+    trace.add_argument(
+        "--requests",
+        type=int,
+        default=120,
+        help="replay the trace's first N requests (default %(default)s)",
+    )
     trace.set_defaults(func=_cmd, scenario_name="S4", help_title="trace replay")
     rag = subparsers.add_parser(
         "rag",
@@ -317,5 +328,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         description="S5: a few 1,500-token documents, each asked many short questions.",
     )
     _common(rag)
-    rag.add_argument("--questions", type=int, default=24)
+    rag.add_argument(
+        "--questions",
+        type=int,
+        default=24,
+        help="questions in all, each on a document drawn at random (default %(default)s)",
+    )
     rag.set_defaults(func=_cmd, scenario_name="S5", help_title="RAG")

@@ -218,18 +218,25 @@ def _parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), help="default: cuda when torch sees a GPU"
     )
-    parser.add_argument("--layers", type=int, default=g.layers)
+    parser.add_argument("--layers", type=int, default=g.layers, help="layers of the model")
     parser.add_argument("--kv-heads", type=int, default=g.kv_heads, help="per TP rank")
-    parser.add_argument("--head-size", type=int, default=g.head_size)
+    parser.add_argument(
+        "--head-size", type=int, default=g.head_size, help="values per attention head"
+    )
     parser.add_argument(
         "--engine-block", type=int, default=g.engine_block, help="vLLM's block size (tokens)"
     )
-    parser.add_argument("--block-tokens", type=int, default=g.block_tokens)
+    parser.add_argument(
+        "--block-tokens", type=int, default=g.block_tokens, help="kvtier's block size (tokens)"
+    )
     parser.add_argument(
         "--engine-blocks", type=int, default=g.engine_blocks, help="engine blocks per layer"
     )
     parser.add_argument(
-        "--dtype", default=g.dtype, choices=("bfloat16", "float16", "float32", "float8_e4m3fn")
+        "--dtype",
+        default=g.dtype,
+        choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+        help="dtype of the KV cache",
     )
     parser.add_argument("--blocks", type=int, default=16, help="kvtier blocks per pass")
     parser.add_argument("--repeats", type=int, default=7, help="timed passes (median, range)")

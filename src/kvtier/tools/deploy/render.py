@@ -7,7 +7,7 @@ L2 volume or Valkey, and generated secrets (the router's API key, Valkey's passw
 render keeps; the connector's settings (the `KVTIER_*` environment of the replicas) and the
 model go in a last component, DIR/components/fleet. `kubectl apply -k DIR` deploys it; DIR holds
 no reference to this checkout. DIR is new, empty, or an earlier render's (nothing else is
-overwritten).
+overwritten); the overlay is written beside the old one and replaces it only once it is whole.
 
     spec = load_spec(Path("fleet.yaml"))
     notes = render(spec, Path("out"))       # notes: what the file set that has no effect here
@@ -18,11 +18,14 @@ holds the ones of a default file; a test keeps the two equal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import secrets
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -276,135 +279,164 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
     if k8s.service_monitor:
         components.append("servicemonitor")
 
-    _claim_out_dir(out)
-    for name in ("base", "components", "patches"):
-        shutil.rmtree(out / name, ignore_errors=True)
-    shutil.copytree(manifests / "base", out / "base")
-    for name in dict.fromkeys([*components, "no-l2"] if "valkey" in components else components):
-        shutil.copytree(manifests / "components" / name, out / "components" / name)
-    (out / "patches").mkdir()
-    _write_fleet_component(out, connector_env(spec), model, served)
+    with _replacing(out) as build:
+        shutil.copytree(manifests / "base", build / "base")
+        for name in dict.fromkeys([*components, "no-l2"] if "valkey" in components else components):
+            shutil.copytree(manifests / "components" / name, build / "components" / name)
+        (build / "patches").mkdir()
+        _write_fleet_component(build, connector_env(spec), model, served)
 
-    secret_files = [f"keys={_secret(out, 'router-api-keys', 'key')}"]
-    secret_files.append(f"tenant-salt-key={_secret(out, 'tenant-salt-key', 'raw')}")
-    generators: list[dict[str, Any]] = [
-        {"name": "kvtier-router-api-keys", "files": secret_files},
-    ]
-    patches: list[dict[str, Any]] = []
-    resources: list[str] = ["base"]
+        secret_files = [f"keys={_secret(out, 'router-api-keys', 'key')}"]
+        secret_files.append(f"tenant-salt-key={_secret(out, 'tenant-salt-key', 'raw')}")
+        generators: list[dict[str, Any]] = [
+            {"name": "kvtier-router-api-keys", "files": secret_files},
+        ]
+        patches: list[dict[str, Any]] = []
+        resources: list[str] = ["base"]
 
-    replica = _container_patch("kvtier-replica", "vllm", k8s.image or IMAGES[k8s.device])
-    container = replica["spec"]["template"]["spec"]["containers"][0]
-    container["args"] = replica_args(spec)
-    env: Env = dict(k8s.replica_env)
-    if k8s.device == "cpu":
-        env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(spec.local.engine_kv_cache_gib),
-            OMP_NUM_THREADS=str(spec.local.threads_per_replica),
+        replica = _container_patch("kvtier-replica", "vllm", k8s.image or IMAGES[k8s.device])
+        container = replica["spec"]["template"]["spec"]["containers"][0]
+        container["args"] = replica_args(spec)
+        env: Env = dict(k8s.replica_env)
+        if k8s.device == "cpu":
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE=str(spec.local.engine_kv_cache_gib),
+                OMP_NUM_THREADS=str(spec.local.threads_per_replica),
+            )
+        elif spec.local.engine_kv_cache_gib != 1:
+            notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
+        if env:
+            container["env"] = _env(env)
+        ephemeral = {"ephemeral-storage": f"{k8s.model_cache_gib}Gi"} if download else {}
+        if k8s.replica_resources is not None:
+            container["resources"] = _resources(
+                k8s.replica_resources, gpu=k8s.device == "gpu", requests=ephemeral
+            )
+        else:
+            memory = f"{replica_memory_gib(spec)}Gi"
+            requests = {"memory": memory, **ephemeral}
+            if k8s.device == "cpu" and spec.local.threads_per_replica > 1:
+                requests["cpu"] = str(spec.local.threads_per_replica)
+            container["resources"] = {"requests": requests, "limits": {"memory": memory}}
+        if download:
+            cache = {"sizeLimit": f"{k8s.model_cache_gib}Gi"}
+            _volumes(replica).append({"name": MODEL_CACHE, "emptyDir": cache})
+        replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = replica_grace_s(spec)
+        gpu_tolerations = [GPU_TOLERATION] if k8s.device == "gpu" else []
+        _schedule(
+            replica,
+            node_selector=k8s.node_selector,
+            tolerations=[*gpu_tolerations, *k8s.replica_tolerations],
+            affinity=k8s.replica_affinity,
+            priority_class=k8s.replica_priority_class_name,
+            labels=k8s.replica_pod_labels,
+            annotations=k8s.replica_pod_annotations,
         )
-    elif spec.local.engine_kv_cache_gib != 1:
-        notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
-    if env:
-        container["env"] = _env(env)
-    ephemeral = {"ephemeral-storage": f"{k8s.model_cache_gib}Gi"} if download else {}
-    if k8s.replica_resources is not None:
-        container["resources"] = _resources(
-            k8s.replica_resources, gpu=k8s.device == "gpu", requests=ephemeral
+        router = _container_patch("kvtier-router", "router", k8s.router_image)
+        router_container = router["spec"]["template"]["spec"]["containers"][0]
+        router_container["args"] = router_args(spec)
+        if k8s.router_env:
+            router_container["env"] = _env(k8s.router_env)
+        router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = router_grace_s(spec)
+        if k8s.router_resources is not None:
+            router_container["resources"] = _resources(k8s.router_resources, gpu=False)
+        _schedule(
+            router,
+            node_selector=k8s.router_node_selector,
+            tolerations=k8s.router_tolerations,
+            affinity=k8s.router_affinity,
+            priority_class=k8s.router_priority_class_name,
+            labels=k8s.router_pod_labels,
+            annotations=k8s.router_pod_annotations,
         )
-    else:
-        memory = f"{replica_memory_gib(spec)}Gi"
-        requests = {"memory": memory, **ephemeral}
-        if k8s.device == "cpu" and spec.local.threads_per_replica > 1:
-            requests["cpu"] = str(spec.local.threads_per_replica)
-        container["resources"] = {"requests": requests, "limits": {"memory": memory}}
-    if download:
-        cache = {"sizeLimit": f"{k8s.model_cache_gib}Gi"}
-        _volumes(replica).append({"name": MODEL_CACHE, "emptyDir": cache})
-    replica["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = replica_grace_s(spec)
-    gpu_tolerations = [GPU_TOLERATION] if k8s.device == "gpu" else []
-    _schedule(
-        replica,
-        node_selector=k8s.node_selector,
-        tolerations=[*gpu_tolerations, *k8s.replica_tolerations],
-        affinity=k8s.replica_affinity,
-        priority_class=k8s.replica_priority_class_name,
-        labels=k8s.replica_pod_labels,
-        annotations=k8s.replica_pod_annotations,
-    )
-    router = _container_patch("kvtier-router", "router", k8s.router_image)
-    router_container = router["spec"]["template"]["spec"]["containers"][0]
-    router_container["args"] = router_args(spec)
-    if k8s.router_env:
-        router_container["env"] = _env(k8s.router_env)
-    router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = router_grace_s(spec)
-    if k8s.router_resources is not None:
-        router_container["resources"] = _resources(k8s.router_resources, gpu=False)
-    _schedule(
-        router,
-        node_selector=k8s.router_node_selector,
-        tolerations=k8s.router_tolerations,
-        affinity=k8s.router_affinity,
-        priority_class=k8s.router_priority_class_name,
-        labels=k8s.router_pod_labels,
-        annotations=k8s.router_pod_annotations,
-    )
-    if k8s.model_claim is not None:
-        for patch in (replica, router):
-            _mount_model(patch, k8s.model_claim, k8s.model_mount_path)
-    if volume == "existingClaim":
-        l2_claim = {"claimName": k8s.l2_claim_name}
-        _volumes(replica).append({"name": "l2", "persistentVolumeClaim": l2_claim})
-    _write(out / "patches" / "replica.yaml", replica)
-    _write(out / "patches" / "router.yaml", router)
-    patches += [{"path": "patches/replica.yaml"}, {"path": "patches/router.yaml"}]
+        if k8s.model_claim is not None:
+            for patch in (replica, router):
+                _mount_model(patch, k8s.model_claim, k8s.model_mount_path)
+        if volume == "existingClaim":
+            l2_claim = {"claimName": k8s.l2_claim_name}
+            _volumes(replica).append({"name": "l2", "persistentVolumeClaim": l2_claim})
+        _write(build / "patches" / "replica.yaml", replica)
+        _write(build / "patches" / "router.yaml", router)
+        patches += [{"path": "patches/replica.yaml"}, {"path": "patches/router.yaml"}]
 
-    l2 = spec.cache.l2
-    if volume is not None and volume != "existingClaim":
-        claim = {"spec": _claim_spec(spec, l2.size_gib * 1.25)}
-        patches.append(_inline("PersistentVolumeClaim", "kvtier-l2", claim))
-    if volume == "curvine":
-        parameters = {"master-addrs": k8s.curvine_master_addrs}
-        patches.append(_inline("StorageClass", "kvtier-curvine", {"parameters": parameters}))
-    if volume == "juicefs":
-        parameters = {
-            f"csi.storage.k8s.io/{role}-secret-namespace": k8s.namespace
-            for role in ("provisioner", "node-publish")
+        l2 = spec.cache.l2
+        if volume is not None and volume != "existingClaim":
+            claim = {"spec": _claim_spec(spec, l2.size_gib * 1.25)}
+            patches.append(_inline("PersistentVolumeClaim", "kvtier-l2", claim))
+        if volume == "curvine":
+            parameters = {"master-addrs": k8s.curvine_master_addrs}
+            patches.append(_inline("StorageClass", "kvtier-curvine", {"parameters": parameters}))
+        if volume == "juicefs":
+            parameters = {
+                f"csi.storage.k8s.io/{role}-secret-namespace": k8s.namespace
+                for role in ("provisioner", "node-publish")
+            }
+            patches.append(_inline("StorageClass", "kvtier-juicefs", {"parameters": parameters}))
+        if "valkey" in components:
+            password = _secret(out, "valkey-password", "raw")
+            generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
+            patches.append(_valkey_patch(build, spec))
+        if k8s.image_pull_secrets:
+            pull = [{"name": name} for name in k8s.image_pull_secrets]
+            add = [{"op": "add", "path": "/spec/template/spec/imagePullSecrets", "value": pull}]
+            workloads = {"kind": "Deployment|StatefulSet"}  # replicas, routers, Valkey
+            patches.append({"target": workloads, "patch": yaml.safe_dump(add)})
+        if k8s.service_monitor_labels:
+            labels = {"metadata": {"labels": dict(k8s.service_monitor_labels)}}
+            patches.append(_inline("ServiceMonitor", "kvtier", labels))
+        if valkey_inside and l2.url is not None:
+            resources.append(_external_valkey_policy(build, l2.url))
+            notes.append(
+                "l2CacheLocalUrl: lands in a ConfigMap; a password in it is readable there"
+            )
+
+        kustomization = {
+            "apiVersion": "kustomize.config.k8s.io/v1beta1",
+            "kind": "Kustomization",
+            "namespace": k8s.namespace,
+            "resources": resources,
+            "components": [f"components/{name}" for name in [*components, FLEET_COMPONENT]],
+            "labels": [
+                {"pairs": {"app.kubernetes.io/instance": k8s.instance}, "includeTemplates": True}
+            ],
+            "replicas": [
+                {"name": "kvtier-replica", "count": spec.replicas},
+                {"name": "kvtier-router", "count": k8s.routers},
+            ],
+            "secretGenerator": generators,
+            "patches": patches,
         }
-        patches.append(_inline("StorageClass", "kvtier-juicefs", {"parameters": parameters}))
-    if "valkey" in components:
-        password = _secret(out, "valkey-password", "raw")
-        generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
-        patches.append(_valkey_patch(out, spec))
-    if k8s.image_pull_secrets:
-        pull = [{"name": name} for name in k8s.image_pull_secrets]
-        add = [{"op": "add", "path": "/spec/template/spec/imagePullSecrets", "value": pull}]
-        workloads = {"kind": "Deployment|StatefulSet"}  # replicas, routers, Valkey
-        patches.append({"target": workloads, "patch": yaml.safe_dump(add)})
-    if k8s.service_monitor_labels:
-        labels = {"metadata": {"labels": dict(k8s.service_monitor_labels)}}
-        patches.append(_inline("ServiceMonitor", "kvtier", labels))
-    if valkey_inside and l2.url is not None:
-        resources.append(_external_valkey_policy(out, l2.url))
-        notes.append("l2CacheLocalUrl: lands in a ConfigMap; a password in it is readable there")
-
-    kustomization = {
-        "apiVersion": "kustomize.config.k8s.io/v1beta1",
-        "kind": "Kustomization",
-        "namespace": k8s.namespace,
-        "resources": resources,
-        "components": [f"components/{name}" for name in [*components, FLEET_COMPONENT]],
-        "labels": [
-            {"pairs": {"app.kubernetes.io/instance": k8s.instance}, "includeTemplates": True}
-        ],
-        "replicas": [
-            {"name": "kvtier-replica", "count": spec.replicas},
-            {"name": "kvtier-router", "count": k8s.routers},
-        ],
-        "secretGenerator": generators,
-        "patches": patches,
-    }
-    (out / "kustomization.yaml").write_text(HEADER + yaml.safe_dump(kustomization, sort_keys=False))
+        (build / "kustomization.yaml").write_text(
+            HEADER + yaml.safe_dump(kustomization, sort_keys=False)
+        )
     return notes
+
+
+OVERLAY = ("base", "components", "patches", "kustomization.yaml")
+"""What `render` writes into --out and replaces there (secrets/ is kept, other files left)."""
+
+
+@contextlib.contextmanager
+def _replacing(out: Path) -> Iterator[Path]:
+    """A new directory in `out` to write the overlay into; once it is written, its entries
+    replace those of `out` (an earlier render's) and it is removed. Until then `out` is left
+    as it was, so a render that fails loses nothing. An `OSError` is a `ConfigError` naming
+    --out."""
+    try:
+        _claim_out_dir(out)
+        build = Path(tempfile.mkdtemp(prefix=".render.", dir=out))
+        try:
+            yield build
+            old = build / "old"
+            old.mkdir()
+            for name in OVERLAY:  # kustomization.yaml last: the overlay is whole once it is
+                with contextlib.suppress(FileNotFoundError):
+                    (out / name).rename(old / name)
+                (build / name).rename(out / name)
+        finally:
+            shutil.rmtree(build, ignore_errors=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
 
 
 def _claim_out_dir(out: Path) -> None:

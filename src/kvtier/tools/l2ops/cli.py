@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,9 +22,31 @@ def _is_url(target: str) -> bool:
 
 def _directory(target: str) -> str:
     """`target`, an existing directory; a `ConfigError` otherwise (nothing is created)."""
-    if not os.path.isdir(target):
+    if not os.path.exists(target):
         raise ConfigError(f"{target}: no such L2 directory")
+    if not os.path.isdir(target):
+        raise ConfigError(f"{target}: not a directory")
     return target
+
+
+def _report_unreadable(unreadable: list[tuple[str, str]]) -> None:
+    for name, why in unreadable:
+        print(f"kvtier: cannot read {name}: {why}", file=sys.stderr)
+
+
+def _janitor(root: str) -> str:
+    """Who holds the janitor lease of the L2 directory `root` (read, nothing created)."""
+    from kvtier.core.tiers.lease import FileLease
+    from kvtier.core.tiers.usage import CONTROL_DIR, control_dir, real_dir
+
+    if not real_dir(root, CONTROL_DIR, "lease"):
+        return "none"
+    lease = FileLease(
+        control_dir(root, "lease"), "status", ttl_s=1, root=root, create=False
+    ).current()
+    if lease is None:
+        return "none"
+    return f"{lease.holder} (epoch {lease.epoch}, {'expired' if lease.expired else 'live'})"
 
 
 @contextmanager
@@ -51,26 +74,28 @@ def _status(args: argparse.Namespace) -> int:
             _print(_valkey_status(args.target), args.json)
         return 0
     from kvtier.core.tiers.janitor import read_status
-    from kvtier.core.tiers.lease import FileLease
     from kvtier.core.tiers.usage import control_dir, scan
 
     _directory(args.target)
     usage = scan(args.target, temp_max_age_s=float("inf"), now=time.time())
-    lease = FileLease(
-        control_dir(args.target, "lease"), "status", ttl_s=1, root=args.target
-    ).current()
+    unreadable = list(usage.unreadable)
+    try:
+        janitor = _janitor(args.target)
+    except OSError as exc:
+        janitor = "?"
+        unreadable.append((control_dir(args.target, "lease"), exc.strerror or str(exc)))
     doc: dict[str, object] = {
         "blocks": len(usage.blocks),
         "block_bytes": usage.block_bytes,
         "in_flight_bytes": usage.temp_bytes,
         "graveyard_bytes": sum(e.size for e in usage.graveyard),
-        "janitor": "none"
-        if lease is None
-        else f"{lease.holder} (epoch {lease.epoch}, {'expired' if lease.expired else 'live'})",
+        "janitor": janitor,
         "last_pass": read_status(args.target),
+        "unreadable": len(unreadable),
     }
+    _report_unreadable(unreadable)
     _print(doc, args.json)
-    return 0
+    return 1 if unreadable else 0
 
 
 def _valkey_status(url: str) -> dict[str, object]:
@@ -108,17 +133,19 @@ def _gc(args: argparse.Namespace) -> int:
         low_watermark=args.low,
         interval_s=1.0,
     )
-    janitor = Janitor(args.target, config, holder=f"kvtier-l2-gc:{time.time():.0f}")
     try:
-        report = janitor.run_once(force_low=args.to_low)
-    finally:
-        janitor.close()
+        janitor = Janitor(args.target, config, holder=f"kvtier-l2-gc:{time.time():.0f}")
+        try:
+            report = janitor.run_once(force_low=args.to_low)
+        finally:
+            janitor.close()
+    except OSError as exc:
+        raise ConfigError(f"{exc.filename or args.target}: {exc.strerror or exc}") from None
     if report is None:
         holder = janitor.lease.current()
-        print(
-            f"another janitor holds the lease: {holder.holder if holder else '?'}; "
-            "it enforces the capacity already"
-        )
+        if holder is None or holder.expired:  # the lease is free, yet not ours: logged why
+            raise ConfigError(f"{janitor.lease.directory}: cannot take the janitor lease")
+        print(f"another janitor holds the lease: {holder.holder}; it enforces the capacity already")
         return 1
     _print(asdict(report), args.json)
     return 0
@@ -134,10 +161,17 @@ def _verify(args: argparse.Namespace) -> int:
         report = verify_directory(_directory(args.target), remove=args.remove)
     for name, why in report.bad:
         print(f"BAD {name}: {why}")
+    _report_unreadable(report.unreadable)
     _print(
-        {"checked": report.checked, "bad": len(report.bad), "removed": report.removed}, args.json
+        {
+            "checked": report.checked,
+            "bad": len(report.bad),
+            "removed": report.removed,
+            "unreadable": len(report.unreadable),
+        },
+        args.json,
     )
-    return 1 if report.bad and not args.remove else 0
+    return 1 if report.unreadable or len(report.bad) > report.removed else 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -7,6 +7,7 @@ Works on a shared directory (every namespace under the root) and on a Valkey L2.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,8 +25,11 @@ from kvtier.core.tiers.usage import BLOCK_SUFFIX, scan
 class VerifyReport:
     checked: int = 0
     bad: list[tuple[str, str]] = field(default_factory=list)
-    """(object, reason) of every object that failed."""
+    """(object, reason) of every object that failed validation."""
     removed: int = 0
+    unreadable: list[tuple[str, str]] = field(default_factory=list)
+    """(file or directory, reason) of everything that could not be read: neither checked nor
+    removed."""
 
 
 def check_object(data: memoryview, namespace: Namespace, block_hash: BlockHash) -> None:
@@ -42,28 +46,36 @@ def _key_parts(name: str) -> BlockHash:
 
 
 def verify_directory(root: str, *, remove: bool = False) -> VerifyReport:
-    """Validate every `*.kvt` file of every namespace under `root`."""
-    report = VerifyReport()
-    for entry in scan(root, temp_max_age_s=float("inf"), now=0.0).blocks:
+    """Validate every `*.kvt` file of every namespace under `root`. Only a file that fails
+    validation is bad (and removed with `remove`); one that cannot be read is unreadable."""
+    usage = scan(root, temp_max_age_s=float("inf"), now=0.0)
+    report = VerifyReport(unreadable=list(usage.unreadable))
+    for entry in usage.blocks:
         rel = os.path.relpath(entry.path, root)
         namespace = Namespace(rel.split(os.sep, 1)[0])
         try:
             with open(entry.path, "rb") as f:
                 data = memoryview(f.read())
+        except FileNotFoundError:
+            continue  # evicted while we walked
+        except OSError as exc:
+            report.unreadable.append((entry.path, exc.strerror or str(exc)))
+            continue
+        report.checked += 1
+        try:
             check_object(
                 data, namespace, _key_parts(os.path.basename(entry.path)[: -len(BLOCK_SUFFIX)])
             )
-        except FileNotFoundError:
-            continue  # evicted while we walked
-        except (CodecError, OSError) as exc:
-            report.bad.append((entry.path, str(exc)))
+        except CodecError as exc:
+            reason = str(exc)
             if remove:
                 try:
-                    os.unlink(entry.path)
+                    with contextlib.suppress(FileNotFoundError):  # evicted: gone all the same
+                        os.unlink(entry.path)
                     report.removed += 1
-                except OSError:
-                    pass
-        report.checked += 1
+                except OSError as unlink_exc:
+                    reason += f"; not removed: {unlink_exc.strerror}"
+            report.bad.append((entry.path, reason))
     return report
 
 
@@ -89,7 +101,8 @@ def verify_valkey(url: str, *, remove: bool = False) -> VerifyReport:
                 check_object(memoryview(value), Namespace(namespace), _key_parts(hexhash))
             except CodecError as exc:
                 report.bad.append((key, str(exc)))
-                if remove and client.delete(key):
+                if remove:
+                    client.delete(key)  # 0 if evicted meanwhile: gone all the same
                     report.removed += 1
     finally:
         client.close()  # type: ignore[no-untyped-call]

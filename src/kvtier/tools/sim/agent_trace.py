@@ -157,18 +157,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p = subparsers.add_parser(
         "sim-trace",
         help="generate a synthetic trace for the simulator (long coding-agent sessions)",
-        description=__doc__.split("\n\n")[2] if __doc__ else None,
+        description="Draw a Mooncake-format trace of coding-agent sessions for `kvtier sim`: "
+        "every turn re-sends the whole context so far, grown by a tool call and its result, "
+        "up to hundreds of thousands of tokens, and many sessions run at once.",
     )
     p.add_argument("shape", choices=["agents"], help="trace shape")
     p.add_argument("--out", type=Path, required=True, metavar="FILE", help="JSONL to write")
     p.add_argument("--seed", type=int, default=1, help="seed of the draw (default 1)")
     defaults = AgentShape()
-    for name in ("sessions", "system_tokens", "min_context_tokens", "max_context_tokens"):
+    for name, what in (
+        ("sessions", "sessions in the trace, all interleaved"),
+        ("system_tokens", "system prompt and tool schemas opening every session (all share it)"),
+        ("min_context_tokens", "least final context of a session (log-uniform up to the most)"),
+        ("max_context_tokens", "most final context of a session"),
+    ):
         p.add_argument(
             "--" + name.replace("_", "-"),
             type=int,
             default=getattr(defaults, name),
-            help="(default %(default)s)",
+            help=f"{what} (default %(default)s)",
         )
     p.add_argument(
         "--start-window",

@@ -13,7 +13,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.tiers.base import Tier
 from kvtier.tools.sim.caches import EVICTION
 from kvtier.tools.sim.cost_model import CostModel, load_costs
-from kvtier.tools.sim.report import write_output
+from kvtier.tools.sim.report import prepare_output, write_output
 from kvtier.tools.sim.routing import parse_option, strategy_names
 from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.sweep import SWEEPABLE, parse_capacity
@@ -138,7 +138,7 @@ def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     ):
         parser.add_argument(
             f"--{tier}-blocks",
-            type=parse_capacity,
+            type=_capacity,
             metavar="N|inf",
             help=f"{what} in trace blocks (default: the cost profile's {tier}_gib; 0 disables)",
         )
@@ -164,6 +164,13 @@ def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the routing tie-breaks")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _capacity(text: str) -> float:
+    try:
+        return parse_capacity(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _costs(args: argparse.Namespace) -> CostModel:
@@ -220,6 +227,12 @@ def _run_sim(args: argparse.Namespace) -> int:
             "--plot: draws the curves of a sweep; add --sweep NAME=V1,V2,... "
             "(a single run has no curve: --json holds its numbers)"
         )
+    png = args.plot or (args.json.with_suffix(".png") if args.json and args.sweep else None)
+    if png is not None and not png.suffix:
+        png = png.with_suffix(".png")  # what matplotlib writes: say so
+    for path, flag in ((args.json, "--json"), (png, "--plot")):
+        if path is not None:
+            prepare_output(path, flag)
     trace, config, costs = _inputs(args)
     if not args.sweep:
         result = simulate(trace, config, costs, progress=_progress(args))
@@ -240,7 +253,6 @@ def _run_sim(args: argparse.Namespace) -> int:
     doc = run_sweep(trace, config, costs, axes, progress=_progress(args), on_point=show)
     doc["base"] = {**config.describe(), "trace": str(args.trace), "requests": len(trace)}
     _write_json(args.json, doc)
-    png = args.plot or (args.json.with_suffix(".png") if args.json else None)
     if png is not None:
         strategy = "" if "strategy" in {a.name for a in axes} else f", {config.strategy}"
         plot_sweep(doc, png, title=f"{args.trace.name}: {len(trace)} requests{strategy}")
@@ -251,6 +263,8 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _run_plan(args: argparse.Namespace) -> int:
     from kvtier.tools.sim.plan import plan_capacity
 
+    if args.json is not None:
+        prepare_output(args.json, "--json")
     trace, config, costs = _inputs(args)
     tier = Tier(args.tier)
 

@@ -120,12 +120,19 @@ def load_costs(profile: str | None = None, overrides: dict[str, float] | None = 
     path = Path(profile) if profile and profile.endswith(".json") else None
     doc = _read_profiles(path)
     profiles: dict[str, dict[str, Any]] = doc["profiles"]
-    name = str(doc.get("default")) if path is not None or profile is None else profile
+    if path is not None or profile is None:
+        if "default" not in doc:
+            raise ConfigError(f"costs: {path or 'costs.json'} names no 'default' profile")
+        name = str(doc["default"])
+    else:
+        name = profile
     if name not in profiles:
         raise ConfigError(
             f"costs: unknown profile {name!r}; choose from "
             f"{', '.join(sorted(profiles))} or give a .json file"
         )
+    if not isinstance(profiles[name], dict):
+        raise ConfigError(f"costs: profile {name!r} is not an object")
     known = {f.name for f in fields(CostModel)}
     values: dict[str, Any] = {}
     for key in known:
@@ -143,5 +150,9 @@ def load_costs(profile: str | None = None, overrides: dict[str, float] | None = 
         values = {k: float(v) for k, v in values.items()}
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"costs: profile {name!r} has a non-numeric value ({exc})") from exc
+    if not values["kv_bytes_per_token"].is_integer():
+        raise ConfigError(
+            f"kv_bytes_per_token: must be a whole number, got {values['kv_bytes_per_token']}"
+        )
     values["kv_bytes_per_token"] = int(values["kv_bytes_per_token"])
     return CostModel(**values)

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.errors import ConfigError
+
 __all__ = ["plot_sweep"]
 
 _X_LABELS = {
@@ -83,6 +85,10 @@ def plot_sweep(doc: Mapping[str, Any], path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

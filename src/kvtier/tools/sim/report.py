@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -10,7 +11,31 @@ import numpy as np
 
 from kvtier.core.errors import ConfigError
 
-__all__ = ["ReplicaReport", "SimResult", "max_over_mean", "percentile_ms", "write_output"]
+__all__ = [
+    "ReplicaReport",
+    "SimResult",
+    "max_over_mean",
+    "percentile_ms",
+    "prepare_output",
+    "write_output",
+]
+
+
+def prepare_output(path: Path, flag: str, *, directory: bool = False) -> None:
+    """Make the directory that the file `path` (with `directory`: the directory `path`) goes
+    into, before a long run writes it at its end; a `ConfigError` naming `flag` if it cannot be
+    made or written into, or if the file `path` is a directory."""
+    parent = path if directory else path.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise ConfigError(f"{flag} {path}: {parent} is not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not directory and path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot write into {parent}")
 
 
 def write_output(path: Path, text: str) -> None:

@@ -109,6 +109,8 @@ def load_trace(
     if not time_scale > 0:
         raise ConfigError(f"time_scale: must be positive, got {time_scale}")
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"trace: {path} is a directory")
     if not path.is_file():
         raise ConfigError(f"trace: no such file: {path}")
     requests: list[TraceRequest] = []
@@ -121,6 +123,8 @@ def load_trace(
                     requests.append(_parse(line, f"{path}:{lineno}", time_scale, block_tokens))
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"trace: cannot read {path} as JSONL text ({exc})") from None
+    if not requests:
+        raise ConfigError(f"trace: {path} holds no requests")
     requests.sort(key=lambda r: r.arrival_s)
     return Trace(tuple(requests), block_tokens)
 
