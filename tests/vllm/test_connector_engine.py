@@ -382,26 +382,11 @@ def test_blocks_computed_in_the_step_of_a_failed_load_from_its_blocks_are_never_
     computed from the stale block in L2, where the first write of a block stays.)"""
     x = prompt_ids(corpus, 1400, seed=301)
     y = x[: 5 * BLOCK] + prompt_ids(corpus, 700, seed=302)
-    l2 = tmp_path / "l2"
-    l2.mkdir()
-    with BatchEngine(model_dir, l2, tmp_path / "clean.log") as engine:
-        engine.generate([x])
-        engine.generate([y])  # after x: its first 5 blocks are L0 hits, good ones
-        x_files, y_files = _block_files(l2, x), _block_files(l2, y)[5:]
-        _wait_for_files(x_files + y_files)
-    clean = [f.read_bytes() for f in y_files]
-    for f in y_files:
-        f.unlink()
-    data = bytearray(x_files[2].read_bytes())
-    data[-100:] = bytes(100)  # the checksum no longer matches: its load fails
-    x_files[2].write_bytes(bytes(data))
-
-    with BatchEngine(model_dir, l2, tmp_path / "failed-load.log") as engine:
+    clean, y_files = _clean_then_corrupt(model_dir, tmp_path, x, y, shared=5)
+    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "failed-load.log") as engine:
         engine.generate([x, y])
         _wait_for_files(y_files)
-    for good, resaved in zip(clean, y_files, strict=True):
-        expected, stored = _kv_values(good), _kv_values(resaved.read_bytes())
-        assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
+    _assert_resaved_as(clean, y_files)
 
 
 def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_request(
@@ -414,25 +399,39 @@ def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_re
     blocks reach L2 computed from good KV, within rounding of a clean run's."""
     x = prompt_ids(corpus, 1400, seed=303)
     y = x + prompt_ids(corpus, 700, seed=304)
-    l2 = tmp_path / "l2"
+    clean, y_files = _clean_then_corrupt(model_dir, tmp_path, x, y, shared=10)
+    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "aborted.log") as engine:
+        engine.abort_after_one_step(x)
+        engine.generate([y])
+        _wait_for_files(y_files)
+    _assert_resaved_as(clean, y_files)
+
+
+def _clean_then_corrupt(
+    model_dir: str, work: Path, x: list[int], y: list[int], shared: int
+) -> tuple[list[bytes], list[Path]]:
+    """A clean run on the L2 `work/l2`: x, then y, whose first `shared` blocks are x's (L0
+    hits). Returns y's own blocks as that run stored them, and their files, which it removes
+    for a faulty run to write again; x's block 2 is then corrupted (its load fails)."""
+    l2 = work / "l2"
     l2.mkdir()
-    with BatchEngine(model_dir, l2, tmp_path / "clean.log") as engine:
+    with BatchEngine(model_dir, l2, work / "clean.log") as engine:
         engine.generate([x])
-        engine.generate([y])  # after x: its first 10 blocks are L0 hits
-        x_files, y_files = _block_files(l2, x), _block_files(l2, y)[10:]
+        engine.generate([y])
+        x_files, y_files = _block_files(l2, x), _block_files(l2, y)[shared:]
         _wait_for_files(x_files + y_files)
     clean = [f.read_bytes() for f in y_files]
     for f in y_files:
         f.unlink()
     data = bytearray(x_files[2].read_bytes())
-    data[-100:] = bytes(100)  # the checksum no longer matches: its load fails
+    data[-100:] = bytes(100)  # the checksum no longer matches
     x_files[2].write_bytes(bytes(data))
+    return clean, y_files
 
-    with BatchEngine(model_dir, l2, tmp_path / "aborted.log") as engine:
-        engine.abort_after_one_step(x)
-        engine.generate([y])
-        _wait_for_files(y_files)
-    for good, resaved in zip(clean, y_files, strict=True):
+
+def _assert_resaved_as(clean: list[bytes], files: list[Path]) -> None:
+    """Each block file holds KV within rounding of the clean run's."""
+    for good, resaved in zip(clean, files, strict=True):
         expected, stored = _kv_values(good), _kv_values(resaved.read_bytes())
         assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
 
