@@ -30,7 +30,7 @@ AGENTS = ["sim-trace", "agents", "--sessions", "2", "--out"]
         ([*SIM, "{tmp}/inf.jsonl"], "inf.jsonl:1: timestamp inf is not a finite number"),
         ([*SIM, "{tmp}/ids.jsonl"], "hash_ids: expected a list, got '12'"),
         ([*SIM, "{tmp}/ok.jsonl", "--costs", "{tmp}/no.json"], "costs: cannot read {tmp}/no.json"),
-        ([*SIM, "{tmp}/ok.jsonl", "--json", "{tmp}"], "cannot write {tmp}: Is a directory"),
+        ([*SIM, "{tmp}/ok.jsonl", "--json", "{tmp}"], "--json {tmp}: is a directory"),
         (
             [*SIM, "{tmp}/ok.jsonl", "--policy-opt", "queue_weight=abc"],
             "policy option: queue_weight='abc' is not a number",
