@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Self
 
 from kvtier.core.admission import make_policy
+from kvtier.core.clock import deadline_in, seconds_left
 from kvtier.core.codec import BlockMeta, byte_view, check_payload_length
 from kvtier.core.errors import TierError
 from kvtier.core.events import EventKind
@@ -417,7 +418,7 @@ class TieredStore:
         once; a janitor pass stuck in a hung mount is also waited for only until `timeout_s`
         runs out); L1 keeps its blocks until the store is dropped.
         """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         with self._lock:
             if self._closed:
                 return
@@ -425,7 +426,7 @@ class TieredStore:
         if self._writes is not None:
             self._writes.close(drain=drain, timeout_s=timeout_s)
         if self._shared is not None:
-            self._shared.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            self._shared.close(seconds_left(deadline))
 
     def __enter__(self) -> Self:
         return self

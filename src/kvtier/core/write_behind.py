@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvtier.core.clock import deadline_in, seconds_left
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import BlockHash
 from kvtier.core.lru import Lru
@@ -121,17 +122,17 @@ class WriteBehind:
         """Finish queued writes for up to `timeout_s` (`drain`), abandon the rest, and join the
         writers until `timeout_s` (counted from the call) runs out. A write in progress cannot
         be interrupted; the writers are daemons, so a hung mount cannot keep the process alive."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         if not (drain and self.flush(timeout_s)):
             self._abandon = True
             self._discard_queued()
         for _ in self._threads:  # (a full queue of hung writers takes none: they are left)
             try:
-                self._queue.put(None, timeout=_left(deadline))
+                self._queue.put(None, timeout=seconds_left(deadline))
             except queue.Full:
                 break
         for thread in self._threads:
-            thread.join(_left(deadline))
+            thread.join(seconds_left(deadline))
 
     def _recently_confirmed(self, block_hash: BlockHash) -> bool:
         """Did a writer confirm this block in L2 within the TTL? (lock held) Re-saving a hot
@@ -189,8 +190,3 @@ class WriteBehind:
                 self._counts[count] += 1
             if not self._pending:
                 self._idle.notify_all()
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until `deadline` (never negative); None without one."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -53,6 +53,7 @@ from typing import Any, Self
 
 import zmq
 
+from kvtier.core.clock import deadline_in, seconds_left
 from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import HASH_BYTES, BlockHash
@@ -370,9 +371,9 @@ class EventSubscriber:
 
     def recv(self, timeout_s: float | None = None) -> KVEvent | None:
         """The next event, or None when none arrives within `timeout_s` (None: wait forever)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        deadline = deadline_in(timeout_s)
         while True:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            remaining = seconds_left(deadline)
             with self._lock:
                 timeout_ms = None if remaining is None else int(remaining * 1000)
                 if not self._socket.poll(timeout_ms):
