@@ -36,52 +36,41 @@ __all__ = ["TOOLS", "conversation", "measure", "register", "tool_calls"]
 
 SEED = 20261207
 
+Field = tuple[str, str, str]
+"""A tool parameter: (name, JSON type, description)."""
+
+
+def _tool(name: str, description: str, required: Field, optional: Field) -> dict[str, Any]:
+    """A function tool in OpenAI's shape, with one required and one optional parameter."""
+    properties = {
+        field: {"type": kind, "description": text} for field, kind, text in (required, optional)
+    }
+    parameters = {"type": "object", "properties": properties, "required": [required[0]]}
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
 TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "read_file",
-            "description": "Read a text file of the repository and return its contents.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "path": {"type": "string", "description": "Path from the repository root."},
-                    "max_lines": {"type": "integer", "description": "Lines to return at most."},
-                },
-                "required": ["path"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "run_shell",
-            "description": "Run a shell command in the repository and return its output.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "command": {"type": "string", "description": "The command line."},
-                    "timeout_s": {"type": "number", "description": "Seconds before it is killed."},
-                },
-                "required": ["command"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "search_code",
-            "description": "Search the repository for a regular expression.",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "pattern": {"type": "string", "description": "A regular expression."},
-                    "glob": {"type": "string", "description": "Files to search, e.g. *.py."},
-                },
-                "required": ["pattern"],
-            },
-        },
-    },
+    _tool(
+        "read_file",
+        "Read a text file of the repository and return its contents.",
+        ("path", "string", "Path from the repository root."),
+        ("max_lines", "integer", "Lines to return at most."),
+    ),
+    _tool(
+        "run_shell",
+        "Run a shell command in the repository and return its output.",
+        ("command", "string", "The command line."),
+        ("timeout_s", "number", "Seconds before it is killed."),
+    ),
+    _tool(
+        "search_code",
+        "Search the repository for a regular expression.",
+        ("pattern", "string", "A regular expression."),
+        ("glob", "string", "Files to search, e.g. *.py."),
+    ),
 ]
 """The tool definitions every request carries (OpenAI shape, JSON-schema parameters)."""
 
