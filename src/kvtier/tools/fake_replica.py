@@ -235,22 +235,16 @@ class FakeReplica:
             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             "served_by": self.url,
         }
-        if self.mode not in ("slow_answer", "die_mid_answer"):
-            await _respond(
-                writer, 200, json.dumps(doc).encode(), b"application/json", self.answer_headers
-            )
-            return True
         data = json.dumps(doc).encode()
-        half = len(data) // 2
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(data), data[:half])
-        )
-        await writer.drain()
+        cut = self.mode in ("slow_answer", "die_mid_answer")
+        sent = len(data) // 2 if cut else len(data)
+        await _respond(writer, 200, data, b"application/json", self.answer_headers, sent)
+        if not cut:
+            return True
         if self.mode == "die_mid_answer":
             return False
         await self.release.wait()
-        writer.write(data[half:])
+        writer.write(data[sent:])
         await writer.drain()
         return True
 
@@ -291,10 +285,19 @@ async def _respond(
     body: bytes,
     content_type: bytes,
     extra_headers: bytes = b"",
+    send_bytes: int | None = None,
 ) -> None:
+    """The answer's head for the whole `body`, then its first `send_bytes` (default: all)."""
     writer.write(
         b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n%s\r\n%s"
-        % (status, _STATUS.get(status, b"Status"), content_type, len(body), extra_headers, body)
+        % (
+            status,
+            _STATUS.get(status, b"Status"),
+            content_type,
+            len(body),
+            extra_headers,
+            body[:send_bytes],
+        )
     )
     await writer.drain()
 
