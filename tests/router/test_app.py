@@ -977,6 +977,26 @@ def test_oversize_body_unknown_route_and_wrong_method_get_openai_errors(
     run(scenario())
 
 
+def test_a_405_lists_the_methods_the_path_takes_in_allow(tokenizer: Tokenizer) -> None:
+    async def scenario() -> None:
+        async with fakes("ok") as (a,), running_router(tokenizer, [a]) as rr:
+            for method, path, allow in [
+                ("GET", "/v1/completions", "POST"),
+                ("HEAD", "/v1/chat/completions", "POST"),
+                ("POST", "/health", "GET, HEAD"),
+                ("DELETE", "/v1/models", "GET, HEAD"),
+                ("PUT", "/dashboard/data", "GET, HEAD"),
+            ]:
+                resp = await rr.client.request(method, rr.url + path)
+                assert (resp.status_code, resp.headers.get("allow")) == (405, allow), method
+            # only a 405 carries it
+            for method, path in [("GET", "/health"), ("POST", "/v1/nothing")]:
+                resp = await rr.client.request(method, rr.url + path)
+                assert resp.status_code != 405 and "allow" not in resp.headers
+
+    run(scenario())
+
+
 def test_a_chunked_upload_is_capped_and_expect_100_continue_is_served(tokenizer: Tokenizer) -> None:
     async def scenario() -> None:
         async with fakes("ok") as (a,), running_router(tokenizer, [a], max_body_bytes=1024) as rr:

@@ -284,11 +284,16 @@ class Exchange:
         self._conn.write(head if self._head_only else head + body)
         await self._conn.drained()
 
-    async def respond_json(self, status: int, doc: object, *, close: bool = False) -> None:
-        """Answer `doc` as JSON; `close` ends the connection after it (the client may still
-        be sending a request body nobody will read)."""
-        headers = [*JSON_HEADERS, (b"connection", b"close")] if close else JSON_HEADERS
-        await self.respond(status, json.dumps(doc).encode(), headers)
+    async def respond_json(
+        self, status: int, doc: object, *, close: bool = False, headers: Iterable[Header] = ()
+    ) -> None:
+        """Answer `doc` as JSON, with `headers` besides its content type; `close` ends the
+        connection after it (the client may still be sending a request body nobody will
+        read)."""
+        close_header = [(b"connection", b"close")] if close else []
+        await self.respond(
+            status, json.dumps(doc).encode(), [*JSON_HEADERS, *headers, *close_header]
+        )
 
     async def start(self, status: int, headers: Iterable[Header]) -> None:
         """Begin a streamed response (chunked transfer encoding; for HTTP/1.0, ended by the

@@ -71,6 +71,11 @@ log = logging.getLogger(__name__)
 Handler = Callable[[Exchange], Awaitable[int]]
 
 
+def _allowed(method: str) -> str:
+    """The methods a route of `method` accepts, as a 405's `Allow` lists them (RFC 9110)."""
+    return "GET, HEAD" if method == "GET" else method
+
+
 class Router:
     def __init__(self, config: RouterSettings, tokenizer: Tokenizer | None = None) -> None:
         """`tokenizer` replaces the one built from `config.model_dir` (tests share one)."""
@@ -226,7 +231,8 @@ class Router:
                 raise BadRequest(404, f"no such endpoint: {exchange.path}")
             method, handler = route
             if exchange.method != method and not (method == "GET" and exchange.method == "HEAD"):
-                raise BadRequest(405, f"{exchange.path} takes {method}, not {exchange.method}")
+                allowed = _allowed(method)
+                raise BadRequest(405, f"{exchange.path} takes {allowed}, not {exchange.method}")
             if self.auth.enabled and exchange.path.startswith("/v1/"):
                 try:
                     exchange.tenant = self.auth.authenticate(
@@ -259,9 +265,10 @@ class Router:
             error = BadRequest(500, f"internal router error: {exc}", type_="internal_error")
         if exchange.started:  # too late for an error body: the answer was under way
             return 500
+        allow = [(b"allow", _allowed(route[0]).encode())] if error.status == 405 and route else []
         # the client may still be sending a body nobody will read: close after the answer
         await exchange.respond_json(
-            error.status, error.body(), close=error.status in (408, 413, 431)
+            error.status, error.body(), close=error.status in (408, 413, 431), headers=allow
         )
         return error.status
 

@@ -122,6 +122,59 @@ def test_a_value_with_a_non_ascii_dtype_is_a_removed_miss_and_spares_the_batch(
     assert (stats.hits, stats.misses, stats.corrupt_removed) == (2, 1, 1)
 
 
+def test_a_key_of_another_type_is_one_failed_load_then_removed_and_the_block_stored(
+    valkey_server: ValkeyServer,
+) -> None:
+    tier = tier_for(valkey_server)
+    blocks = [make_block(9, i, 4 * KIB) for i in range(6)]
+    good, hashed, listed, a_set, zset, junk = (tier.key(h) for h, _, _ in blocks)
+    tier.put(*blocks[0])
+    client = valkey.Valkey.from_url(valkey_server.url)
+    client.hset(hashed, "field", "value")
+    client.rpush(listed, "item")
+    client.sadd(a_set, "member")
+    client.zadd(zset, {"member": 1.0})
+    client.set(junk, b"not a kvtier block")
+    hashes = [h for h, _, _ in blocks]
+    # EXISTS finds them all, as the directory tier finds a torn file: the lookup hits once
+    assert tier.contains_many(hashes) == [True] * 6
+    got = tier.get_many(hashes)
+    assert [bytes(b.payload) if b else None for b in got] == [blocks[0][2]] + [None] * 5
+    assert client.exists(good) == 1
+    assert client.exists(hashed, listed, a_set, zset, junk) == 0
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.corrupt_removed, stats.errors) == (1, 5, 5, 0)
+    # the next lookup misses, and the block they were in the way of is stored and served
+    assert tier.contains_many(hashes) == [True] + [False] * 5
+    assert tier.put(*blocks[1]).stored
+    block = tier.get(hashes[1])
+    assert block is not None and bytes(block.payload) == blocks[1][2]
+    # a plain miss is one TYPE more and removes nothing
+    assert tier.get(make_block(9, 6, 1)[0]) is None
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.corrupt_removed, stats.errors) == (2, 6, 5, 0)
+
+
+def test_no_call_raises_on_a_key_of_another_type_and_wrongtype_is_a_counted_miss(
+    valkey_server: ValkeyServer,
+) -> None:
+    tier = tier_for(valkey_server)
+    h, meta, payload = make_block(10, 0, 4 * KIB)
+    client = valkey.Valkey.from_url(valkey_server.url)
+    client.hset(tier.key(h), "field", "value")
+    assert tier.contains(h)
+    assert not tier.put(h, meta, payload).stored  # SET NX: the key is taken
+    assert tier.remove(h)
+    client.hset(tier.key(h), "field", "value")
+    assert tier.get(h) is None
+    # no command the tier sends answers WRONGTYPE; one that did would be a miss, not a raise
+    client.hset(tier.key(h), "field", "value")
+    with pytest.raises(valkey.exceptions.ResponseError, match="WRONGTYPE"):
+        client.get(tier.key(h))
+    assert tier._call(lambda c: c.get(tier.key(h)), "get") is None
+    assert tier.stats().errors == 1
+
+
 def test_calls_skipped_during_the_backoff_are_counted_as_errors() -> None:
     with socket.socket() as probe:  # a loopback port nobody listens on
         probe.bind(("127.0.0.1", 0))

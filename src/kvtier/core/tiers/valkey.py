@@ -17,7 +17,11 @@ call into misses or a failed put, counted in `errors`; the tier then stops talki
 server for a backoff that doubles from `backoff_initial_s` to `backoff_max_s` (so a dead server
 costs lookups nothing; each call skipped meanwhile counts in `errors` too) and the first call
 after it reconnects. A value that fails validation
-is a miss, deleted and counted.
+is a miss, deleted and counted, and so is a key of another type (a hash, a list, written under
+the namespace by some other client): EXISTS finds it, so left alone it would be a lookup hit
+whose load fails, forever. MGET answers it nil, like an absent key, so a nil is looked at with
+TYPE, one more round trip on misses only. A server error on one command (WRONGTYPE among
+them) is counted in `errors` and turns the call into misses; it is never raised.
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
@@ -61,6 +65,9 @@ log = logging.getLogger(__name__)
 
 PASSWORD_ENV = "KVTIER_L2_PASSWORD"
 """Environment variable holding the Valkey password when no `password_file` is given."""
+
+_ABSENT_OR_STRING = (b"none", b"string")
+"""TYPE's answers for a key MGET may answer nil: absent, or written since."""
 
 
 class ValkeyTierSettings(Settings):
@@ -241,7 +248,32 @@ class ValkeyTier:
         if values is None:
             self._counters.add(misses=len(hashes))
             return [None] * len(hashes)
-        return [self._decode(h, v) for h, v in zip(hashes, values, strict=True)]
+        blocks = [self._decode(h, v) for h, v in zip(hashes, values, strict=True)]
+        nil = [h for h, v in zip(hashes, values, strict=True) if v is None]
+        if nil:
+            self._remove_foreign(nil)
+        return blocks
+
+    def _remove_foreign(self, hashes: Sequence[BlockHash]) -> None:
+        """Delete the keys of `hashes` (MGET answered them nil) that hold another type than a
+        string: not blocks, and in the way of the block's `SET NX`."""
+
+        def run(client: valkey.Valkey) -> list[bytes]:
+            pipe = client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.type(self.key(h))
+            return list(pipe.execute())  # type: ignore[no-untyped-call]
+
+        types = self._call(run, "type")
+        if types is None:
+            return
+        foreign = {h: t for h, t in zip(hashes, types, strict=True) if t not in _ABSENT_OR_STRING}
+        if not foreign:
+            return
+        for h, t in foreign.items():
+            log.warning("kvtier L2 valkey: removing %s: a %s, not a block", self.key(h), t.decode())
+        self._call(lambda c: c.delete(*(self.key(h) for h in foreign)), "delete")
+        self._counters.add(corrupt_removed=len(foreign))
 
     def _decode(self, block_hash: BlockHash, value: bytes | None) -> StoredBlock | None:
         if value is None:
