@@ -150,13 +150,21 @@ class BatchEngine:
                 self._outputs.put(line[len(OUTPUT_MARK) :])
         self._outputs.put(None)  # the engine exited
 
-    def generate(self, prompts: list[list[int]], timeout_s: float = 600.0) -> list[list[int]]:
-        """Greedy outputs of `prompts`, all queued before the engine's next step."""
+    def generate(
+        self, prompts: list[list[int] | dict[str, Any]], timeout_s: float = 600.0
+    ) -> list[list[int]]:
+        """Greedy outputs of `prompts` (token ids, or token ids and a cache salt: the module
+        docstring of `tests.helpers.batch_engine`), all queued before the engine's next step."""
         return [list(ids) for ids in self._ask(prompts, timeout_s)]
 
     def abort_after_one_step(self, prompt: list[int], timeout_s: float = 600.0) -> None:
         """Run one engine step with `prompt` alone, then abort it."""
         self._ask({"abort_after_one_step": prompt}, timeout_s)
+
+    def new_weights(self, scale: float, timeout_s: float = 600.0) -> None:
+        """Scale the attention layers' input norms in place, then reset vLLM's prefix cache
+        and the connector's, as an RLHF weight sync does."""
+        self._ask({"new_weights": scale}, timeout_s)
 
     def _ask(self, doc: object, timeout_s: float) -> Any:
         assert self._proc.stdin is not None

@@ -407,6 +407,34 @@ def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_re
     _assert_resaved_as(clean, y_files)
 
 
+def test_after_new_weights_and_a_cache_reset_no_kv_of_the_old_weights_is_served(
+    model_dir: str, corpus: Corpus, tmp_path: Path
+) -> None:
+    """An RLHF weight sync: new weights in place, then vLLM's reset of its prefix cache and the
+    connector's. The prompt's blocks of the old weights are still in L1 and L2; the next
+    request must compute it afresh with the new weights (the greedy tokens of a salted request,
+    which no cache serves), and its blocks are saved again, under a chain of their own: an L1
+    hit would save none, and the salted request's blocks would be the only new ones."""
+    l2 = tmp_path / "l2"
+    l2.mkdir()
+    prompt = prompt_ids(corpus, 1100, seed=305)
+    salt = "never-cached"
+    with BatchEngine(model_dir, l2, tmp_path / "new-weights.log") as engine:
+        (old,) = engine.generate([prompt])
+        _wait_for_files(_block_files(l2, prompt))
+        engine.new_weights(scale=1.5)
+        (served,) = engine.generate([prompt])
+        (fresh,) = engine.generate([{"prompt_token_ids": prompt, "cache_salt": salt}])
+        assert fresh != old  # (the new weights change the output)
+        assert served == fresh
+        # the old weights' blocks, and the new weights' of both requests (chains of their own)
+        deadline = time.monotonic() + 300
+        n = len(_block_files(l2, prompt))
+        while len(list(l2.glob("*/*/*/*.kvt"))) < 3 * n and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(list(l2.glob("*/*/*/*.kvt"))) == 3 * n
+
+
 def _clean_then_corrupt(
     model_dir: str, work: Path, x: list[int], y: list[int], shared: int
 ) -> tuple[list[bytes], list[Path]]:

@@ -500,3 +500,79 @@ def test_a_preempted_request_no_longer_holds_its_blocks_for_dropped_saves(
         assert side.finished(request) is False  # type: ignore[arg-type]
     finally:
         side.close()
+
+
+def _save_plan(side: SchedulerSide, request: FakeRequest, n_tokens: int) -> Any:
+    """The save plan of a step that computes `request`'s first `n_tokens` from scratch."""
+    side.new_request(request)  # type: ignore[arg-type]
+    (save,) = side.build_meta(FakeSchedulerOutput({request.request_id: n_tokens})).saves  # type: ignore[arg-type]
+    return save
+
+
+def test_after_a_cache_reset_no_block_cached_before_is_found_and_new_ones_are(
+    rt: process_store.ProcessStore,
+) -> None:
+    """The weights may have changed: blocks from before are never loaded again, whether this
+    side saw them saved or another replica saved them; blocks saved after the reset are."""
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 4)
+    side = _side(rt, {"after": list(range(10))})
+    waiting = FakeRequest("waiting", tokens)
+    try:
+        side.new_request(waiting)  # type: ignore[arg-type]
+        assert _answer(side, waiting, 0) == (1024, True)  # found, not yet scheduled
+        side.reset()
+        assert _answer(side, waiting, 0) == (0, False)  # looked up afresh: nothing
+        assert _answer(side, FakeRequest("new", tokens), 0) == (0, False)
+
+        save = _save_plan(side, FakeRequest("after", tokens), 1100)
+        assert save.parents[0] != root_hash()  # a chain of its own...
+        assert set(save.hashes).isdisjoint(block_hashes(tokens, BLOCK))
+        parent = save.parents[0]
+        for h in save.hashes:  # ...which the next request finds, once saved
+            rt.store.save(
+                h, BlockMeta(num_tokens=BLOCK, dtype="uint8", shape=(8,), parent=parent), bytes(8)
+            )
+            parent = h
+        assert _answer(side, FakeRequest("later", tokens), 0) == (1024, True)
+    finally:
+        side.close()
+
+
+def test_every_reset_starts_a_chain_no_other_replica_or_reset_shares(
+    rt: process_store.ProcessStore,
+) -> None:
+    """A counter would not do: two replicas reset as often, with different weights, would
+    share blocks."""
+    tokens = list(range(600))
+    sides = [_side(rt, {"r": list(range(10))}) for _ in range(2)]
+    try:
+        roots = set()
+        for side in sides:
+            for _ in range(2):
+                side.reset()
+                roots.add(_save_plan(side, FakeRequest("r", tokens), 600).parents[0])
+                side.finished(FakeRequest("r", tokens))  # type: ignore[arg-type]
+        assert len(roots) == 4
+    finally:
+        for side in sides:
+            side.close()
+
+
+def test_a_request_scheduled_before_a_reset_neither_loads_nor_saves_again(
+    rt: process_store.ProcessStore,
+) -> None:
+    tokens = list(range(1100))
+    side = _side(rt, {"r": list(range(10))}, counters=(counters := ConnectorCounters()))
+    try:
+        request = FakeRequest("r", tokens)
+        _save_plan(side, request, 300)
+        side.reset()
+        request.num_computed_tokens = 300
+        assert side.build_meta(FakeSchedulerOutput({"r": 700})).saves == []  # type: ignore[arg-type]
+        request.num_computed_tokens = 0  # preempted, as vLLM's reset does to running requests
+        assert side.matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+        assert side.finished(request) is True  # type: ignore[arg-type]  # (its earlier save)
+        assert counters.totals()["cache_resets"] == 1
+    finally:
+        side.close()

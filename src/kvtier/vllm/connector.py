@@ -232,6 +232,11 @@ class KvtierConnector(KVConnectorBase_V1):
             # aborted or preempted first would leave its stale KV there for later L0 hits
             self._kv_cache_manager.evict_blocks(set(failed))
 
+    def reset_cache(self) -> bool:
+        """The weights may have changed (RLHF weight sync): never load what was cached before."""
+        self._scheduler_side().reset()
+        return True
+
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -180,6 +180,12 @@ CONNECTOR_METRICS: tuple[MetricDef, ...] = (
         "(the prompt was computed).",
     ),
     MetricDef(
+        "kvtier_connector_cache_resets",
+        "counter",
+        "Cache resets vLLM asked for (reset_prefix_cache with reset_external, "
+        "pause_generation(clear_cache=True)); blocks cached before one are never loaded again.",
+    ),
+    MetricDef(
         "kvtier_connector_save_cpu_seconds",
         "counter",
         "CPU time the saver spent copying blocks out of vLLM's KV cache into the store.",
@@ -316,6 +322,7 @@ COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "layered_copy_seconds": ("kvtier_connector_layered_copy_seconds", ()),
     "lookup_deferred": ("kvtier_connector_lookup_deferred_steps", ()),
     "lookup_deadline_missed": ("kvtier_connector_lookup_deadline_missed", ()),
+    "cache_resets": ("kvtier_connector_cache_resets", ()),
     "save_cpu_seconds": ("kvtier_connector_save_cpu_seconds", ()),
     "l2_write_cpu_seconds": ("kvtier_connector_l2_write_cpu_seconds", ()),
     "save_dropped_blocks": ("kvtier_connector_save_dropped_blocks", ()),

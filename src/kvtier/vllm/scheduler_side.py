@@ -25,6 +25,10 @@ Runs on vLLM's scheduler thread (engine-core process), once per scheduling step:
                                      blocks before it that recent synchronous loads wrote.
     finished(request)                once per request: True keeps its blocks allocated until
                                      the workers report its saves done (`get_finished`).
+    reset()                          vLLM's `reset_cache` (`/reset_prefix_cache` with
+                                     `reset_external`, `pause_generation(clear_cache=True)`):
+                                     the weights may have changed, so no block cached before
+                                     is ever loaded again (see `reset`).
 
 Counting rules: only full kvtier blocks, only the longest contiguous prefix that exists now,
 and never the last prompt token (vLLM must compute at least one token to sample from).
@@ -47,6 +51,7 @@ one scheduler step each), and how many answers were 0 for a lookup past its dead
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -85,6 +90,10 @@ class _Tracked:
 
     request: Request
     extra: bytes
+    """The request's attributes that split the cache (`compat.request_extra`): the root of
+    the engine-block hashes the router is sent."""
+    kv_extra: bytes
+    """`extra` and the cache epoch: the root of the kvtier hashes the tiers are keyed by."""
     hashes: list[BlockHash] = field(default_factory=list)
     engine_hashes: list[BlockHash] = field(default_factory=list)
     lookup: _Lookup | None = None
@@ -102,6 +111,9 @@ class _Tracked:
     """Chain positions of the blocks planned to load from L2 (promoted into L1 once saved)."""
     has_saves: bool = False
     hit_tokens: dict[Tier, int] = field(default_factory=dict)
+    before_reset: bool = False
+    """Scheduled before a cache reset: its KV may come from the old weights, so it neither
+    loads nor saves again."""
 
 
 class SchedulerSide:
@@ -135,6 +147,9 @@ class SchedulerSide:
         self._lookup_wait_s = lookup_wait_s
         self._deadline_s = lookup_deadline_s
         self._tracked: dict[str, _Tracked] = {}
+        self._epoch = b""
+        """Appended to every chain's root; a reset draws a new one (empty until then, so the
+        blocks of every replica that was never reset share one chain)."""
         # Per TP rank: kvtier blocks in that worker's L1, mirrored from its reports (the
         # workers may live in other processes). Written on the scheduler thread, read by the
         # lookup thread.
@@ -162,6 +177,8 @@ class SchedulerSide:
         if usable * self._block <= local_tokens:
             return 0, False  # L0 already covers everything we could offer
         tracked = self._track(request)
+        if tracked.before_reset:
+            return 0, False
         self._extend_hashes(tracked, tokens, usable)
         lookup = tracked.lookup
         now = time.monotonic()
@@ -276,6 +293,21 @@ class SchedulerSide:
         tracked = self._tracked.pop(request.request_id, None)
         return tracked is not None and tracked.has_saves
 
+    def reset(self) -> None:
+        """Never load a block cached before now. Chains are rooted in a new random epoch, so
+        this engine's blocks from now on are its own (other replicas, and this one after a
+        restart, never share them); the old ones stay in the tiers for replicas whose weights
+        did not change, and age out. A request scheduled before the reset neither loads nor
+        saves again; one only waiting is looked up afresh."""
+        self._epoch = b"\x00epoch:" + secrets.token_hex(16).encode()
+        for req_id, tracked in list(self._tracked.items()):
+            if tracked.handled_blocks is None:
+                self._tracked[req_id] = self._new_tracked(tracked.request)
+            else:
+                tracked.before_reset = True
+        self._counters.add(cache_resets=1)
+        log.info("kvtier: cache reset; blocks cached before it are no longer loaded")
+
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
         self._checks.shutdown(wait=False, cancel_futures=True)
@@ -285,9 +317,12 @@ class SchedulerSide:
     def _track(self, request: Request) -> _Tracked:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
-            tracked = _Tracked(request=request, extra=compat.request_extra(request))
-            self._tracked[request.request_id] = tracked
+            tracked = self._tracked[request.request_id] = self._new_tracked(request)
         return tracked
+
+    def _new_tracked(self, request: Request) -> _Tracked:
+        extra = compat.request_extra(request)
+        return _Tracked(request=request, extra=extra, kv_extra=extra + self._epoch)
 
     def _extend_hashes(self, tracked: _Tracked, tokens: Sequence[int], n_blocks: int) -> None:
         have = len(tracked.hashes)
@@ -295,7 +330,7 @@ class SchedulerSide:
             parent = tracked.hashes[-1] if have else None
             start = have * self._block
             tracked.hashes += block_hashes(
-                tokens[start : n_blocks * self._block], self._block, tracked.extra, parent
+                tokens[start : n_blocks * self._block], self._block, tracked.kv_extra, parent
             )
         if self._events:
             n_engine = n_blocks * self._per_block
@@ -424,7 +459,7 @@ class SchedulerSide:
         """The kvtier blocks this step completes (KV computed by its forward pass); `loaded`:
         the engine blocks recent synchronous loads wrote (see `SaveSpec.loaded_before`)."""
         tokens = compat.request_token_ids(tracked.request)
-        if tokens is None:
+        if tokens is None or tracked.before_reset:
             return None
         done = tracked.request.num_computed_tokens
         first = tracked.handled_blocks
@@ -452,7 +487,7 @@ class SchedulerSide:
                 full * p,
             )
             return None
-        parent = tracked.hashes[first - 1] if first else root_hash(tracked.extra)
+        parent = tracked.hashes[first - 1] if first else root_hash(tracked.kv_extra)
         hashes = tuple(tracked.hashes[first:full])
         tracked.handled_blocks = full
         tracked.has_saves = True
