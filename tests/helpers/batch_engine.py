@@ -10,10 +10,11 @@ Reads batches from stdin, one JSON line each: a list of prompts, each a list of 
 logs to stdout too). Two commands instead print an empty list:
 `{"abort_after_one_step": PROMPT}` runs one engine step with that prompt and aborts it (the
 engine core runs in this process, so a step is exactly one schedule, forward pass and update);
-`{"new_weights": SCALE}` multiplies the weights of the norm before every attention layer by SCALE and then
-resets the caches as an RLHF weight sync does (vLLM's prefix cache and the connector's). It
-exits at the end of stdin; the connector's L2 writes still queued then may be lost, so the
-caller waits for the files it needs before closing stdin (`tests.helpers.engines.BatchEngine`).
+`{"new_weights": SCALE}` multiplies the weights of the norm before every attention layer by
+SCALE, then resets the caches as an RLHF weight sync does (vLLM's prefix cache and the
+connector's). It exits at the end of stdin; the connector's L2 writes still queued then may
+be lost, so the caller waits for the files it needs before closing stdin
+(`tests.helpers.engines.BatchEngine`).
 """
 
 from __future__ import annotations
