@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import msgspec
+import zmq
 
 from kvtier.core.events import EventKind
-from kvtier.core.keys import BlockHash
+from kvtier.core.keys import BlockHash, block_hashes
 from kvtier.core.tiers.base import Tier
 from kvtier.net.http_client import HttpPool
 from kvtier.net.kv_events import EventPublisher
@@ -139,6 +141,88 @@ def test_replicas_join_after_health_drain_and_leave_with_their_events() -> None:
                 stuck.release()
         finally:
             publisher.close()
+            await feed.close()
+            pool.close()
+
+    run(scenario(), timeout_s=60)
+
+
+def test_a_discovered_replicas_vllm_events_feed_l0_under_its_name() -> None:
+    """`replica_vllm_events_port`: the engine's own KV events (vLLM's `--kv-events-config`
+    publisher) of a replica discovery added are followed under the replica's name, and no
+    longer once it is dropped."""
+
+    async def scenario() -> None:
+        port, vllm_port = free_port(), free_port()
+        address = ADDRESSES[0]
+        name = f"http://{address}:{port}"
+        config = RouterSettings(
+            replicas_dns=f"kvtier-replicas:{port}",
+            replica_vllm_events_port=vllm_port,
+            health_timeout_s=1.0,
+            drain_timeout_s=30.0,
+        )
+        replicas = ReplicaSet(())
+        index = PrefixIndex()
+        pool = HttpPool(1.0, 5.0)
+        health = HealthChecker(pool, replicas, 1.0, 1.0, 2, lambda n: index.purge(n))
+        feed = EventFeed(
+            index,
+            (),
+            {},
+            lambda n, c: index.purge(n),
+            lambda *_: None,
+            lambda: 0.0,
+            1000,
+            dynamic=True,
+        )
+        feed.start()
+        dns = Dns()
+        discovery = Discovery(
+            config,
+            replicas,
+            pool,
+            health.check_all,
+            lambda n, c: index.purge(n),
+            feed,
+            lambda: 0.0,
+            resolve=dns,
+        )
+        engine = zmq.Context.instance().socket(zmq.PUB)  # what vLLM binds: tcp://*:PORT
+        engine.setsockopt(zmq.LINGER, 0)
+        engine.bind(f"tcp://{address}:{vllm_port}")
+        tokens = list(range(32))
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": [11, 12],
+            "parent_block_hash": None,
+            "token_ids": tokens,
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        hashes = block_hashes(tokens, 16)
+        try:
+            async with pods(port):
+                dns.answer = [address]
+                await discovery.sync()
+                assert [r.name for r in replicas] == [name]
+                for seq in range(50):  # a new ZMQ subscription takes a moment to connect
+                    batch = msgspec.msgpack.encode([0.0, [stored], None])
+                    engine.send_multipart([b"", seq.to_bytes(8, "big"), batch])
+                    await asyncio.sleep(0.1)
+                    if index.match(hashes):
+                        break
+                assert index.match(hashes) == {name: [Tier.L0, Tier.L0]}
+                dns.answer = []
+                await discovery.sync()  # drained, and dropped (no request in flight)
+                assert len(replicas) == 0 and index.match(hashes) == {}
+                engine.send_multipart([b"", (99).to_bytes(8, "big"), batch])
+                await asyncio.sleep(0.3)
+                assert index.match(hashes) == {}  # no longer followed
+        finally:
+            engine.close(0)
             await feed.close()
             pool.close()
 

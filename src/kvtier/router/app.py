@@ -148,7 +148,9 @@ class Router:
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))
         vllm_events = {r.name: r.vllm_events for r in self.config.replicas if r.vllm_events}
-        discovered_events = self.config.replicas_dns and self.config.replica_events_port
+        discovered_events = self.config.replicas_dns and (
+            self.config.replica_events_port or self.config.replica_vllm_events_port
+        )
         if self.config.strategy == "kvaware" and (
             self.config.events or vllm_events or discovered_events
         ):

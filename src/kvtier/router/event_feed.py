@@ -243,21 +243,53 @@ class EventFeed:
             else None
         )
         self._ctx = zmq.asyncio.Context.instance()
-        self._vllm: list[tuple[zmq.asyncio.Socket, VllmRehasher]] = []
+        self._forget = forget
+        self._max_blocks = max_blocks
+        self._adapter_path = adapter_path
+        self._vllm: dict[str, tuple[zmq.asyncio.Socket, VllmRehasher]] = {}
+        self._vllm_tasks: dict[str, asyncio.Task[None]] = {}
         for replica, endpoint in vllm_endpoints.items():
-            sock = self._ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(endpoint)
-            paths = functools.partial(adapter_path, replica)
-            self._vllm.append((sock, VllmRehasher(replica, index, forget, max_blocks, paths)))
+            self._add_vllm(replica, endpoint)
         self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
 
     def start(self) -> None:
+        self._started = True
         if self._subscriber is not None:
             self._tasks.append(asyncio.create_task(self._kvtier_loop(self._subscriber)))
-        for sock, rehasher in self._vllm:
-            self._tasks.append(asyncio.create_task(self._vllm_loop(sock, rehasher)))
+        for replica in self._vllm:
+            self._start_vllm(replica)
+
+    def connect_vllm(self, replica: str, endpoint: str) -> None:
+        """Also follow `replica`'s vLLM KV events published at `endpoint` (a replica that
+        joined); a replica already followed is left as it is."""
+        if replica not in self._vllm:
+            self._add_vllm(replica, endpoint)
+            if self._started:
+                self._start_vllm(replica)
+
+    async def disconnect_vllm(self, replica: str) -> None:
+        """Stop following `replica`'s vLLM KV events (a replica that left)."""
+        task = self._vllm_tasks.pop(replica, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        followed = self._vllm.pop(replica, None)
+        if followed is not None:
+            followed[0].close(0)
+
+    def _add_vllm(self, replica: str, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        paths = functools.partial(self._adapter_path, replica)
+        rehasher = VllmRehasher(replica, self._index, self._forget, self._max_blocks, paths)
+        self._vllm[replica] = (sock, rehasher)
+
+    def _start_vllm(self, replica: str) -> None:
+        sock, rehasher = self._vllm[replica]
+        self._vllm_tasks[replica] = asyncio.create_task(self._vllm_loop(sock, rehasher))
 
     async def connect(self, endpoint: str) -> None:
         """Also follow the kvtier events published at `endpoint` (a replica that joined)."""
@@ -293,11 +325,14 @@ class EventFeed:
                 self._count("vllm", "malformed")
 
     async def close(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._vllm_tasks.values()]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
-        for sock, _ in self._vllm:
+        self._vllm_tasks.clear()
+        for sock, _ in self._vllm.values():
             sock.close(0)
+        self._vllm.clear()
         if self._subscriber is not None:
             self._subscriber.close()

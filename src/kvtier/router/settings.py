@@ -158,6 +158,10 @@ class RouterSettings(Settings):
     replica_events_port: Annotated[int, Field(gt=0, lt=65536)] | None = None
     """Port of the kvtier KV-event publisher on every discovered replica (followed at
     tcp://ADDRESS:PORT, for kvaware); unset: discovered replicas' events are not followed."""
+    replica_vllm_events_port: Annotated[int, Field(gt=0, lt=65536)] | None = None
+    """Port of vLLM's own KV-event publisher (`--kv-events-config`) on every discovered
+    replica, followed at tcp://ADDRESS:PORT as that replica's `vllm_events` (L0 of kvaware);
+    unset: not followed."""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
     """A replica gone from `replicas_dns` gets no new requests and is dropped once its last
     request ends, or after this many seconds."""

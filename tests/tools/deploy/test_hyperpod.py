@@ -14,6 +14,7 @@ from kvtier.core.errors import ConfigError
 from kvtier.tools.deploy.cli import load_fleet
 from kvtier.tools.deploy.hyperpod import MAPPING, from_inference_endpoint_config
 from kvtier.tools.deploy.render import find_manifests, render
+from kvtier.tools.deploy.settings import EnvFrom
 from tests.tools.deploy.kube import container, kustomize, validate
 
 DOCS = find_manifests().parents[1] / "docs" / "kubernetes.md"
@@ -121,6 +122,52 @@ def test_the_result_renders_and_validates(tmp_path: Path) -> None:
 def test_unknown_or_unmappable_keys_are_named(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(message)):
         from_inference_endpoint_config(endpoint(**change))
+
+
+HF_TOKEN = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+
+
+def test_an_environment_variable_from_a_secret_reaches_the_replicas(tmp_path: Path) -> None:
+    doc = endpoint()
+    doc["spec"]["worker"]["environmentVariables"].append(HF_TOKEN)
+    spec, _ = from_inference_endpoint_config(doc)
+    assert spec.kubernetes.replica_env["HF_TOKEN"] == EnvFrom.model_validate(HF_TOKEN["valueFrom"])
+    render(spec, tmp_path / "out")
+    objects = kustomize(tmp_path / "out")
+    for obj in objects:
+        validate(obj)
+    assert HF_TOKEN in container(objects, "kvtier-replica")["env"]
+
+
+@pytest.mark.parametrize(
+    ("value_from", "message"),
+    [
+        (
+            {"fieldRef": {"fieldPath": "metadata.name"}},
+            "environmentVariables[3].valueFrom: fieldRef is not mapped (only secretKeyRef",
+        ),
+        (
+            {"configMapKeyRef": {"name": "settings", "key": "level"}},
+            "environmentVariables[3].valueFrom: configMapKeyRef is not mapped",
+        ),
+        (
+            {"resourceFieldRef": {"resource": "limits.memory"}},
+            "environmentVariables[3].valueFrom: resourceFieldRef is not mapped",
+        ),
+        (
+            {"secretKeyRef": {"name": "hf", "key": "token", "optional": True}},
+            "environmentVariables[3].valueFrom.secretKeyRef: expected {name, key}",
+        ),
+        ("hf-token", "environmentVariables[3].valueFrom: 'hf-token' is not mapped"),
+    ],
+)
+def test_an_environment_variable_from_anything_but_a_secret_is_named(
+    value_from: Any, message: str
+) -> None:
+    doc = endpoint()
+    doc["spec"]["worker"]["environmentVariables"].append({"name": "X", "valueFrom": value_from})
+    with pytest.raises(ConfigError, match=re.escape(f"spec.worker.{message}")):
+        from_inference_endpoint_config(doc)
 
 
 def test_the_docs_table_lists_every_key() -> None:

@@ -51,6 +51,7 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
     assert {p["name"]: p["containerPort"] for p in replica["ports"]} == {
         "http": 8000,
         "kv-events": 5557,
+        "vllm-events": 5558,
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replica[probe]["httpGet"]["path"] == "/health"
@@ -99,11 +100,15 @@ def test_network_policies_allow_only_the_fleets_flows() -> None:
                     }
                 }
             ],
-            "ports": [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": 5557}],
+            "ports": [
+                {"protocol": "TCP", "port": 8000},
+                {"protocol": "TCP", "port": 5557},
+                {"protocol": "TCP", "port": 5558},
+            ],
         }
     ]
     router_out = policies["kvtier-router"]["egress"]
-    assert [p["port"] for p in router_out[0]["ports"]] == [8000, 5557]
+    assert [p["port"] for p in router_out[0]["ports"]] == [8000, 5557, 5558]
     assert router_out[1]["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
     valkey_in = policies["kvtier-valkey"]["ingress"][0]
     assert valkey_in["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (

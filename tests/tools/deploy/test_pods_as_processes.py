@@ -2,7 +2,7 @@
 replicas' and the router's command lines, environment and probe paths are the manifest's, so a
 wrong flag, variable, port or path in deploy/k8s fails here. A request goes client -> router
 pod -> replica pod over real sockets between namespaces; the replicas' connector writes the
-shared claim and its KV events reach the router on the rendered port."""
+shared claim and its KV events, and vLLM's own, reach the router on the rendered ports."""
 
 from __future__ import annotations
 
@@ -91,6 +91,11 @@ def test_a_request_passes_through_the_rendered_router_to_the_rendered_replicas(
             metrics = in_node(client, lambda: httpx.get(router.url() + "/metrics").text).result(30)
             time.sleep(0.5)
         assert 'kvtier_router_events_total{kind="stored",source="kvtier"}' in metrics
+        # vLLM's own events (the engine's cache, L0) reach it too, on their rendered port
+        while time.monotonic() < deadline and 'source="vllm"' not in metrics:
+            metrics = in_node(client, lambda: httpx.get(router.url() + "/metrics").text).result(30)
+            time.sleep(0.5)
+        assert 'kvtier_router_events_total{kind="BlockStored",source="vllm"}' in metrics
         second = in_node(client, ask, api_key).result(320)
         assert second.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
         assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256

@@ -4,6 +4,7 @@ validates, and what the file says is what the cluster would run."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 from pathlib import Path
@@ -691,3 +692,92 @@ def test_bad_scheduling_settings_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=rf"kubernetes[.:] ?{error}"):
         parse_spec({"kubernetes": kubernetes})
+
+
+def test_the_routers_follow_vllms_own_kv_events_on_the_port_the_replicas_publish_them(
+    tmp_path: Path,
+) -> None:
+    """kvaware: each replica publishes its engine's KV events (L0) on its `vllm-events` port,
+    every router subscribes there on each pod it discovers, and the policies let it."""
+    objects = rendered(tmp_path, "one-router")
+    replica, router = container(objects, "kvtier-replica"), container(objects, "kvtier-router")
+    config = json.loads(replica["args"][replica["args"].index("--kv-events-config") + 1])
+    assert config["enable_kv_cache_events"] and config["publisher"] == "zmq"
+    port = int(config["endpoint"].rpartition(":")[2])
+    assert config["endpoint"] == f"tcp://*:{port}"  # every address of the pod
+    assert {p["name"]: p["containerPort"] for p in replica["ports"]}["vllm-events"] == port
+    args = router["args"]
+    assert args[args.index("--replica-vllm-events-port") + 1] == str(port)
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    assert {"protocol": "TCP", "port": port} in policies["kvtier-replica"]["ingress"][0]["ports"]
+    assert {"protocol": "TCP", "port": port} in policies["kvtier-router"]["egress"][0]["ports"]
+
+    # off by the setting, or for a strategy that reads no events
+    for name, change in (
+        ("off", {"kubernetes": {"vllmKvEvents": False}}),
+        ("prefixaware", {"intelligentRoutingSpec": {"routingStrategy": "prefixaware"}}),
+    ):
+        render(parse_spec({**FILES["one-router"], **change}), tmp_path / name)
+        objects = kustomize(tmp_path / name)
+        assert "--kv-events-config" not in container(objects, "kvtier-replica")["args"]
+        assert "--replica-vllm-events-port" not in container(objects, "kvtier-router")["args"]
+    # a --kv-events-config of the user's would replace the one the routers follow
+    own: dict[str, Any] = {"kubernetes": {"vllmArgs": ["--kv-events-config={}"]}}
+    with pytest.raises(ConfigError, match=r"kubernetes\.vllmArgs: --kv-events-config is set by"):
+        render(parse_spec({**FILES["one-router"], **own}), tmp_path / "own")
+    own["kubernetes"]["vllmKvEvents"] = False
+    render(parse_spec({**FILES["one-router"], **own}), tmp_path / "own")
+
+
+TUNABLE_ENV = {
+    "HF_HUB_OFFLINE",  # a hub mirror inside the cluster (docs/kubernetes.md)
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_CPU_OMP_THREADS_BIND",  # the cpu component's fixed choices
+    "VLLM_CPU_CI_ENV",
+    "VLLM_NO_USAGE_STATS",
+}
+
+
+@pytest.mark.parametrize("name", ["cpu-claim", "valkey-inside", "big-l1", "gpu-juicefs"])
+def test_replica_env_may_not_override_what_the_overlay_sets(tmp_path: Path, name: str) -> None:
+    """Every variable the rendered replicas get (the pod's, the ConfigMaps') but the tunable
+    few is refused in `replicaEnv`, naming it, before --out is touched: `env` wins over
+    `envFrom`, so it would replace a connector setting the file sets (or one derived from
+    another key) unchecked."""
+    objects = rendered(tmp_path, name)
+    replica = container(objects, "kvtier-replica")
+    variables = {e["name"] for e in replica["env"]} | set(env_of(objects))
+    variables |= set(config_map(objects, "kvtier-model"))
+    assert "KVTIER_REPLICA_ID" in variables and "MODEL" in variables
+    for variable in sorted(variables - TUNABLE_ENV):
+        k8s = {**FILES[name].get("kubernetes", {}), "replicaEnv": {variable: "x"}}
+        with pytest.raises(ConfigError, match=rf"^kubernetes\.replicaEnv\.{variable}: "):
+            render(parse_spec({**FILES[name], "kubernetes": k8s}), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        ({"KVTIER_L1_BYTES": "8GiB"}, "sets it from kvCacheSpec.l1CacheSizeGiB; set that instead"),
+        ({"KVTIER_ADMISSION": "reused"}, "a connector setting; give it as kvtier.connector.admi"),
+        ({"KVTIER_EVENTS_ENDPOINT": "tcp://0.0.0.0:6000"}, r"sets it \(port 5557, which the ro"),
+        ({"OMP_NUM_THREADS": "4"}, "sets it from kvtier.threadsPerReplica"),
+    ],
+)
+def test_a_replica_env_entry_the_overlay_sets_is_named_with_its_owner(
+    tmp_path: Path, env: dict[str, str], error: str
+) -> None:
+    file = {**FILES["cpu-model"], "kubernetes": {"device": "cpu", "replicaEnv": env}}
+    with pytest.raises(ConfigError, match=f"kubernetes.replicaEnv.{next(iter(env))}: .*{error}"):
+        render(parse_spec(file), tmp_path / "out")
+
+
+def test_replica_env_keeps_what_the_overlay_leaves_to_the_user(tmp_path: Path) -> None:
+    """On GPU the overlay sets no OMP_NUM_THREADS; a hub mirror turns the hub on; a variable
+    that is no connector setting (vLLM's message-queue tuning by kvtier's launcher) passes."""
+    env = {"OMP_NUM_THREADS": "8", "HF_HUB_OFFLINE": "0", "KVTIER_VLLM_MQ_SPIN_S": "0.5"}
+    file = {**FILES["one-router"], "kubernetes": {"replicaEnv": env}}
+    render(parse_spec(file), tmp_path / "out")
+    replica = container(kustomize(tmp_path / "out"), "kvtier-replica")
+    assert {e["name"]: e.get("value") for e in replica["env"]}.items() >= env.items()

@@ -95,7 +95,7 @@ def _worker_args(value: Any, fleet: Fleet, spec: dict[str, Any], notes: list[str
 
 
 def _worker_env(value: Any, fleet: Fleet, spec: dict[str, Any], notes: list[str]) -> None:
-    env: dict[str, str] = {}
+    env: dict[str, Any] = {}
     for i, entry in enumerate(value or ()):
         if not isinstance(entry, dict) or "name" not in entry:
             raise ConfigError(f"spec.worker.environmentVariables[{i}]: expected {{name, value}}")
@@ -103,14 +103,30 @@ def _worker_env(value: Any, fleet: Fleet, spec: dict[str, Any], notes: list[str]
         if name.startswith(NOT_NEEDED_ENV):
             notes.append(f"spec.worker.environmentVariables: {name} dropped (LMCache only)")
         elif "valueFrom" in entry:
-            raise ConfigError(
-                f"spec.worker.environmentVariables[{i}].valueFrom: not mapped; add {name} to "
-                "the rendered overlay with a patch"
-            )
+            env[name] = _value_from(entry["valueFrom"], f"spec.worker.environmentVariables[{i}]")
         else:
             env[name] = str(entry.get("value", ""))
     if env:
         _put(fleet, "kubernetes.replicaEnv", env)
+
+
+def _value_from(value: Any, where: str) -> dict[str, Any]:
+    """A `valueFrom` as `replicaEnv` takes it: a key of a Secret ({secretKeyRef: {name, key}});
+    a ConfigMap's key, a pod field, a resource or an optional Secret are not mapped."""
+    kinds = sorted(value) if isinstance(value, dict) else []
+    if kinds != ["secretKeyRef"]:
+        raise ConfigError(
+            f"{where}.valueFrom: {', '.join(kinds) or repr(value)} is not mapped (only "
+            "secretKeyRef becomes kubernetes.replicaEnv); add it to the rendered overlay with "
+            "a patch"
+        )
+    ref = value["secretKeyRef"]
+    if not isinstance(ref, dict) or set(ref) != {"name", "key"}:
+        raise ConfigError(
+            f"{where}.valueFrom.secretKeyRef: expected {{name, key}}, got {ref!r} (an optional "
+            "Secret is not mapped)"
+        )
+    return {"secretKeyRef": {"name": str(ref["name"]), "key": str(ref["key"])}}
 
 
 def _worker_resources(value: Any, fleet: Fleet, spec: dict[str, Any], notes: list[str]) -> None:
@@ -211,7 +227,7 @@ MAPPING: dict[str, tuple[str, Apply]] = {
     "spec.worker.image": ("kubernetes.image (kvtier installed on vLLM)", _to("kubernetes.image")),
     "spec.worker.args": ("model (a first non-flag argument), kubernetes.vllmArgs", _worker_args),
     "spec.worker.environmentVariables": (
-        "kubernetes.replicaEnv (LMCACHE_*, PYTHONHASHSEED dropped)",
+        "kubernetes.replicaEnv (valueFrom: secretKeyRef only; LMCACHE_*, PYTHONHASHSEED dropped)",
         _worker_env,
     ),
     "spec.worker.resources": ("kubernetes.replicaResources", _worker_resources),

@@ -34,7 +34,7 @@ import yaml
 from kvtier.core.errors import ConfigError
 from kvtier.core.settings import to_flags
 from kvtier.router.settings import RouterSettings
-from kvtier.tools.cluster.spec import GIB, FleetSpec
+from kvtier.tools.cluster.spec import CONNECTOR_KEYS_SET_BY_THE_FLEET, GIB, FleetSpec
 from kvtier.tools.deploy.settings import Affinity, Env, Resources, Toleration
 from kvtier.tools.l2ops.valkey_server import PERSISTENT_L2_APPENDFSYNC
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
@@ -51,10 +51,13 @@ __all__ = [
     "replica_memory_gib",
     "router_grace_s",
     "router_args",
+    "vllm_events",
 ]
 
 HTTP_PORT = 8000
 EVENTS_PORT = 5557
+VLLM_EVENTS_PORT = 5558
+"""vLLM's own KV-event publisher on a replica (`kubernetes.vllmKvEvents`)."""
 L2_MOUNT = "/mnt/kvtier-l2"
 API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
 EMBEDDED_MODEL = "/opt/kvtier/model"
@@ -117,6 +120,22 @@ def _transfer_config() -> str:
     return json.dumps(config)
 
 
+def vllm_events(spec: FleetSpec) -> bool:
+    """Whether the replicas publish vLLM's own KV events and the routers follow them: only the
+    kvaware strategy reads them."""
+    return spec.kubernetes.vllm_kv_events and spec.strategy == "kvaware"
+
+
+def _events_config() -> str:
+    """`--kv-events-config`: vLLM's KV events published on every address of the pod."""
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{VLLM_EVENTS_PORT}",
+    }
+    return json.dumps(config)
+
+
 def replica_args(spec: FleetSpec) -> list[str]:
     """`vllm serve` arguments of a replica (the model and names come from its environment)."""
     args = ["$(MODEL)", "--host", "0.0.0.0", "--port", str(HTTP_PORT)]
@@ -124,6 +143,13 @@ def replica_args(spec: FleetSpec) -> list[str]:
     args += ["--shutdown-timeout", str(spec.local.replica_drain_s)]
     if spec.cache.connector_enabled:
         args += ["--kv-transfer-config", _transfer_config()]
+    if vllm_events(spec):
+        if any(a.split("=")[0] == "--kv-events-config" for a in spec.kubernetes.vllm_args):
+            raise ConfigError(
+                "kubernetes.vllmArgs: --kv-events-config is set by kubernetes.vllmKvEvents "
+                "(the routers follow it); set vllmKvEvents: false to give your own"
+            )
+        args += ["--kv-events-config", _events_config()]
     if spec.kubernetes.device == "cpu":
         args += CPU_ARGS
     if spec.local.engine_kv_cache_blocks is not None:
@@ -156,7 +182,7 @@ def router_grace_s(spec: FleetSpec) -> int:
 
 
 def router_args(spec: FleetSpec) -> list[str]:
-    """`kvtier router` arguments: replicas by the headless Service, events on their port."""
+    """`kvtier router` arguments: replicas by the headless Service, events on their ports."""
     values: dict[str, Any] = {
         "strategy": spec.strategy,
         "host": "0.0.0.0",
@@ -165,6 +191,7 @@ def router_args(spec: FleetSpec) -> list[str]:
         "replicas_dns": f"kvtier-replicas:{HTTP_PORT}",
         "discovery_interval_s": 5,
         "replica_events_port": EVENTS_PORT if spec.cache.connector_enabled else None,
+        "replica_vllm_events_port": VLLM_EVENTS_PORT if vllm_events(spec) else None,
         "consistent_ties": True,
         "api_keys_file": API_KEYS_FILE,
     }
@@ -196,6 +223,52 @@ def connector_env(spec: FleetSpec) -> dict[str, str]:
     env = {ENV_PREFIX + k.upper(): _env_value(k, v) for k, v in values.items()}
     _check_round_trip(values, env)
     return env
+
+
+def _rendered_env(spec: FleetSpec, download: bool, valkey_inside: bool) -> dict[str, str]:
+    """The replicas' variables other than `KVTIER_*` that the overlay sets -> the key of the
+    file that sets them, or "(why)": a `replicaEnv` entry would replace them (`env` wins over
+    the ConfigMaps' `envFrom`, and a patch's entry over the base's)."""
+    owners = {
+        "POD_IP": "(the pod's IP: KVTIER_REPLICA_ID is made of it)",
+        "MODEL": "model",
+        "SERVED_MODEL_NAME": "kubernetes.servedModelName",
+    }
+    if download:
+        owners["HF_HOME"] = "(the model download cache's mount; its size: kubernetes.modelCacheGiB)"
+    if spec.kubernetes.device == "cpu":
+        owners["VLLM_CPU_KVCACHE_SPACE"] = "kvtier.engineKvCacheGiB"
+        owners["OMP_NUM_THREADS"] = "kvtier.threadsPerReplica"
+    if valkey_inside:
+        owners["VALKEY_PASSWORD"] = "(the in-cluster Valkey's generated Secret)"
+    return owners
+
+
+_CONNECTOR_OWNERS = {
+    **CONNECTOR_KEYS_SET_BY_THE_FLEET,
+    "replica_id": "(each pod's URL, as the routers name it)",
+    "events_endpoint": f"(port {EVENTS_PORT}, which the routers follow)",
+}
+
+
+def _check_replica_env(spec: FleetSpec, rendered: dict[str, str]) -> None:
+    """A `ConfigError` naming the first `replicaEnv` entry that would override what the overlay
+    sets: a connector setting (the connector reads `KVTIER_<KEY>`; the file's are checked when
+    rendering and some are derived from other keys), or one of `rendered`."""
+    connector = {ENV_PREFIX + name.upper(): name for name in ConnectorSettings.model_fields}
+    for name in spec.kubernetes.replica_env:
+        where = f"kubernetes.replicaEnv.{name}"
+        key = connector.get(name)
+        if key is not None and key not in _CONNECTOR_OWNERS:
+            raise ConfigError(
+                f"{where}: a connector setting; give it as kvtier.connector.{key} (checked when "
+                "rendering, and kept in the kvtier-connector ConfigMap)"
+            )
+        owner = _CONNECTOR_OWNERS[key] if key is not None else rendered.get(name)
+        if owner is not None and owner.startswith("("):
+            raise ConfigError(f"{where}: the overlay sets it {owner}")
+        if owner is not None:
+            raise ConfigError(f"{where}: the overlay sets it from {owner}; set that instead")
 
 
 def _env_value(name: str, value: object) -> str:
@@ -278,6 +351,8 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         components.append(MODEL_CACHE)
     if k8s.service_monitor:
         components.append("servicemonitor")
+    _check_replica_env(spec, _rendered_env(spec, download, "valkey" in components))
+    replica_command = replica_args(spec)  # refused before --out is touched
 
     with _replacing(out) as build:
         shutil.copytree(manifests / "base", build / "base")
@@ -296,7 +371,7 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
 
         replica = _container_patch("kvtier-replica", "vllm", k8s.image or IMAGES[k8s.device])
         container = replica["spec"]["template"]["spec"]["containers"][0]
-        container["args"] = replica_args(spec)
+        container["args"] = replica_command
         env: Env = dict(k8s.replica_env)
         if k8s.device == "cpu":
             env.update(
