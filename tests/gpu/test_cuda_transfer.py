@@ -104,21 +104,29 @@ def test_a_partial_scatter_keeps_the_locally_computed_leading_blocks() -> None:
     assert not any(t[[0, 19, 22]].any() for t in target.layers)
 
 
-def test_a_gather_from_another_thread_sees_what_the_default_stream_queued_before_it() -> None:
+@pytest.mark.parametrize("forward_stream", ["default", "vllms-own"])
+def test_a_gather_from_another_thread_sees_what_the_forward_pass_queued_before_it(
+    forward_stream: str,
+) -> None:
     """The saver runs after the forward pass was queued, not finished: its side stream must
-    wait for the default stream's work (here a long queue of matmuls, then the write)."""
+    wait for that work (here a long queue of matmuls, then the write). vLLM queues its forward
+    pass on a stream of its own (`vllm.utils.torch_utils.current_stream`), which the default
+    stream does not wait for: the worker hands the saver a `forward_mark` taken after it."""
     kv = PagedKV({n: torch.zeros_like(t) for n, t in _caches(seed=4).items()}, PER_BLOCK)
     ids = [3, 4, 5, 6]
     index = torch.tensor(ids, device="cuda")  # made now: a copy later would wait for the queue
     busy = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
-    for _ in range(50):  # ~tens of ms of queued work ahead of the write
-        busy = busy @ busy
-        busy = busy / busy.norm()
-    for layer, t in enumerate(kv.layers):
-        t.index_fill_(0, index, float(layer + 1))  # the "forward pass" writes them, queued
+    stream = torch.cuda.Stream() if forward_stream == "vllms-own" else None
+    with torch.cuda.stream(stream):
+        for _ in range(50):  # ~tens of ms of queued work ahead of the write
+            busy = busy @ busy
+            busy = busy / busy.norm()
+        for layer, t in enumerate(kv.layers):
+            t.index_fill_(0, index, float(layer + 1))  # the "forward pass" writes them, queued
+        mark = kv.forward_mark()
     buffer = kv.new_host_buffer()
-    saver = threading.Thread(target=kv.gather, args=(ids, buffer))
+    saver = threading.Thread(target=kv.gather, args=(ids, buffer, mark))
     saver.start()
     saver.join(60)
     assert not saver.is_alive()

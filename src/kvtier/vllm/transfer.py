@@ -14,8 +14,10 @@ block by block through numpy byte views of the tensors; `scatter_layer` copies o
 `PendingScatter` (the layered copy beside the forward pass, `kvtier.vllm.layered_copy`). On
 CUDA, `gather` selects the blocks into a device staging buffer and copies it to a pinned host
 buffer, and `scatter` copies the payload through pinned and device staging and then into the
-blocks, each on a side stream, synchronising only that stream: the forward pass on the default
-stream is never blocked. (CI has no GPU: the CUDA path runs in `tests/gpu` on a GPU machine.)
+blocks, each on a side stream, synchronising only that stream: the forward pass is never
+blocked. vLLM queues its forward pass on a stream of its own, not the default one, so the
+worker takes a `forward_mark` on its thread and the copy's side stream waits for that mark.
+(CI has no GPU: the CUDA path runs in `tests/gpu` on a GPU machine.)
 """
 
 from __future__ import annotations
@@ -108,18 +110,32 @@ class PagedKV:
             self.layout.shape, dtype=self.layout.dtype, pin_memory=self._cuda is not None
         )
 
-    def gather(self, engine_block_ids: Sequence[int], out: torch.Tensor) -> None:
-        """Copy the engine blocks of one kvtier block into `out` (a host buffer)."""
+    def forward_mark(self) -> Any:
+        """A mark after the work the calling thread has queued so far (on CUDA, an event on
+        its current stream, where vLLM queues the forward pass; None on CPU, where work is done
+        once queued). A `gather` or `scatter` given it runs after that work."""
+        if self._cuda is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def gather(self, engine_block_ids: Sequence[int], out: torch.Tensor, after: Any = None) -> None:
+        """Copy the engine blocks of one kvtier block into `out` (a host buffer), after the
+        work `after` (a `forward_mark`; None: the calling thread's queued work) marks."""
         self._check_ids(engine_block_ids, self.layout.per_block)
         if self._cuda is not None:
-            self._cuda.gather(self.layers, engine_block_ids, out)
+            self._cuda.gather(self.layers, engine_block_ids, out, after)
             return
         idx = torch.tensor(engine_block_ids, dtype=torch.long)
         for layer, t in enumerate(self.layers):
             torch.index_select(t, 0, idx, out=out[layer])
 
-    def scatter(self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0) -> None:
-        """Write engine blocks `skip`, `skip + 1`, ... of a payload into `engine_block_ids`.
+    def scatter(
+        self, src: torch.Tensor, engine_block_ids: Sequence[int], skip: int = 0, after: Any = None
+    ) -> None:
+        """Write engine blocks `skip`, `skip + 1`, ... of a payload into `engine_block_ids`,
+        after the work `after` marks (as `gather`: the blocks' earlier owner may still read them).
 
         The first `skip` engine blocks of the kvtier block are left alone (they already hold
         locally computed KV); fewer ids than the rest of the block write only a leading part.
@@ -129,7 +145,7 @@ class PagedKV:
             return
         end = skip + len(engine_block_ids)
         if self._cuda is not None:
-            self._cuda.scatter(self.layers, src[:, skip:end], engine_block_ids)
+            self._cuda.scatter(self.layers, src[:, skip:end], engine_block_ids, after)
             return
         payload = _bytes_array(src)
         for j, block in enumerate(engine_block_ids, start=skip):
@@ -227,11 +243,12 @@ class _CudaStaging:
         self.on_device = torch.empty(layout.shape, dtype=layout.dtype, device=device)
         self._lock = threading.Lock()  # one stream and one staging: one copy at a time
 
-    def gather(self, layers: Sequence[torch.Tensor], ids: Sequence[int], out: torch.Tensor) -> None:
+    def gather(
+        self, layers: Sequence[torch.Tensor], ids: Sequence[int], out: torch.Tensor, after: Any
+    ) -> None:
         device = layers[0].device
         with self._lock, torch.cuda.stream(self.stream):
-            # The forward writes these blocks on the default stream: order after it.
-            self.stream.wait_stream(torch.cuda.default_stream(device))
+            self._wait(after, device)  # the forward pass writes these blocks
             idx = torch.tensor(ids, dtype=torch.long).to(device, non_blocking=True)
             for layer, t in enumerate(layers):
                 torch.index_select(t, 0, idx, out=self.on_device[layer])
@@ -239,15 +256,14 @@ class _CudaStaging:
             self.stream.synchronize()
 
     def scatter(
-        self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int]
+        self, layers: Sequence[torch.Tensor], src: torch.Tensor, ids: Sequence[int], after: Any
     ) -> None:
         """`src`: (layers, len(ids), *engine block) in host memory, pinned or not."""
         device = layers[0].device
         n = len(ids)
         with self._lock, torch.cuda.stream(self.stream):
-            # The blocks may have held another request's KV, which work queued on the default
-            # stream can still be reading: write them after it.
-            self.stream.wait_stream(torch.cuda.default_stream(device))
+            # the blocks may have held another request's KV, which queued work can still read
+            self._wait(after, device)
             staged = self.on_device[:, :n]
             if src.is_pinned():  # an L2 read into the loader's staging: straight over the bus
                 staged.copy_(src, non_blocking=True)
@@ -259,3 +275,11 @@ class _CudaStaging:
             for layer, t in enumerate(layers):
                 t.index_copy_(0, idx, staged[layer])
             self.stream.synchronize()
+
+    def _wait(self, after: Any, device: torch.device) -> None:
+        """Order the side stream after the work `after` marks; None: after the default stream
+        (the calling thread's queued work, for a thread that never set a stream)."""
+        if after is not None:
+            self.stream.wait_event(after)
+        else:
+            self.stream.wait_stream(torch.cuda.default_stream(device))

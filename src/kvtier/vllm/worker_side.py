@@ -78,6 +78,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 import torch
 
@@ -339,14 +340,16 @@ class WorkerSide:
         """Queue asynchronous loads; run synchronous ones to completion or to their deadline
         (this step's forward pass reads them)."""
         sync: dict[Future[None], _LoadRun] = {}
+        # the blocks may have held other requests' KV, which queued forward passes still read
+        after = self._require_kv().forward_mark() if meta.loads else None
         for spec in meta.loads:
             run = _LoadRun(spec)
             if spec.asynchronous:
                 with self._lock:
                     self._async_loads[spec.req_id] = run
-                self._loader.submit(self._load, run)
+                self._loader.submit(self._load, run, after)
             else:
-                sync[self._loader.submit(self._load, run)] = run
+                sync[self._loader.submit(self._load, run, after)] = run
         if sync:
             _, late = wait(sync, timeout=self._deadline_s)
             for future in late:
@@ -430,13 +433,14 @@ class WorkerSide:
         self._recent_unwritten.append(unwritten)
         stale = set[int]().union(*self._recent_unwritten)
         dropped = 0
+        after = self._require_kv().forward_mark() if meta.saves else None  # (queued, not run)
         for spec in meta.saves:
             if stale:
                 spec = spec.head(self._written_blocks(spec, stale), self._per_block)
             todo = self._to_save(spec)
             run = _SaveRun(spec)
             if self._charge(len(todo)):
-                run.job = self._saver.submit(self._save, run, todo)
+                run.job = self._saver.submit(self._save, run, todo, after)
                 run.job.add_done_callback(functools.partial(self._save_done, n_blocks=len(todo)))
             else:
                 dropped += len(todo)
@@ -521,8 +525,9 @@ class WorkerSide:
 
     # ---- background threads -------------------------------------------------------------
 
-    def _load(self, run: _LoadRun) -> None:
-        """Loader thread: read the blocks, write them into the request's engine blocks."""
+    def _load(self, run: _LoadRun, after: Any) -> None:
+        """Loader thread: read the blocks, write them into the request's engine blocks once the
+        work `after` (`PagedKV.forward_mark`) marks is done."""
         spec = run.spec
         start = time.perf_counter()
         queued = 0.0 if spec.planned_at is None else max(0.0, time.monotonic() - spec.planned_at)
@@ -559,7 +564,7 @@ class WorkerSide:
                     run.defer(kv.pending_scatter(src, ids, skip))
                 else:
                     t = time.perf_counter()
-                    run.write(len(ids), lambda: kv.scatter(src, ids, skip))
+                    run.write(len(ids), lambda: kv.scatter(src, ids, skip, after))
                     copy_s += time.perf_counter() - t
                 tier, nbytes = block.tier, block.payload.nbytes
             counts[tier] += 1
@@ -648,9 +653,10 @@ class WorkerSide:
             buffers = self._local.staging = [kv.new_host_buffer() for _ in range(n)]
         return [host_bytes(b) for b in buffers]
 
-    def _save(self, run: _SaveRun, todo: tuple[int, ...]) -> None:
+    def _save(self, run: _SaveRun, todo: tuple[int, ...], after: Any) -> None:
         """Saver thread: copy out and offer the blocks of the save at positions `todo`
-        (`_to_save`) that L1 still lacks, until the request is preempted."""
+        (`_to_save`) that L1 still lacks, until the request is preempted; each once the work
+        `after` (`PagedKV.forward_mark`: the forward pass computing them) marks is done."""
         start, cpu = time.perf_counter(), time.thread_time()
         spec = run.spec
         p = self._per_block
@@ -670,7 +676,7 @@ class WorkerSide:
                 index = spec.first_index + i
                 buffer = kv.new_host_buffer() if adopt else self._pinned_buffer(kv)
                 ids = spec.engine_block_ids[i * p : (i + 1) * p]
-                if not run.gather(functools.partial(kv.gather, ids, buffer)):
+                if not run.gather(functools.partial(kv.gather, ids, buffer, after)):
                     dropped = len(todo) - k  # preempted: its blocks are reused now
                     break
                 meta = BlockMeta(
