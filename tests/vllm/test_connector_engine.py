@@ -407,6 +407,29 @@ def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_re
     _assert_resaved_as(clean, y_files)
 
 
+def test_blocks_computed_in_the_step_of_a_failed_load_leave_the_prefix_cache_too(
+    model_dir: str, corpus: Corpus, tmp_path: Path
+) -> None:
+    """X loads 10 blocks from L2, the last one corrupt, computes 6 more in the same step from
+    its stale KV, and is aborted before it recomputes. vLLM cached all 16 when it scheduled
+    them; the connector evicts the failed block and the 6 computed from it. W then computes
+    block 9 afresh, so vLLM's prefix cache holds the chain up to it again; V, extending X,
+    must not take X's 6 stale blocks after it: its own blocks reach L2 within rounding of a
+    clean run's. (Without the eviction V takes them from L0, never saves them, and computes
+    the rest from them.)"""
+    p = prompt_ids(corpus, 10 * BLOCK + 50, seed=306)
+    v = p[: 10 * BLOCK] + prompt_ids(corpus, 6 * BLOCK + 700, seed=307)
+    x = v[: 16 * BLOCK + 50]
+    w = p[: 10 * BLOCK] + prompt_ids(corpus, 300, seed=308)
+    clean, v_files = _clean_then_corrupt(model_dir, tmp_path, p, v, shared=10, corrupt=9)
+    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "stale-step.log") as engine:
+        engine.abort_after_one_step(x)
+        engine.generate([w])
+        engine.generate([v])
+        _wait_for_files(v_files)
+    _assert_resaved_as(clean, v_files)
+
+
 def test_after_new_weights_and_a_cache_reset_no_kv_of_the_old_weights_is_served(
     model_dir: str, corpus: Corpus, tmp_path: Path
 ) -> None:
@@ -436,11 +459,11 @@ def test_after_new_weights_and_a_cache_reset_no_kv_of_the_old_weights_is_served(
 
 
 def _clean_then_corrupt(
-    model_dir: str, work: Path, x: list[int], y: list[int], shared: int
+    model_dir: str, work: Path, x: list[int], y: list[int], shared: int, corrupt: int = 2
 ) -> tuple[list[bytes], list[Path]]:
     """A clean run on the L2 `work/l2`: x, then y, whose first `shared` blocks are x's (L0
     hits). Returns y's own blocks as that run stored them, and their files, which it removes
-    for a faulty run to write again; x's block 2 is then corrupted (its load fails)."""
+    for a faulty run to write again; x's block `corrupt` is then corrupted (its load fails)."""
     l2 = work / "l2"
     l2.mkdir()
     with BatchEngine(model_dir, l2, work / "clean.log") as engine:
@@ -451,9 +474,9 @@ def _clean_then_corrupt(
     clean = [f.read_bytes() for f in y_files]
     for f in y_files:
         f.unlink()
-    data = bytearray(x_files[2].read_bytes())
+    data = bytearray(x_files[corrupt].read_bytes())
     data[-100:] = bytes(100)  # the checksum no longer matches
-    x_files[2].write_bytes(bytes(data))
+    x_files[corrupt].write_bytes(bytes(data))
     return clean, y_files
 
 

@@ -576,3 +576,28 @@ def test_a_request_scheduled_before_a_reset_neither_loads_nor_saves_again(
         assert counters.totals()["cache_resets"] == 1
     finally:
         side.close()
+
+
+def test_the_blocks_a_step_computed_after_a_failed_synchronous_load_are_stale_too(
+    rt: process_store.ProcessStore,
+) -> None:
+    """X loads its first 2 kvtier blocks (engine blocks 10-13) and computes the rest in the
+    same step; Y takes X's first blocks from vLLM's prefix cache and computes its own. If
+    engine block 12 fails to load, what both computed after it is stale (their attention read
+    it); what came before it, and Z's blocks, are not."""
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 2)
+    x_ids, y_ids, z_ids = list(range(10, 19)), [10, 11, 12, 13, 30, 31], [40, 41]
+    side = _side(rt, {"x": x_ids, "y": y_ids, "z": z_ids}, load_async=False)
+    try:
+        x = FakeRequest("x", tokens)
+        side.new_request(x)  # type: ignore[arg-type]
+        assert _answer(side, x, 0) == (512, False)
+        side.after_alloc(x, FakeBlocks(x_ids), 512)  # type: ignore[arg-type]
+        step = FakeSchedulerOutput({"x": 588, "y": 300, "z": 200})
+        (load,) = side.build_meta(step).loads  # type: ignore[arg-type]
+        assert load.engine_block_ids == (10, 11, 12, 13)
+        assert side.computed_from({12}) == {12, 13, 14, 15, 16, 17, 18, 30, 31}
+        assert side.computed_from({40}) == {40}  # (not a loaded block: nothing follows)
+    finally:
+        side.close()

@@ -228,9 +228,11 @@ class KvtierConnector(KVConnectorBase_V1):
         failed = connector_output.invalid_block_ids
         if failed and self._kv_cache_manager is not None:
             # vLLM (`recompute` policy) keeps a block that failed to load in its prefix cache,
-            # where it cached it for the load, until its request recomputes it; a request
-            # aborted or preempted first would leave its stale KV there for later L0 hits
-            self._kv_cache_manager.evict_blocks(set(failed))
+            # where it cached it for the load, and the blocks computed from it in that step,
+            # until their request recomputes them; a request aborted or preempted first would
+            # leave their stale KV there for later L0 hits
+            stale = self._scheduler_side().computed_from(set(failed))
+            self._kv_cache_manager.evict_blocks(stale)
 
     def reset_cache(self) -> bool:
         """The weights may have changed (RLHF weight sync): never load what was cached before."""

@@ -158,6 +158,9 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._recent_loads: deque[frozenset[int]] = deque(maxlen=batches_in_flight)
         """Engine blocks written by the synchronous loads of the last steps, newest last."""
+        self._recent_chains: deque[list[tuple[int, ...]]] = deque(maxlen=batches_in_flight + 1)
+        """Per recent step, the engine block ids of each scheduled request holding a block
+        such a load wrote (what the step computed after a failed one is stale too)."""
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
         self._running_since: float | None = None
         """When the lookup thread started the lookup it runs now (None: idle)."""
@@ -268,6 +271,7 @@ class SchedulerSide:
         )
         loaded = frozenset[int]().union(*self._recent_loads)
         self._loads = []
+        self._recent_chains.append(self._chains_through(loaded, scheduler_output))
         for req_id in meta.preempted:  # vLLM freed its blocks; the worker drops its saves
             tracked = self._tracked.get(req_id)
             if tracked is not None:
@@ -280,6 +284,19 @@ class SchedulerSide:
             if spec is not None:
                 meta.saves.append(spec)
         return meta
+
+    def computed_from(self, failed: set[int]) -> set[int]:
+        """`failed` (engine blocks a synchronous load failed to write) and the blocks the
+        recent steps computed after one of them in a request, from its stale KV: vLLM caches a
+        step's blocks when it schedules them, and with the `recompute` policy keeps them
+        cached, stale until their request recomputes them (never, if it is aborted first)."""
+        stale = set(failed)
+        for chains in self._recent_chains:
+            for chain in chains:
+                first = next((i for i, block in enumerate(chain) if block in failed), None)
+                if first is not None:
+                    stale.update(chain[first:])
+        return stale
 
     def apply_worker_meta(self, meta: KvtierWorkerMeta) -> None:
         with self._l1_lock:
@@ -452,6 +469,16 @@ class SchedulerSide:
         """Whether rank `rank`'s worker reported the block in its L1."""
         with self._l1_lock:
             return block_hash in self._l1[rank]
+
+    def _chains_through(
+        self, loaded: frozenset[int], scheduler_output: SchedulerOutput
+    ) -> list[tuple[int, ...]]:
+        """The engine block ids of each request this step schedules that holds a block in
+        `loaded`."""
+        if not loaded:
+            return []
+        chains = (tuple(self._block_ids_of(r)) for r in scheduler_output.num_scheduled_tokens)
+        return [chain for chain in chains if not loaded.isdisjoint(chain)]
 
     def _plan_save(
         self, tracked: _Tracked, n_scheduled: int, loaded: frozenset[int]
