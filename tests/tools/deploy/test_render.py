@@ -428,6 +428,32 @@ def test_a_persistent_valkey_keeps_its_append_only_file_on_a_claim_of_its_own(
     assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]  # no shared L2 claim
 
 
+@pytest.mark.parametrize("size_gib", [2, 64])
+def test_a_persistent_valkey_has_room_to_rewrite_its_append_only_file(
+    tmp_path: Path, size_gib: int
+) -> None:
+    """A rewrite of the append-only file forks; under writes the server's pages are copied
+    (copy-on-write) until the child ends, up to all of them: the limit holds the server at
+    maxmemory (its data x1.25 for fragmentation, + 0.5 GiB) and a copy of its data. Without
+    persistence nothing forks."""
+    for persistent in (False, True):
+        l2 = {"l2CacheBackend": "valkey", "l2CacheSizeGiB": size_gib}
+        file = {"model": "meta/llama", "kvCacheSpec": {"l2CacheSpec": l2}}
+        l2["l2CachePersistent"] = persistent
+        render(parse_spec(file), tmp_path / str(persistent))
+        objects = kustomize(tmp_path / str(persistent))
+        valkey = by_kind(objects, "StatefulSet", "kvtier-valkey")
+        server = valkey["spec"]["template"]["spec"]["containers"][0]
+        maxmemory = int(server["args"][server["args"].index("--maxmemory") + 1])
+        assert maxmemory == size_gib * 1024**3
+        resources = server["resources"]
+        assert resources["requests"]["memory"] == resources["limits"]["memory"]
+        limit = resources["limits"]["memory"]
+        assert limit.endswith("Gi")
+        needed = 1.25 * maxmemory + 0.5 * 1024**3 + (1.25 * maxmemory if persistent else 0)
+        assert needed <= int(limit.removesuffix("Gi")) * 1024**3 < needed + 1024**3, limit
+
+
 def test_valkey_outside(tmp_path: Path) -> None:
     objects = rendered(tmp_path, "valkey-outside")
     assert env_of(objects)["KVTIER_L2_URL"] == "redis://cache:6380/1"
@@ -526,6 +552,38 @@ def test_a_render_that_fails_leaves_the_earlier_overlay_whole(
     with pytest.raises(ConfigError, match=f"--out {out}: No space left on device"):
         render(spec.replaced(replicas=4), out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_render_that_fails_leaves_a_new_out_as_it_found_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A render that fails once it has made the secrets leaves neither them nor --out behind
+    (a later render would refuse a non-empty directory it did not write), and adds none to an
+    earlier render's."""
+    spec = parse_spec(FILES["valkey-inside"])
+    write = render_module._write
+
+    def full(path: Path, doc: dict[str, Any]) -> None:
+        if path.parent.name == "patches":  # written after the secrets
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write(path, doc)
+
+    new, empty, earlier = tmp_path / "new", tmp_path / "empty", tmp_path / "earlier"
+    empty.mkdir()
+    render(parse_spec(FILES["one-router"]), earlier)
+    monkeypatch.setattr(render_module, "_write", full)
+    for out in (new, empty, earlier):
+        with pytest.raises(ConfigError, match=f"--out {out}: No space left on device"):
+            render(spec, out)
+    assert not new.exists() and not list(empty.iterdir())
+    assert sorted(p.name for p in (earlier / "secrets").iterdir()) == [
+        "router-api-keys",
+        "tenant-salt-key",
+    ]
+    monkeypatch.undo()
+    for out in (new, empty, earlier):
+        render(spec, out)
+        assert (out / "secrets" / "valkey-password").stat().st_mode & 0o077 == 0
 
 
 def test_an_out_that_cannot_be_made_is_an_error_naming_it(tmp_path: Path) -> None:
@@ -754,6 +812,40 @@ def test_replica_env_may_not_override_what_the_overlay_sets(tmp_path: Path, name
         with pytest.raises(ConfigError, match=rf"^kubernetes\.replicaEnv\.{variable}: "):
             render(parse_spec({**FILES[name], "kubernetes": k8s}), tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("name", ["cpu-claim", "gated", "gpu-juicefs", "valkey-inside"])
+def test_router_env_may_not_override_what_the_overlay_sets(tmp_path: Path, name: str) -> None:
+    """As `replicaEnv`: every variable the rendered routers get (the container's, its
+    ConfigMaps') but the tunable few and the file's own `routerEnv` is refused in
+    `routerEnv`, naming it, before --out is touched."""
+    objects = rendered(tmp_path, name)
+    router = container(objects, "kvtier-router")
+    variables = {e["name"] for e in router["env"]}
+    for source in router["envFrom"]:
+        variables |= set(by_kind(objects, "ConfigMap", source["configMapRef"]["name"])["data"])
+    assert {"MODEL", "HOME", "KVTIER_TENANT_SALT_KEY"} <= variables
+    own = FILES[name].get("kubernetes", {}).get("routerEnv", {})
+    for variable in sorted(variables - TUNABLE_ENV - set(own)):
+        k8s = {**FILES[name].get("kubernetes", {}), "routerEnv": {**own, variable: "x"}}
+        with pytest.raises(ConfigError, match=rf"^kubernetes\.routerEnv\.{variable}: the over"):
+            render(parse_spec({**FILES[name], "kubernetes": k8s}), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "error"),
+    [
+        ({"MODEL": "x"}, "sets it from model; set that instead"),
+        ({"HOME": "/root"}, r"sets it \(the routers' writable home"),
+    ],
+)
+def test_a_router_env_entry_the_overlay_sets_is_named_with_its_owner(
+    tmp_path: Path, env: dict[str, str], error: str
+) -> None:
+    file = {**FILES["cpu-model"], "kubernetes": {"device": "cpu", "routerEnv": env}}
+    with pytest.raises(ConfigError, match=f"kubernetes.routerEnv.{next(iter(env))}: .*{error}"):
+        render(parse_spec(file), tmp_path / "out")
 
 
 @pytest.mark.parametrize(

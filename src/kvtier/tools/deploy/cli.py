@@ -25,17 +25,20 @@ def load_fleet(path: Path) -> tuple[FleetSpec, list[str]]:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from kvtier.tools.deploy.render import render
+    from kvtier.tools.deploy.render import object_name, render
 
     spec, notes = load_fleet(Path(args.config))
     notes += render(spec, Path(args.out))
     for note in notes:
         print(f"kvtier: note: {note}")
     k8s = spec.kubernetes
+    router = object_name(spec, "kvtier-router")
     print(f"kvtier: wrote {args.out}/kustomization.yaml ({spec.replicas} replicas, {k8s.device})")
+    if not k8s.creates_namespace:
+        print(f"  first:   kubectl create namespace {k8s.namespace}   (if it does not exist)")
     print(f"  deploy:  kubectl apply -k {args.out}")
     print(f"  API key: {args.out}/secrets/router-api-keys")
-    print(f"  reach:   kubectl -n {k8s.namespace} port-forward svc/kvtier-router 8000:8000")
+    print(f"  reach:   kubectl -n {k8s.namespace} port-forward svc/{router} 8000:8000")
     return 0
 
 

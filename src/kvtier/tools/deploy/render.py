@@ -8,6 +8,8 @@ render keeps; the connector's settings (the `KVTIER_*` environment of the replic
 model go in a last component, DIR/components/fleet. `kubectl apply -k DIR` deploys it; DIR holds
 no reference to this checkout. DIR is new, empty, or an earlier render's (nothing else is
 overwritten); the overlay is written beside the old one and replaces it only once it is whole.
+A named fleet (`kubernetes.fleetName`) gets a namePrefix, and its name as one more label in
+every selector of kvtier's pods, so that fleets share a namespace (`object_name`).
 
     spec = load_spec(Path("fleet.yaml"))
     notes = render(spec, Path("out"))       # notes: what the file set that has no effect here
@@ -45,12 +47,14 @@ __all__ = [
     "EMBEDDED_MODEL",
     "connector_env",
     "find_manifests",
+    "object_name",
     "render",
     "replica_args",
     "replica_grace_s",
     "replica_memory_gib",
     "router_grace_s",
     "router_args",
+    "valkey_memory_gib",
     "vllm_events",
 ]
 
@@ -62,6 +66,10 @@ L2_MOUNT = "/mnt/kvtier-l2"
 API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
 EMBEDDED_MODEL = "/opt/kvtier/model"
 """Where the CPU image (deploy/docker/Dockerfile.cpu) keeps the embedded model."""
+VALKEY_OVERHEAD = 1.25
+"""The in-cluster Valkey's resident memory per byte of data at `maxmemory` (the allocator's
+fragmentation, per-key structures), plus `VALKEY_BASE_GIB` for the server itself."""
+VALKEY_BASE_GIB = 0.5
 VALKEY_DATA = "/data"
 """Where a persistent in-cluster Valkey keeps its append-only file (its claim's mount)."""
 EMBEDDED_NAME = "SmolLM2-135M-Instruct-bf16"
@@ -91,6 +99,10 @@ ROUTER_EXIT_S = 10
 """Left to the router, after its drain, to exit before the kubelet kills it."""
 HEADER = "# Written by `kvtier deploy render`; apply with: kubectl apply -k .\n"
 """The first line of a rendered kustomization.yaml: marks a directory `render` may rewrite."""
+NAME_LABEL = "app.kubernetes.io/name"
+"""Selects kvtier's pods (with `app.kubernetes.io/component`) in every selector of the base."""
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+"""Selects a named fleet's pods (`kubernetes.fleetName`) besides `NAME_LABEL`."""
 FLEET_COMPONENT = "fleet"
 """The component `render` writes with the file's ConfigMaps. Kustomize applies components in
 order, after the overlay's own generators, so these must be in the last one to win over the
@@ -108,6 +120,13 @@ def find_manifests() -> Path:
     raise ConfigError(
         "deploy/k8s not found: run from a kvtier checkout or set KVTIER_DEPLOY_DIR to it"
     )
+
+
+def object_name(spec: FleetSpec, name: str) -> str:
+    """The fleet's object of the base's `name` (kvtier-replicas): prefixed by
+    `kubernetes.fleetName`, as the overlay's namePrefix renames it."""
+    fleet = spec.kubernetes.fleet_name
+    return name if fleet is None else f"{fleet}-{name}"
 
 
 # ----- container command lines --------------------------------------------------------------
@@ -176,6 +195,19 @@ def replica_memory_gib(spec: FleetSpec, engine_gib: float | None = None) -> int:
     return math.ceil(gib)
 
 
+def valkey_memory_gib(spec: FleetSpec) -> int:
+    """The in-cluster Valkey's memory (request = limit) in whole GiB: the data at `maxmemory`
+    (the L2 size) as resident (`VALKEY_OVERHEAD`, `VALKEY_BASE_GIB`); with l2CachePersistent,
+    room to copy all of it once more. An append-only-file rewrite forks: the child writing the
+    new file shares the server's pages until the server writes them, so under steady writes
+    and evictions every page may be copied before it ends (copy-on-write), and both copies
+    count against the container's limit, which `maxmemory` does not see: without the room the
+    kernel OOM-kills the server mid-rewrite."""
+    data = spec.cache.l2.size_gib * VALKEY_OVERHEAD
+    copied = data if spec.cache.l2.persistent else 0
+    return math.ceil(data + copied + VALKEY_BASE_GIB)
+
+
 def router_grace_s(spec: FleetSpec) -> int:
     """The router pod's terminationGracePeriodSeconds: preStop, drain (`drain_s`), exit."""
     return ROUTER_PRESTOP_S + spec.router_drain_s + ROUTER_EXIT_S
@@ -188,7 +220,7 @@ def router_args(spec: FleetSpec) -> list[str]:
         "host": "0.0.0.0",
         "port": HTTP_PORT,
         "model_dir": "$(MODEL)",
-        "replicas_dns": f"kvtier-replicas:{HTTP_PORT}",
+        "replicas_dns": f"{object_name(spec, 'kvtier-replicas')}:{HTTP_PORT}",
         "discovery_interval_s": 5,
         "replica_events_port": EVENTS_PORT if spec.cache.connector_enabled else None,
         "replica_vllm_events_port": VLLM_EVENTS_PORT if vllm_events(spec) else None,
@@ -251,20 +283,33 @@ _CONNECTOR_OWNERS = {
 }
 
 
-def _check_replica_env(spec: FleetSpec, rendered: dict[str, str]) -> None:
-    """A `ConfigError` naming the first `replicaEnv` entry that would override what the overlay
-    sets: a connector setting (the connector reads `KVTIER_<KEY>`; the file's are checked when
-    rendering and some are derived from other keys), or one of `rendered`."""
-    connector = {ENV_PREFIX + name.upper(): name for name in ConnectorSettings.model_fields}
-    for name in spec.kubernetes.replica_env:
-        where = f"kubernetes.replicaEnv.{name}"
-        key = connector.get(name)
-        if key is not None and key not in _CONNECTOR_OWNERS:
+def _rendered_router_env() -> dict[str, str]:
+    """The routers' variables that the overlay sets, as `_rendered_env` the replicas'."""
+    return {
+        "MODEL": "model",
+        "SERVED_MODEL_NAME": "kubernetes.servedModelName",
+        "HOME": "(the routers' writable home, an emptyDir: their UID is unknown to the image)",
+        "KVTIER_TENANT_SALT_KEY": "(the tenant salt, the same on every router: a generated "
+        "Secret's, kept in OUT/secrets/tenant-salt-key)",
+    }
+
+
+def _check_env(key: str, env: Env, rendered: dict[str, str], connector: bool = False) -> None:
+    """A `ConfigError` naming the first entry of `env` (the file's `kubernetes.KEY`) that
+    would override what the overlay sets on that container: one of `rendered`, or with
+    `connector` a connector setting (the connector reads `KVTIER_<KEY>`; the file's are
+    checked when rendering and some are derived from other keys)."""
+    fields = ConnectorSettings.model_fields if connector else {}
+    settings = {ENV_PREFIX + name.upper(): name for name in fields}
+    for name in env:
+        where = f"kubernetes.{key}.{name}"
+        setting = settings.get(name)
+        if setting is not None and setting not in _CONNECTOR_OWNERS:
             raise ConfigError(
-                f"{where}: a connector setting; give it as kvtier.connector.{key} (checked when "
-                "rendering, and kept in the kvtier-connector ConfigMap)"
+                f"{where}: a connector setting; give it as kvtier.connector.{setting} (checked "
+                "when rendering, and kept in the kvtier-connector ConfigMap)"
             )
-        owner = _CONNECTOR_OWNERS[key] if key is not None else rendered.get(name)
+        owner = _CONNECTOR_OWNERS[setting] if setting is not None else rendered.get(name)
         if owner is not None and owner.startswith("("):
             raise ConfigError(f"{where}: the overlay sets it {owner}")
         if owner is not None:
@@ -351,7 +396,9 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         components.append(MODEL_CACHE)
     if k8s.service_monitor:
         components.append("servicemonitor")
-    _check_replica_env(spec, _rendered_env(spec, download, "valkey" in components))
+    rendered = _rendered_env(spec, download, "valkey" in components)
+    _check_env("replicaEnv", k8s.replica_env, rendered, connector=True)
+    _check_env("routerEnv", k8s.router_env, _rendered_router_env())
     replica_command = replica_args(spec)  # refused before --out is touched
 
     with _replacing(out) as build:
@@ -361,8 +408,8 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
         (build / "patches").mkdir()
         _write_fleet_component(build, connector_env(spec), model, served)
 
-        secret_files = [f"keys={_secret(out, 'router-api-keys', 'key')}"]
-        secret_files.append(f"tenant-salt-key={_secret(out, 'tenant-salt-key', 'raw')}")
+        secret_files = [f"keys={_secret(out, build, 'router-api-keys', 'key')}"]
+        secret_files.append(f"tenant-salt-key={_secret(out, build, 'tenant-salt-key', 'raw')}")
         generators: list[dict[str, Any]] = [
             {"name": "kvtier-router-api-keys", "files": secret_files},
         ]
@@ -380,8 +427,11 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
             )
         elif spec.local.engine_kv_cache_gib != 1:
             notes.append("kvtier.engineKvCacheGiB: GPU engines size their cache by memory share")
-        if env:
-            container["env"] = _env(env)
+        entries = _env(env)
+        if k8s.fleet_name is not None and "valkey" in components:
+            entries[:0] = _valkey_env(spec)
+        if entries:
+            container["env"] = entries
         ephemeral = {"ephemeral-storage": f"{k8s.model_cache_gib}Gi"} if download else {}
         if k8s.replica_resources is not None:
             container["resources"] = _resources(
@@ -448,7 +498,7 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
             }
             patches.append(_inline("StorageClass", "kvtier-juicefs", {"parameters": parameters}))
         if "valkey" in components:
-            password = _secret(out, "valkey-password", "raw")
+            password = _secret(out, build, "valkey-password", "raw")
             generators.append({"name": "kvtier-valkey", "files": [f"password={password}"]})
             patches.append(_valkey_patch(build, spec))
         if k8s.image_pull_secrets:
@@ -460,19 +510,31 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
             labels = {"metadata": {"labels": dict(k8s.service_monitor_labels)}}
             patches.append(_inline("ServiceMonitor", "kvtier", labels))
         if valkey_inside and l2.url is not None:
-            resources.append(_external_valkey_policy(build, l2.url))
+            resources.append(_external_valkey_policy(build, l2.url, k8s.fleet_name))
             notes.append(
                 "l2CacheLocalUrl: lands in a ConfigMap; a password in it is readable there"
             )
 
-        kustomization = {
+        if not k8s.creates_namespace:
+            patches.append(_DELETE_NAMESPACE)
+        if k8s.fleet_name is not None:
+            patches += _fleet_selectors(build, k8s.fleet_name)
+
+        kustomization: dict[str, Any] = {
             "apiVersion": "kustomize.config.k8s.io/v1beta1",
             "kind": "Kustomization",
             "namespace": k8s.namespace,
+        }
+        if k8s.fleet_name is not None:
+            kustomization["namePrefix"] = f"{k8s.fleet_name}-"
+        kustomization |= {
             "resources": resources,
             "components": [f"components/{name}" for name in [*components, FLEET_COMPONENT]],
             "labels": [
-                {"pairs": {"app.kubernetes.io/instance": k8s.instance}, "includeTemplates": True}
+                {
+                    "pairs": {INSTANCE_LABEL: k8s.fleet_name or k8s.instance},
+                    "includeTemplates": True,
+                }
             ],
             "replicas": [
                 {"name": "kvtier-replica", "count": spec.replicas},
@@ -489,19 +551,27 @@ def render(spec: FleetSpec, out: Path, manifests: Path | None = None) -> list[st
 
 OVERLAY = ("base", "components", "patches", "kustomization.yaml")
 """What `render` writes into --out and replaces there (secrets/ is kept, other files left)."""
+SECRETS = "secrets"
+"""Where --out keeps the generated secrets: a render adds the ones it lacks, never replaces."""
 
 
 @contextlib.contextmanager
 def _replacing(out: Path) -> Iterator[Path]:
-    """A new directory in `out` to write the overlay into; once it is written, its entries
-    replace those of `out` (an earlier render's) and it is removed. Until then `out` is left
-    as it was, so a render that fails loses nothing. An `OSError` is a `ConfigError` naming
-    --out."""
+    """A new directory in `out` to write the overlay (and new secrets) into; once it is
+    written, the new secrets join `out`'s, its entries replace those of `out` (an earlier
+    render's) and it is removed. Until then `out` is left as it was, so a render that fails
+    loses nothing and leaves nothing (an `out` it made is removed again: a later render must
+    not find it non-empty). An `OSError` is a `ConfigError` naming --out."""
+    made = not out.exists()
     try:
         _claim_out_dir(out)
         build = Path(tempfile.mkdtemp(prefix=".render.", dir=out))
         try:
             yield build
+            if (build / SECRETS).is_dir():
+                (out / SECRETS).mkdir(mode=0o700, exist_ok=True)
+                for secret in (build / SECRETS).iterdir():
+                    secret.rename(out / SECRETS / secret.name)
             old = build / "old"
             old.mkdir()
             for name in OVERLAY:  # kustomization.yaml last: the overlay is whole once it is
@@ -510,8 +580,12 @@ def _replacing(out: Path) -> Iterator[Path]:
                 (build / name).rename(out / name)
         finally:
             shutil.rmtree(build, ignore_errors=True)
-    except OSError as exc:
-        raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
+    except BaseException as exc:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise ConfigError(f"--out {out}: {exc.strerror or exc}") from None
+        raise
 
 
 def _claim_out_dir(out: Path) -> None:
@@ -654,12 +728,12 @@ def _inline(kind: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _valkey_patch(out: Path, spec: FleetSpec) -> dict[str, Any]:
-    """Image and memory of the in-cluster Valkey (maxmemory = the L2 size); with
-    l2CachePersistent, its append-only file on a claim of its own."""
+    """Image and memory of the in-cluster Valkey (maxmemory = the L2 size; its limit:
+    `valkey_memory_gib`); with l2CachePersistent, its append-only file on a claim of its own."""
     gib = spec.cache.l2.size_gib
     args = ["--requirepass", "$(VALKEY_PASSWORD)", "--maxmemory", str(int(gib * GIB))]
     args += ["--maxmemory-policy", "allkeys-lru", "--save", ""]
-    memory = f"{math.ceil(gib * 1.25 + 0.5)}Gi"
+    memory = f"{valkey_memory_gib(spec)}Gi"
     container: dict[str, Any] = {
         "name": "valkey",
         "image": spec.kubernetes.valkey_image,
@@ -718,22 +792,20 @@ def _valkey_loaded_probe() -> dict[str, Any]:
     }
 
 
-def _external_valkey_policy(out: Path, url: str) -> str:
+def _external_valkey_policy(out: Path, url: str, fleet: str | None) -> str:
     """Replicas may reach the external Valkey's port (its address is outside the cluster)."""
     from urllib.parse import urlsplit
 
     port = urlsplit(url).port or 6379
+    replicas = {NAME_LABEL: "kvtier", "app.kubernetes.io/component": "replica"}
+    if fleet is not None:
+        replicas[INSTANCE_LABEL] = fleet
     policy = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {"name": "kvtier-replica-to-l2"},
         "spec": {
-            "podSelector": {
-                "matchLabels": {
-                    "app.kubernetes.io/name": "kvtier",
-                    "app.kubernetes.io/component": "replica",
-                }
-            },
+            "podSelector": {"matchLabels": replicas},
             "policyTypes": ["Egress"],
             "egress": [{"ports": [{"protocol": "TCP", "port": port}]}],
         },
@@ -742,15 +814,89 @@ def _external_valkey_policy(out: Path, url: str) -> str:
     return "patches/l2-egress.yaml"
 
 
-def _secret(out: Path, name: str, kind: str) -> str:
-    """A random secret kept in out/secrets (made once; re-rendering keeps it)."""
-    path = out / "secrets" / name
-    if not path.exists():
+_DELETE_NAMESPACE = {
+    "target": {"kind": "Namespace"},
+    "patch": yaml.safe_dump(
+        {"$patch": "delete", "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "x"}}
+    ),
+}
+"""Leaves the base's Namespace out (`kubernetes.createNamespace`)."""
+
+
+def _valkey_env(spec: FleetSpec) -> list[dict[str, Any]]:
+    """The in-cluster Valkey's URL naming the fleet's Service (components/valkey names the
+    lone fleet's), after the password it expands: a patch's entries come first in the merged
+    list, and `$(VAR)` expands only a variable defined above it."""
+    host = object_name(spec, "kvtier-valkey")
+    password = {"secretKeyRef": {"name": "kvtier-valkey", "key": "password"}}
+    return [
+        {"name": "VALKEY_PASSWORD", "valueFrom": password},
+        {"name": "KVTIER_L2_URL", "value": f"redis://:$(VALKEY_PASSWORD)@{host}:6379/0"},
+    ]
+
+
+def _fleet_selectors(build: Path, fleet: str) -> list[dict[str, Any]]:
+    """Patches adding `INSTANCE_LABEL: fleet` to every selector of kvtier's pods (one naming
+    `NAME_LABEL: kvtier`) in the copied manifests: workloads, Services, disruption budgets,
+    network policies and their peers, spread constraints, the ServiceMonitor. Kustomize's
+    label transformer with selectors would also rewrite the policies' kube-dns peer."""
+    patches = []
+    for directory in [build / "base", *sorted((build / "components").iterdir())]:
+        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
+        for resource in kustomization.get("resources", []):
+            for doc in yaml.safe_load_all((directory / resource).read_text()):
+                ops = [
+                    {"op": "add", "path": path, "value": value}
+                    for path, value in _selector_additions(doc, "", fleet)
+                ]
+                if ops:
+                    target = {"kind": doc["kind"], "name": doc["metadata"]["name"]}
+                    patches.append({"target": target, "patch": yaml.safe_dump(ops)})
+    return patches
+
+
+def _selector_additions(node: Any, path: str, fleet: str) -> Iterator[tuple[str, Any]]:
+    """(JSON pointer, value) pairs adding the fleet's label to kvtier's selectors in `node`."""
+    if isinstance(node, dict):
+        items: list[tuple[Any, Any]] = list(node.items())
+    elif isinstance(node, list):
+        items = list(enumerate(node))
+    else:
+        return
+    label = INSTANCE_LABEL.replace("/", "~1")
+    for key, value in items:
+        here = f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
+        if key not in ("selector", "podSelector", "labelSelector") or not _selects_kvtier(value):
+            yield from _selector_additions(value, here, fleet)
+        elif NAME_LABEL in value:  # a Service's: labels, not a LabelSelector
+            yield f"{here}/{label}", fleet
+        elif "matchLabels" in value:
+            yield f"{here}/matchLabels/{label}", fleet
+        else:
+            yield f"{here}/matchLabels", {INSTANCE_LABEL: fleet}
+
+
+def _selects_kvtier(selector: Any) -> bool:
+    if not isinstance(selector, dict):
+        return False
+    labels = selector.get("matchLabels", selector)
+    expressions = selector.get("matchExpressions", [])
+    return labels.get(NAME_LABEL) == "kvtier" or any(
+        e["key"] == NAME_LABEL and e["operator"] == "In" and "kvtier" in e["values"]
+        for e in expressions
+    )
+
+
+def _secret(out: Path, build: Path, name: str, kind: str) -> str:
+    """A random secret kept in out/secrets (made once, in `build` until the overlay is whole;
+    re-rendering keeps it)."""
+    if not (out / SECRETS / name).exists():
+        path = build / SECRETS / name
         path.parent.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(24) + ("\n" if kind == "key" else ""))
-    return f"secrets/{name}"
+    return f"{SECRETS}/{name}"
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:

