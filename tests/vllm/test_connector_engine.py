@@ -383,10 +383,7 @@ def test_blocks_computed_in_the_step_of_a_failed_load_from_its_blocks_are_never_
     x = prompt_ids(corpus, 1400, seed=301)
     y = x[: 5 * BLOCK] + prompt_ids(corpus, 700, seed=302)
     clean, y_files = _clean_then_corrupt(model_dir, tmp_path, x, y, shared=5)
-    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "failed-load.log") as engine:
-        engine.generate([x, y])
-        _wait_for_files(y_files)
-    _assert_resaved_as(clean, y_files)
+    _assert_faulty_run_resaves(model_dir, tmp_path, clean, y_files, batches=[[x, y]])
 
 
 def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_request(
@@ -400,11 +397,7 @@ def test_a_block_that_failed_to_load_leaves_the_prefix_cache_with_its_aborted_re
     x = prompt_ids(corpus, 1400, seed=303)
     y = x + prompt_ids(corpus, 700, seed=304)
     clean, y_files = _clean_then_corrupt(model_dir, tmp_path, x, y, shared=10)
-    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "aborted.log") as engine:
-        engine.abort_after_one_step(x)
-        engine.generate([y])
-        _wait_for_files(y_files)
-    _assert_resaved_as(clean, y_files)
+    _assert_faulty_run_resaves(model_dir, tmp_path, clean, y_files, batches=[[y]], aborted=x)
 
 
 def test_blocks_computed_in_the_step_of_a_failed_load_leave_the_prefix_cache_too(
@@ -422,12 +415,7 @@ def test_blocks_computed_in_the_step_of_a_failed_load_leave_the_prefix_cache_too
     x = v[: 16 * BLOCK + 50]
     w = p[: 10 * BLOCK] + prompt_ids(corpus, 300, seed=308)
     clean, v_files = _clean_then_corrupt(model_dir, tmp_path, p, v, shared=10, corrupt=9)
-    with BatchEngine(model_dir, tmp_path / "l2", tmp_path / "stale-step.log") as engine:
-        engine.abort_after_one_step(x)
-        engine.generate([w])
-        engine.generate([v])
-        _wait_for_files(v_files)
-    _assert_resaved_as(clean, v_files)
+    _assert_faulty_run_resaves(model_dir, tmp_path, clean, v_files, batches=[[w], [v]], aborted=x)
 
 
 def test_after_new_weights_and_a_cache_reset_no_kv_of_the_old_weights_is_served(
@@ -480,8 +468,23 @@ def _clean_then_corrupt(
     return clean, y_files
 
 
-def _assert_resaved_as(clean: list[bytes], files: list[Path]) -> None:
-    """Each block file holds KV within rounding of the clean run's."""
+def _assert_faulty_run_resaves(
+    model_dir: str,
+    work: Path,
+    clean: list[bytes],
+    files: list[Path],
+    batches: list[list[list[int]]],
+    aborted: list[int] | None = None,
+) -> None:
+    """The faulty run on `work/l2` (after `_clean_then_corrupt`): `aborted` for one engine
+    step, then each of `batches`; the block `files` it writes again must each hold KV within
+    rounding of the `clean` run's."""
+    with BatchEngine(model_dir, work / "l2", work / "faulty.log") as engine:
+        if aborted is not None:
+            engine.abort_after_one_step(aborted)
+        for batch in batches:
+            engine.generate(list(batch))
+        _wait_for_files(files)
     for good, resaved in zip(clean, files, strict=True):
         expected, stored = _kv_values(good), _kv_values(resaved.read_bytes())
         assert (stored - expected).abs().mean() < 0.05 * expected.abs().mean(), resaved.name
