@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 
 from kvtier.tools.cluster.spec import parse_spec
-from kvtier.tools.deploy.render import (
-    find_manifests,
-    render,
+from kvtier.tools.deploy.commands import (
     replica_args,
     replica_grace_s,
     router_args,
     router_grace_s,
 )
+from kvtier.tools.deploy.render import find_manifests, render
 from tests.tools.deploy.kube import (
     assert_hardened,
     assert_pods_drain_in_grace,

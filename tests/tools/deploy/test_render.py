@@ -17,8 +17,10 @@ import yaml
 from kvtier.cli import main
 from kvtier.core.errors import ConfigError
 from kvtier.tools.cluster.spec import parse_spec
+from kvtier.tools.deploy import env as env_module
 from kvtier.tools.deploy import render as render_module
-from kvtier.tools.deploy.render import connector_env, render
+from kvtier.tools.deploy.env import connector_env
+from kvtier.tools.deploy.render import render
 from kvtier.tools.monitoring import scrape_config
 from kvtier.vllm.settings import ConnectorSettings
 from tests.tools.deploy.kube import (
@@ -508,7 +510,7 @@ def test_render_refuses_settings_the_replicas_would_read_otherwise(
     def decimal(name: str, value: object) -> str:
         return str(int(str(value), 8)) if name == "l2_file_mode" else str(value)
 
-    monkeypatch.setattr(render_module, "_env_value", decimal)
+    monkeypatch.setattr(env_module, "_env_value", decimal)
     with pytest.raises(ConfigError, match="l2_file_mode would not reach the replicas"):
         connector_env(parse_spec(FILES["juicefs-nfs"]))
 

@@ -25,7 +25,8 @@ def load_fleet(path: Path) -> tuple[FleetSpec, list[str]]:
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    from kvtier.tools.deploy.render import object_name, render
+    from kvtier.tools.deploy.fleet_name import object_name
+    from kvtier.tools.deploy.render import render
 
     spec, notes = load_fleet(Path(args.config))
     notes += render(spec, Path(args.out))
