@@ -177,3 +177,12 @@ def test_a_ctrl_c_during_the_drain_kills_and_stops_everything_else(
             os.killpg(router.pid, signal.SIGKILL)
             router.wait()
         replica.kill()
+
+
+def test_a_too_long_work_dir_for_the_event_sockets_is_named(tmp_path: Path) -> None:
+    """The replicas' vLLM KV events go over Unix sockets in the work directory (vLLM binds only
+    wildcard and ipc endpoints), whose paths are capped at 107 bytes."""
+    work = tmp_path / ("w" * 100)
+    spec = parse_spec({"kvtier": {"workDir": str(work), "vllmKvEvents": True}})
+    with pytest.raises(KvtierError, match=r"kvtier.workDir: .* too long .*vllmKvEvents: false"):
+        LocalFleet(spec, progress=False)._start_replicas()

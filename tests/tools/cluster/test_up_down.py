@@ -32,6 +32,11 @@ def post(url: str, body: dict[str, object]) -> dict[str, object]:
         return json.loads(resp.read())
 
 
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        return str(resp.read().decode())
+
+
 @pytest.mark.engine
 def test_up_serves_through_the_router_and_down_stops_everything(tmp_path: Path) -> None:
     router_port, base_port = free_port(), free_port_range(2)
@@ -79,6 +84,14 @@ kvtier: {{routerPort: {router_port}, replicaBasePort: {base_port}, workDir: {tmp
         details = second["usage"]["prompt_tokens_details"]  # type: ignore[index]
         assert details["cached_tokens"] >= 256  # served from a cache tier the second time
         assert (tmp_path / "work" / "cluster.json").is_file()
+        # the router follows each engine's own cache (vLLM's KV events) as well as the tiers'
+        deadline = time.monotonic() + 30
+        vllm_events = 'kvtier_router_events_total{kind="BlockStored",source="vllm"}'
+        while vllm_events not in (metrics := _get(url + "/metrics")):
+            assert time.monotonic() < deadline, "\n".join(
+                m for m in metrics.split("\n") if "event" in m
+            )
+            time.sleep(0.5)
 
         down = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "down", "--config", str(config)],

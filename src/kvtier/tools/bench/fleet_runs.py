@@ -11,10 +11,12 @@ Configurations:
     kvtier-l1l2-prefixaware / kvtier-l1l2-kvaware   L1 + L2 behind kvtier's router
 
 A name may end in `+monitor`: that fleet also runs Prometheus scraping the router and every
-replica each second (the monitoring-overhead comparison, docs/observability.md). While a
-configuration runs, its router serves the live dashboard (`/dashboard`, URL printed); the report
-includes the dashboard's tier-hit time series and, with `--screenshots`, the dashboard as it
-stood when the workload ended.
+replica each second (the monitoring-overhead comparison, docs/observability.md); or in
+`+no-l0-events`: its replicas publish no vLLM KV events, so its kvaware router knows their own
+caches (L0) only from its decisions and the connector's L1/L2 events (`vllmKvEvents: false`).
+While a configuration runs, its router serves the live dashboard (`/dashboard`, URL printed);
+the report includes the dashboard's tier-hit time series and, with `--screenshots`, the
+dashboard as it stood when the workload ended.
 """
 
 from __future__ import annotations
@@ -57,20 +59,23 @@ DEFAULT_TRACE = (
 
 
 MONITOR = "+monitor"
+NO_L0_EVENTS = "+no-l0-events"
 
 
 def config_spec(base: FleetSpec, name: str, work_dir: Path) -> FleetSpec:
-    name = name.removesuffix(MONITOR)
-    if name not in CONFIGS:
+    config = name.removesuffix(MONITOR).removesuffix(NO_L0_EVENTS)
+    if config not in CONFIGS:
         raise ConfigError(
-            f"--configs: unknown configuration {name!r} (known: {', '.join(CONFIGS)})"
+            f"--configs: unknown configuration {config!r} (known: {', '.join(CONFIGS)}; "
+            f"each may end in {NO_L0_EVENTS} and then {MONITOR})"
         )
-    cache, routing = CONFIGS[name]
+    cache, routing = CONFIGS[config]
+    local = {"work_dir": str(work_dir / name), "vllm_kv_events": NO_L0_EVENTS not in name}
     return base.model_copy(
         update={
             "cache": cache.model_copy(update={"l1_gib": base.cache.l1_gib}),
             "routing": routing,
-            "local": base.local.model_copy(update={"work_dir": str(work_dir / name)}),
+            "local": base.local.model_copy(update=local),
         }
     )
 
@@ -223,7 +228,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--configs",
         default=DEFAULT_CONFIGS,
         help=f"comma-separated configurations to compare, in order (default: "
-        f"{DEFAULT_CONFIGS}; known: {', '.join(CONFIGS)})",
+        f"{DEFAULT_CONFIGS}; known: {', '.join(CONFIGS)}; each may end in {NO_L0_EVENTS}: "
+        f"no vLLM KV events for the router, and then {MONITOR}: with Prometheus)",
     )
     p.add_argument("--replicas", type=int, default=2, help="replicas per fleet (default 2)")
     p.add_argument("--model", help="local HF model directory (default: the embedded model)")

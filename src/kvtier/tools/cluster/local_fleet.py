@@ -8,6 +8,7 @@ work directory names the owning `kvtier up` process so `kvtier down` can ask it 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -36,6 +37,10 @@ from kvtier.vllm.settings import kv_transfer_config
 STATE_FILE = "cluster.json"
 
 
+_MAX_SOCKET_DIR = 90
+"""Longest work directory whose `vllm-events-N` sockets fit a Unix socket path (107 bytes)."""
+
+
 class LocalFleet:
     """A running fleet; use as a context manager or call `start()` / `stop()`."""
 
@@ -49,6 +54,8 @@ class LocalFleet:
         self.model_name = Path(self.model).name
         self.replicas: list[ServerProcess] = []
         self.event_endpoints: list[str] = []
+        self.vllm_event_endpoints: list[str] = []
+        """Where each replica publishes vLLM's own KV events (none: not published)."""
         self.router: subprocess.Popen[bytes] | None = None
         self.l2_locations: list[str] = []
         self._stack = ExitStack()
@@ -186,8 +193,11 @@ class LocalFleet:
         for, and the fleet loses most of its throughput (docs/connector.md)."""
         return SHARED_MACHINE_WAIT if self.engines_share_cores() else None
 
-    def server_spec(self, index: int, events_endpoint: str) -> ServerSpec:
-        """How replica `index`'s vLLM server is started."""
+    def server_spec(
+        self, index: int, events_endpoint: str, vllm_events_endpoint: str | None = None
+    ) -> ServerSpec:
+        """How replica `index`'s vLLM server is started (publishing vLLM's own KV events at
+        `vllm_events_endpoint`, if given)."""
         return ServerSpec(
             model=self.model,
             port=self.spec.local.replica_base_port + index,
@@ -199,15 +209,26 @@ class LocalFleet:
             queue_wait=self.queue_wait(),
             max_model_len=self._max_model_len(),
             drain_s=self.spec.local.replica_drain_s,
-            extra_args=self._engine_args(),
+            extra_args=self._engine_args(vllm_events_endpoint),
             log_path=self.work_dir / "logs" / f"replica-{index}.log",
         )
 
     def _start_replicas(self) -> None:
+        vllm_events = self.spec.local.vllm_kv_events and self.spec.strategy == "kvaware"
+        if vllm_events and len(str(self.work_dir)) > _MAX_SOCKET_DIR:
+            raise KvtierError(
+                f"kvtier.workDir: {self.work_dir} is too long for the replicas' KV-event "
+                f"sockets (at most {_MAX_SOCKET_DIR} characters); shorten it, or set "
+                "kvtier.vllmKvEvents: false"
+            )
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
-            self.replicas.append(ServerProcess(self.server_spec(i, endpoint)))
+            # (vLLM binds only wildcard and ipc endpoints: it connects to tcp://HOST:PORT)
+            vllm_endpoint = f"ipc://{self.work_dir}/vllm-events-{i}" if vllm_events else None
+            self.replicas.append(ServerProcess(self.server_spec(i, endpoint, vllm_endpoint)))
             self.event_endpoints.append(endpoint)
+            if vllm_endpoint is not None:
+                self.vllm_event_endpoints.append(vllm_endpoint)
         with tqdm(
             total=len(self.replicas),
             desc="starting replicas",
@@ -222,11 +243,22 @@ class LocalFleet:
         """8,192 tokens; with a capped engine cache, what vLLM fits into it (-1)."""
         return 8192 if self.spec.local.engine_kv_cache_blocks is None else -1
 
-    def _engine_args(self) -> list[str]:
+    def _engine_args(self, vllm_events_endpoint: str | None) -> list[str]:
         args = ["--enable-prompt-tokens-details"]
+        if vllm_events_endpoint is not None:
+            config = {"enable_kv_cache_events": True, "publisher": "zmq"}
+            args += ["--kv-events-config", json.dumps({**config, "endpoint": vllm_events_endpoint})]
         if self.spec.local.engine_kv_cache_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.spec.local.engine_kv_cache_blocks)]
         return args
+
+    def _router_replicas(self) -> list[str]:
+        """The router's replicas: their URLs, as URL=ENDPOINT where it follows the replica's
+        vLLM KV events."""
+        if not self.vllm_event_endpoints:
+            return self.replica_urls
+        pairs = zip(self.replica_urls, self.vllm_event_endpoints, strict=True)
+        return [f"{url}={events}" for url, events in pairs]
 
     def _start_router(self) -> None:
         values: dict[str, Any] = {
@@ -234,7 +266,7 @@ class LocalFleet:
             "port": self.spec.local.router_port,
             "strategy": self.spec.strategy,
             "model_dir": self.model,
-            "replicas": self.replica_urls,
+            "replicas": self._router_replicas(),
         }
         if self.spec.cache.connector_enabled:  # (an empty --events is not a valid flag)
             values["events"] = self.event_endpoints

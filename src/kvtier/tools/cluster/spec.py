@@ -27,6 +27,7 @@ connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
       threadsPerReplica: 1
       engineDtype: auto            # auto (bfloat16 where the CPU has it natively) | float32 | ...
       replicaDrainSeconds: 90      # a stopped replica finishes its requests in flight (0: aborts)
+      vllmKvEvents: true           # kvaware: the router follows vLLM's own KV events (L0)
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
       connector: {}                # e.g. {block_tokens: 256, admission: reused}
       router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
@@ -184,6 +185,10 @@ class LocalSpec(Section):
     replica_drain_s: Annotated[int, Field(ge=0)] = Field(90, alias="replicaDrainSeconds")
     """A replica being stopped finishes its requests in flight for up to this long (vLLM's
     `--shutdown-timeout`; new requests fail over); 0: they are aborted at once."""
+    vllm_kv_events: bool = Field(True, alias="vllmKvEvents")
+    """With kvaware routing, the replicas publish vLLM's own KV events (what each engine's
+    own cache, L0, holds and evicts) and the router follows them; off: the router knows L0
+    only from its own decisions and the connector's L1/L2 events."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
     """Logs, the default L2 directory, the pid file."""
     connector: dict[str, Any] = Field(default_factory=dict)
