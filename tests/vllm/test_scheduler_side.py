@@ -601,3 +601,57 @@ def test_the_blocks_a_step_computed_after_a_failed_synchronous_load_are_stale_to
         assert side.computed_from({40}) == {40}  # (not a loaded block: nothing follows)
     finally:
         side.close()
+
+
+def test_a_request_computing_on_from_a_shared_block_that_failed_to_load_saves_nothing_more(
+    rt: process_store.ProcessStore,
+) -> None:
+    """Async scheduling (two steps in flight): A's load of engine blocks 0-7 fails at block 4
+    in step N; B, scheduled in step N+1 before that is known, took blocks 0-7 from vLLM's
+    prefix cache. vLLM takes A back to block 4 but not B, which computes on from the stale
+    block: none of B's later blocks may be saved (its step N+1 save names the loaded blocks
+    for the worker to bar), while A saves again once it recomputes."""
+    tokens = list(range(2100))
+    _store_blocks(rt, tokens, 4)
+    a_ids, b_ids = list(range(17)), [*range(8), *range(20, 30)]
+    side = _side(rt, {"a": a_ids, "b": b_ids}, load_async=False, batches_in_flight=2)
+    try:
+        a, b = FakeRequest("a", tokens), FakeRequest("b", tokens)
+        side.new_request(a)  # type: ignore[arg-type]
+        side.new_request(b)  # type: ignore[arg-type]
+        assert _answer(side, a, 0) == (1024, False)
+        side.after_alloc(a, FakeBlocks(a_ids), 1024)  # type: ignore[arg-type]
+        (load,) = side.build_meta(FakeSchedulerOutput({"a": 76})).loads  # type: ignore[arg-type]
+        assert load.engine_block_ids == tuple(range(8))  # step N
+        b.num_computed_tokens = 1024  # step N+1: B's first 8 blocks from vLLM's prefix cache
+        (save,) = side.build_meta(FakeSchedulerOutput({"b": 512})).saves  # type: ignore[arg-type]
+        assert save.loaded_before == frozenset(range(8))
+
+        assert 4 in side.computed_from({4})  # step N's output: block 4 failed
+        a.num_computed_tokens, b.num_computed_tokens = 512, 1536  # vLLM took A back, not B
+        saves = side.build_meta(FakeSchedulerOutput({"a": 600, "b": 512})).saves  # type: ignore[arg-type]
+        assert [s.req_id for s in saves] == ["a"]
+        assert saves[0].loaded_before == frozenset()  # (the window has passed: B would save)
+    finally:
+        side.close()
+
+
+def test_a_failed_block_id_taints_only_the_chains_of_the_steps_in_flight(
+    rt: process_store.ProcessStore,
+) -> None:
+    """Q held engine block 4 after a load one step earlier and finished; vLLM reused block 4
+    for A's load, which failed. Only A's chain is stale: Q's blocks, cached and valid, stay."""
+    tokens = list(range(1100))
+    _store_blocks(rt, tokens, 2)
+    q_ids, a_ids = [50, 51, 4, 5, 6, 7], [4, 60, 61, 62, 63]
+    side = _side(rt, {"q": q_ids, "a": a_ids}, load_async=False)
+    try:
+        for name, ids, step in (("q", q_ids, {"q": 588}), ("a", a_ids, {"a": 588})):
+            request = FakeRequest(name, tokens)
+            side.new_request(request)  # type: ignore[arg-type]
+            assert _answer(side, request, 0) == (512, False)
+            side.after_alloc(request, FakeBlocks(ids), 512)  # type: ignore[arg-type]
+            side.build_meta(FakeSchedulerOutput(step))  # type: ignore[arg-type]
+        assert side.computed_from({4}) == {4, 60, 61, 62, 63}
+    finally:
+        side.close()

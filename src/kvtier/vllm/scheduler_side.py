@@ -114,6 +114,10 @@ class _Tracked:
     before_reset: bool = False
     """Scheduled before a cache reset: its KV may come from the old weights, so it neither
     loads nor saves again."""
+    stale_after: int | None = None
+    """Tokens after which its KV was computed from a block that failed to load (`computed_from`):
+    nothing is saved until vLLM recomputes from there or before. (vLLM takes back only the
+    first request holding a failed block; another that shared it computes on from it.)"""
 
 
 class SchedulerSide:
@@ -158,9 +162,11 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._recent_loads: deque[frozenset[int]] = deque(maxlen=batches_in_flight)
         """Engine blocks written by the synchronous loads of the last steps, newest last."""
-        self._recent_chains: deque[list[tuple[int, ...]]] = deque(maxlen=batches_in_flight + 1)
-        """Per recent step, the engine block ids of each scheduled request holding a block
-        such a load wrote (what the step computed after a failed one is stale too)."""
+        self._recent_chains: deque[list[tuple[str, tuple[int, ...]]]] = deque(
+            maxlen=batches_in_flight
+        )
+        """Per step in flight, each scheduled request holding a block such a load wrote, with
+        its engine block ids (what a step computed after a failed one is stale too)."""
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
         self._running_since: float | None = None
         """When the lookup thread started the lookup it runs now (None: idle)."""
@@ -292,10 +298,17 @@ class SchedulerSide:
         cached, stale until their request recomputes them (never, if it is aborted first)."""
         stale = set(failed)
         for chains in self._recent_chains:
-            for chain in chains:
+            for req_id, chain in chains:
                 first = next((i for i, block in enumerate(chain) if block in failed), None)
-                if first is not None:
-                    stale.update(chain[first:])
+                if first is None:
+                    continue
+                stale.update(chain[first:])
+                tracked = self._tracked.get(req_id)
+                if tracked is not None:
+                    after = first * self._engine_block
+                    if tracked.stale_after is not None:
+                        after = min(after, tracked.stale_after)
+                    tracked.stale_after = after
         return stale
 
     def apply_worker_meta(self, meta: KvtierWorkerMeta) -> None:
@@ -472,13 +485,13 @@ class SchedulerSide:
 
     def _chains_through(
         self, loaded: frozenset[int], scheduler_output: SchedulerOutput
-    ) -> list[tuple[int, ...]]:
-        """The engine block ids of each request this step schedules that holds a block in
-        `loaded`."""
+    ) -> list[tuple[str, tuple[int, ...]]]:
+        """Each request this step schedules that holds a block in `loaded`, with its engine
+        block ids."""
         if not loaded:
             return []
-        chains = (tuple(self._block_ids_of(r)) for r in scheduler_output.num_scheduled_tokens)
-        return [chain for chain in chains if not loaded.isdisjoint(chain)]
+        chains = ((r, tuple(self._block_ids_of(r))) for r in scheduler_output.num_scheduled_tokens)
+        return [(r, chain) for r, chain in chains if not loaded.isdisjoint(chain)]
 
     def _plan_save(
         self, tracked: _Tracked, n_scheduled: int, loaded: frozenset[int]
@@ -489,6 +502,10 @@ class SchedulerSide:
         if tokens is None or tracked.before_reset:
             return None
         done = tracked.request.num_computed_tokens
+        if tracked.stale_after is not None:
+            if done > tracked.stale_after:
+                return None  # computed from a failed block's stale KV
+            tracked.stale_after = None  # vLLM recomputes from before it
         first = tracked.handled_blocks
         if first is None:
             # First scheduled, without a load: whatever is computed already is an L0 hit.
