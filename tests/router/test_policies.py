@@ -23,9 +23,11 @@ from kvtier.router.policies import (
 BLOCK = 16
 
 
-def request(prefix: int, blocks: int = 4, session: str | None = None) -> RouteRequest:
+def request(
+    prefix: int, blocks: int = 4, session: str | None = None, tenant: str | None = None
+) -> RouteRequest:
     tokens = [prefix * 1000 + i for i in range(blocks * BLOCK)]
-    return RouteRequest(tuple(block_hashes(tokens, BLOCK)), BLOCK, len(tokens) + 5, session)
+    return RouteRequest(tuple(block_hashes(tokens, BLOCK)), BLOCK, len(tokens) + 5, session, tenant)
 
 
 def idle(*names: str) -> list[ReplicaView]:
@@ -164,6 +166,24 @@ def test_session_sticks_to_its_replica_and_repins_when_it_fails() -> None:
         for v in loaded
     ]
     assert policy.choose(request(2, session="u1"), down, rng, 2.0).replica != first.replica
+
+
+def test_sessions_are_per_tenant() -> None:
+    """Another tenant naming the same session neither joins it (learning from where it lands
+    that it exists) nor re-pins it."""
+    policy, rng = make_policy("session"), random.Random(0)
+    alpha = route(policy, request(1, session="u1", tenant="alpha"), idle("a", "b"), rng)
+    other = "a" if alpha.replica == "b" else "b"
+    loaded = [ReplicaView(alpha.replica, 9, 900), ReplicaView(other, 0, 0)]
+    for tenant in ("bravo", None):
+        bravo = route(policy, request(2, session="u1", tenant=tenant), loaded, rng, 1.0)
+        assert bravo == Decision(other, "load", 0)
+    assert policy.choose(request(3, session="u1", tenant="alpha"), loaded, rng, 2.0) == Decision(
+        alpha.replica, "session", 0
+    )
+    assert policy.choose(request(3, session="u1", tenant="bravo"), loaded, rng, 2.0) == Decision(
+        other, "session", 0
+    )
 
 
 def test_unknown_strategy_or_option_is_a_config_error_naming_it() -> None:

@@ -58,6 +58,28 @@ def test_a_shared_prefix_is_encoded_once_and_only_new_tails_cost(
     assert len(calls) == 1 and first_calls > 1  # only the tail was encoded
 
 
+def test_cached_chunks_and_heads_are_per_namespace(
+    tokenizer: Tokenizer, whole: Callable[[str], list[int]]
+) -> None:
+    """A cache hit answers sooner than a miss: one tenant's texts must never be another's hits
+    (a timing oracle), while a tenant's own repeat, and the shared namespace's, still hit."""
+    encoder = ChunkedEncoder(whole, min_chars=100)
+    text = Corpus(tokenizer.hf).document(800, 3) + "\nQuestion: which one?"
+    split = encoder.split(text, "t-alpha")
+    chunks = encoder.encoded_chunks  # the head's chunks, all new
+    assert chunks > 1
+    assert encoder.split(text, "t-alpha") == split and encoder.encoded_chunks == chunks
+    assert encoder.split(text, "t-bravo") == split  # another tenant: every chunk afresh
+    assert encoder.encoded_chunks == 2 * chunks
+    assert encoder.split(text, None) == split  # the shared namespace is a namespace too
+    assert encoder.encoded_chunks == 3 * chunks
+    assert encoder.split(text) == split and encoder.encoded_chunks == 3 * chunks
+    # chunk by chunk (`__call__`), not only through the heads' memo
+    assert encoder(text, "t-charlie") == whole(text) and encoder.encoded_chunks == 4 * chunks
+    assert encoder(text, "t-charlie") == whole(text) and encoder(text, "t-alpha") == whole(text)
+    assert encoder.encoded_chunks == 4 * chunks
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_routing_leaves_only_the_tail_unencoded_and_names_blocks_exactly(
     chat: bool, tokenizer: Tokenizer

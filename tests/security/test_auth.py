@@ -156,6 +156,86 @@ def test_the_router_authenticates_and_salts_each_tenants_requests(
     run(scenario())
 
 
+def test_a_tenant_cannot_tell_from_the_tokenizer_cache_what_another_sent(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    """The router caches encoded chunks and prompt heads; a hit answers sooner (a request
+    failing right after tokenizing: ~1 ms for a known text, ~24 ms for a new one). Each tenant
+    hits only its own texts: another tenant's identical request encodes every chunk afresh."""
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(KEYS_FILE)
+    text = " ".join(f"alpha-merger-figure-{i}" for i in range(120)) + "\nQuestion: approved?"
+    probe = completion(text, truncate_prompt_tokens=8, truncation_side="middle")
+
+    async def scenario() -> None:
+        async with fakes("ok") as (a,):
+            async with running_router(tokenizer, [a], api_keys_file=str(keys_file)) as rr:
+                encoder = rr.router.tokenizer.encoder
+
+                async def encoded(key: str) -> int:
+                    """Chunks the probe made the router encode (a 400 after tokenizing)."""
+                    before = encoder.encoded_chunks
+                    resp = await rr.client.post(
+                        rr.url + "/v1/completions", json=probe, headers=bearer(key)
+                    )
+                    assert resp.status_code == 400
+                    assert resp.json()["error"]["param"] == "truncation_side"
+                    return encoder.encoded_chunks - before
+
+                chunks = await encoded(KEY_A1)
+                assert chunks > 1
+                assert await encoded(KEY_A2) == 0  # alpha's other key: alpha's own cache
+                assert await encoded(KEY_B) == chunks  # bravo: as if never seen
+                assert await encoded(KEY_SHARED) == chunks  # the shared namespace: the same
+                assert await encoded(KEY_B) == 0 and await encoded(KEY_SHARED) == 0
+            # without keys the router is single-tenant: one cache, whatever salt a client sends
+            async with running_router(tokenizer, [a]) as rr:
+                encoder = rr.router.tokenizer.encoder
+                other = completion(text + " (again)", truncate_prompt_tokens=-2)
+                url = rr.url + "/v1/completions"
+                assert (await rr.client.post(url, json=other)).status_code == 400
+                before = encoder.encoded_chunks
+                resp = await rr.client.post(url, json={**other, "cache_salt": "t-mine"})
+                assert resp.status_code == 400 and encoder.encoded_chunks == before
+            assert a.received == []
+
+    run(scenario())
+
+
+def test_a_tenant_cannot_join_or_move_another_tenants_session(
+    tmp_path: Path, tokenizer: Tokenizer
+) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(KEYS_FILE)
+
+    async def scenario() -> None:
+        async with (
+            fakes("ok", "ok") as reps,
+            running_router(tokenizer, reps, api_keys_file=str(keys_file), strategy="session") as rr,
+        ):
+            url = rr.url + "/v1/completions"
+
+            async def replica(key: str, i: int) -> str:
+                resp = await rr.client.post(
+                    url, json=completion(f"q{i}"), headers={**bearer(key), "x-session-id": "s1"}
+                )
+                assert resp.status_code == 200
+                return resp.headers["x-kvtier-replica"]
+
+            alpha = await replica(KEY_A1, 0)
+            other = next(r.url for r in reps if r.url != alpha)
+            # alpha's replica busy: a session of its own would stay, a new one goes elsewhere
+            rr.router.replicas[alpha].queued_prefill_tokens += 10_000
+            try:
+                assert await replica(KEY_B, 1) == other
+                assert await replica(KEY_SHARED, 2) == other
+                assert await replica(KEY_A2, 3) == alpha
+            finally:
+                rr.router.replicas[alpha].queued_prefill_tokens -= 10_000
+
+    run(scenario())
+
+
 def test_no_key_shows_in_logs_errors_metrics_or_models(
     tmp_path: Path, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:

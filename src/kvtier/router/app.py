@@ -286,13 +286,15 @@ class Router:
         arrived = time.perf_counter()
         raw = await exchange.body(self.config.max_body_bytes, self.config.client_timeout_s)
         body = parse_body(raw, chat=chat)
+        # the tenant's own tokenizer caches: a hit on another tenant's text would answer sooner
+        namespace = self.auth.tenant_salt(exchange.tenant)
         salt = self.auth.cache_salt(exchange.tenant, body.get("cache_salt"))
         if salt is not body.get("cache_salt"):  # the tenant's own cache namespace
             body["cache_salt"] = salt
             raw = msgspec.json.encode(body)
         self._check_model(body["model"])
         assert self.tokenizer is not None  # set in start()
-        prompt = self.tokenizer.prompt(body, chat)
+        prompt = self.tokenizer.prompt(body, chat, namespace)
         truncation = requested_truncation(body)
         if truncation is not None:  # routed and checked as the replica will see it
             prompt = self.tokenizer.truncated(prompt, truncation, self._max_model_len())
@@ -310,7 +312,9 @@ class Router:
             ROUTE_KEY.set(hashes[-1] if hashes else None)
         self._check_length(body, prompt, chat)
         session = exchange.headers.get(self.config.session_header.lower()) or body.get("user")
-        route = RouteRequest(hashes, block_tokens or 1, prompt.estimated_tokens, session)
+        route = RouteRequest(
+            hashes, block_tokens or 1, prompt.estimated_tokens, session, exchange.tenant
+        )
         # identity: the router reads the answer's bytes (usage, aborts, the stream's end), which
         # a compressing proxy in front of a replica would hide (vLLM itself never compresses)
         headers = [("Content-Type", "application/json"), ("Accept-Encoding", "identity")]

@@ -23,7 +23,11 @@ split its own cache further but never reach another tenant's namespace. Keys wit
 and tenants listed in `shared_cache_tenants`, share the unsalted namespace (the operator's
 choice); their own salt may not begin with `t-`, the tenant salts' prefix (a 400), so it cannot
 name a tenant's namespace either. Without any key the router does not authenticate and leaves
-`cache_salt` alone.
+`cache_salt` alone: one tenant.
+
+The router's own state is per tenant too (a hit there answers sooner, another timing probe):
+its tokenizer caches are keyed by `tenant_salt` (`kvtier.router.chunked_encoder`), sticky
+sessions by the tenant (`kvtier.router.policies.simple.SessionPolicy`).
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def parse_keys(text: str, where: str) -> list[tuple[str, str | None]]:
 class ApiKeys:
     """The keys a router accepts and the tenant of each (see the module docstring).
 
-    Called on the router's event loop, once per request (`authenticate`, `cache_salt`).
+    Called on the router's event loop, once per request (`authenticate`, `tenant_salt`,
+    `cache_salt`).
     """
 
     def __init__(
@@ -185,11 +190,23 @@ class ApiKeys:
             raise Denied
         return found.tenant
 
+    def tenant_salt(self, tenant: str | None) -> str | None:
+        """The salt of `tenant`'s own cache namespace, the same string object every time;
+        None for the shared namespace (no tenant, a shared tenant)."""
+        if tenant is None or tenant in self._shared:
+            return None
+        salt = self._salts.get(tenant)
+        if salt is None:
+            mac = hashlib.blake2b(tenant.encode(), key=self._salt_key[:64], digest_size=16)
+            salt = self._salts.setdefault(tenant, TENANT_SALT_PREFIX + mac.hexdigest())
+        return salt
+
     def cache_salt(self, tenant: str | None, client_salt: object) -> object:
         """The `cache_salt` to forward for a request of `tenant` that carried `client_salt`
         (returned as is for the shared namespace, or without keys). Raises BadRequest (400) for
         a shared-namespace salt in the tenants' reserved prefix: it could name a tenant's."""
-        if tenant is None or tenant in self._shared:
+        salt = self.tenant_salt(tenant)
+        if salt is None:
             if self.enabled and _reserved(client_salt):
                 raise BadRequest(
                     400,
@@ -197,8 +214,4 @@ class ApiKeys:
                     "cache_salt",
                 )
             return client_salt
-        salt = self._salts.get(tenant)
-        if salt is None:
-            mac = hashlib.blake2b(tenant.encode(), key=self._salt_key[:64], digest_size=16)
-            salt = self._salts.setdefault(tenant, TENANT_SALT_PREFIX + mac.hexdigest())
         return salt if client_salt is None else f"{salt}:{client_salt}"

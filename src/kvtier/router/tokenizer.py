@@ -23,6 +23,10 @@ the tail's token count by its UTF-8 length (a byte-level token is at least one b
 is encoded only when that bound could break the context-length check, or when it is long (text
 without whitespace to cut at). The block hashes of recent prompt heads are memoized too.
 
+The cached chunks and heads are per tenant (`namespace`: the tenant's cache salt, None for the
+shared namespace), so a cache hit, which answers sooner, never tells one tenant what another
+sent (`kvtier.router.chunked_encoder`); the block-hash memo is keyed by the full cache salt.
+
 Called once per request on the router's event loop.
 """
 
@@ -35,7 +39,7 @@ from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.lru import Lru
 from kvtier.router.chat_request import ChatOptions, chat_options, developer_as_system, messages
 from kvtier.router.chat_template import names_developer_role, takes_content_parts
-from kvtier.router.chunked_encoder import HEAD_CHARS, SELF_CHECK, ChunkedEncoder
+from kvtier.router.chunked_encoder import HEAD_CHARS, SELF_CHECK, ChunkedEncoder, Namespace
 from kvtier.router.openai_request import BadRequest, Truncation, completion_prompt
 
 __all__ = ["LoraAdapter", "Prompt", "Tokenizer"]
@@ -101,22 +105,24 @@ class Tokenizer:
 
         return direct if all(direct(t) == wrapped(t) for t in SELF_CHECK) else wrapped
 
-    def _split(self, text: str, add_special_tokens: bool) -> Prompt:
+    def _split(self, text: str, add_special_tokens: bool, namespace: Namespace) -> Prompt:
         if not add_special_tokens or self._specials_lead:
-            ids, head, tail = self.encoder.split(text)
+            ids, head, tail = self.encoder.split(text, namespace)
             return Prompt(self._specials + ids if add_special_tokens else ids, tail, head)
         return Prompt(tuple(self.hf.encode(text, add_special_tokens=True)))
 
-    def prompt(self, body: Mapping[str, Any], chat: bool) -> Prompt:
-        """A request's prompt encoded as far as routing needs (see the module docstring);
-        raises `BadRequest` for a prompt that cannot be tokenized."""
+    def prompt(self, body: Mapping[str, Any], chat: bool, namespace: Namespace = None) -> Prompt:
+        """A request's prompt encoded as far as routing needs (see the module docstring), with
+        the chunk caches of `namespace` (the tenant's cache salt; None: the shared one); raises
+        `BadRequest` for a prompt that cannot be tokenized."""
         if chat:
             options = chat_options(body)
-            return self._split(self._chat_text(body, options), options.add_special_tokens)
+            text = self._chat_text(body, options)
+            return self._split(text, options.add_special_tokens, namespace)
         prompt = completion_prompt(body)
         if isinstance(prompt, list):
             return Prompt(tuple(prompt))
-        return self._split(prompt, bool(body.get("add_special_tokens", True)))
+        return self._split(prompt, bool(body.get("add_special_tokens", True)), namespace)
 
     def truncated(self, prompt: Prompt, truncation: Truncation, context: int | None) -> Prompt:
         """`prompt` as vLLM truncates it (`truncate_prompt_tokens` kept, -1: `context` less
@@ -133,9 +139,11 @@ class Tokenizer:
         """The prompt's exact token ids, as the engine computes them (encodes the tail)."""
         return [*prompt.ids, *self.encoder.encode_tail(prompt.tail)]
 
-    def request_tokens(self, body: Mapping[str, Any], chat: bool) -> list[int]:
+    def request_tokens(
+        self, body: Mapping[str, Any], chat: bool, namespace: Namespace = None
+    ) -> list[int]:
         """The exact token ids of a request's (first) prompt."""
-        return self.tokens(self.prompt(body, chat))
+        return self.tokens(self.prompt(body, chat, namespace))
 
     def chat_text(self, body: Mapping[str, Any]) -> str:
         """A chat request rendered with the model's chat template, as vLLM renders it; raises

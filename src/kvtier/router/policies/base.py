@@ -62,6 +62,8 @@ class RouteRequest(NamedTuple):
     prompt_tokens: int
     session: str | None = None
     """Sticky key (a header or the OpenAI `user` field), used by `session`."""
+    tenant: str | None = None
+    """The API key's tenant (None: a key without one, or no keys): sessions are per tenant."""
 
 
 class Decision(NamedTuple):

@@ -89,14 +89,20 @@ class RoundRobinPolicy:
 
 
 class SessionPolicy:
-    """Sticky by session key (a header or `user`); new or orphaned sessions go to least load."""
+    """Sticky by session key (a header or `user`); new or orphaned sessions go to least load.
+
+    Sessions are per tenant (the key is (tenant, session)): another tenant naming the same
+    session neither joins it, nor learns from where it lands that the session exists, nor
+    moves it.
+    """
 
     name = "session"
 
     def __init__(self, max_sessions: int = 100_000) -> None:
         if max_sessions <= 0:
             raise ConfigError(f"max_sessions: must be positive, got {max_sessions}")
-        self._sessions: Lru[str, str] = Lru(max_sessions)  # session -> replica
+        self._sessions: Lru[tuple[str | None, str], str] = Lru(max_sessions)
+        """(tenant, session) -> replica."""
         self._fallback = LeastLoadPolicy()
 
     def choose(
@@ -104,7 +110,7 @@ class SessionPolicy:
     ) -> Decision:
         healthy = healthy_sorted(replicas)
         if request.session is not None:
-            replica = self._sessions.peek(request.session)
+            replica = self._sessions.peek((request.tenant, request.session))
             if replica is not None and any(r.name == replica for r in healthy):
                 return Decision(replica, "session", 0)
         return self._fallback.choose(request, healthy, rng, now)
@@ -112,7 +118,7 @@ class SessionPolicy:
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
         if request.session is None:
             return
-        self._sessions.put(request.session, decision.replica)
+        self._sessions.put((request.tenant, request.session), decision.replica)
 
     def forget(self, replica: str) -> None:
         pass  # sessions re-pin lazily when their replica is no longer healthy
