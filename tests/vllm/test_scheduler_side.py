@@ -655,3 +655,29 @@ def test_a_failed_block_id_taints_only_the_chains_of_the_steps_in_flight(
         assert side.computed_from({4}) == {4, 60, 61, 62, 63}
     finally:
         side.close()
+
+
+def test_a_request_sharing_a_failed_block_in_the_failing_step_saves_once_recomputed(
+    rt: process_store.ProcessStore,
+) -> None:
+    """Y took X's loading blocks from vLLM's prefix cache in the same step, so vLLM takes Y
+    back to those blocks (X recomputes the failed one in the next step, beside Y): Y's blocks
+    computed then are good, and saved."""
+    tokens = list(range(2100))
+    _store_blocks(rt, tokens, 4)
+    x_ids, y_ids = list(range(17)), [*range(8), *range(20, 30)]
+    side = _side(rt, {"x": x_ids, "y": y_ids}, load_async=False)
+    try:
+        x, y = FakeRequest("x", tokens), FakeRequest("y", tokens)
+        side.new_request(x)  # type: ignore[arg-type]
+        side.new_request(y)  # type: ignore[arg-type]
+        assert _answer(side, x, 0) == (1024, False)
+        side.after_alloc(x, FakeBlocks(x_ids), 1024)  # type: ignore[arg-type]
+        y.num_computed_tokens = 1024  # from vLLM's prefix cache, as X's load writes them
+        side.build_meta(FakeSchedulerOutput({"x": 76, "y": 512}))  # type: ignore[arg-type]
+        assert side.computed_from({4}) >= {4, 20, 21, 22, 23}
+        x.num_computed_tokens, y.num_computed_tokens = 512, 1024  # vLLM takes both back
+        saves = side.build_meta(FakeSchedulerOutput({"x": 600, "y": 512})).saves  # type: ignore[arg-type]
+        assert sorted(s.req_id for s in saves) == ["x", "y"]
+    finally:
+        side.close()

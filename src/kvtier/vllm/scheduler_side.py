@@ -115,9 +115,8 @@ class _Tracked:
     """Scheduled before a cache reset: its KV may come from the old weights, so it neither
     loads nor saves again."""
     stale_after: int | None = None
-    """Tokens after which its KV was computed from a block that failed to load (`computed_from`):
-    nothing is saved until vLLM recomputes from there or before. (vLLM takes back only the
-    first request holding a failed block; another that shared it computes on from it.)"""
+    """Tokens after which its KV was computed from a block that failed to load in an earlier
+    step (`computed_from`): nothing is saved until vLLM recomputes from there or before."""
 
 
 class SchedulerSide:
@@ -297,19 +296,27 @@ class SchedulerSide:
         step's blocks when it schedules them, and with the `recompute` policy keeps them
         cached, stale until their request recomputes them (never, if it is aborted first)."""
         stale = set(failed)
-        for chains in self._recent_chains:
+        steps = list(zip(self._recent_loads, self._recent_chains, strict=True))
+        failing_step = next((k for k, (loads, _) in enumerate(steps) if failed & loads), None)
+        for k, (_, chains) in enumerate(steps):
             for req_id, chain in chains:
                 first = next((i for i, block in enumerate(chain) if block in failed), None)
                 if first is None:
                     continue
                 stale.update(chain[first:])
-                tracked = self._tracked.get(req_id)
-                if tracked is not None:
-                    after = first * self._engine_block
-                    if tracked.stale_after is not None:
-                        after = min(after, tracked.stale_after)
-                    tracked.stale_after = after
+                if failing_step is not None and k > failing_step:
+                    self._computed_on_from(req_id, first * self._engine_block)
         return stale
+
+    def _computed_on_from(self, req_id: str, tokens: int) -> None:
+        """Bar the saves of a request scheduled after a load that failed at `tokens` of its
+        chain: vLLM takes back the requests of the failing step (their computation is redone),
+        not one of a later step (asynchronous scheduling), which computed on from the stale
+        block."""
+        tracked = self._tracked.get(req_id)
+        if tracked is not None:
+            after = tokens if tracked.stale_after is None else min(tokens, tracked.stale_after)
+            tracked.stale_after = after
 
     def apply_worker_meta(self, meta: KvtierWorkerMeta) -> None:
         with self._l1_lock:
