@@ -136,8 +136,7 @@ vllm_event = st.fixed_dictionaries(
 @given(st.lists(st.tuples(st.integers(0, 2**63), vllm_event | json_values), max_size=6))
 def test_the_vllm_event_path_survives_any_batch(batches) -> None:
     index = PrefixIndex(64)
-    forgotten: list[str] = []
-    rehasher = VllmRehasher("r1", index, lambda r, c: forgotten.append(r), max_blocks=64)
+    rehasher = VllmRehasher("r1", index, max_blocks=64)
     counted: list[tuple[str, str]] = []
     for seq, event in batches:
         payload = msgspec.msgpack.encode([0.0, [event]])

@@ -12,7 +12,7 @@ import contextlib
 import json
 import socket
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Self, TypeVar
 
@@ -54,7 +54,7 @@ class RunningRouter:
 
 @contextlib.asynccontextmanager
 async def running_router(
-    tokenizer: Tokenizer, replicas: list[FakeReplica], **options: object
+    tokenizer: Tokenizer, replicas: Sequence[FakeReplica], **options: object
 ) -> AsyncIterator[RunningRouter]:
     """A router on a free port in front of `replicas`, plus a client."""
     options.setdefault("health_interval_s", 0.2)

@@ -77,7 +77,7 @@ def test_replicas_join_after_health_drain_and_leave_with_their_events() -> None:
 
         pool = HttpPool(1.0, 5.0)
         health = HealthChecker(pool, replicas, 1.0, 1.0, 2, lambda n: forget(n, "down"))
-        feed = EventFeed(index, (), {}, forget, lambda *_: None, lambda: 0.0, 1000, dynamic=True)
+        feed = EventFeed(index, (), {}, lambda *_: None, lambda: 0.0, 1000, dynamic=True)
         feed.start()
         dns = Dns()
         discovery = Discovery(
@@ -166,16 +166,7 @@ def test_a_discovered_replicas_vllm_events_feed_l0_under_its_name() -> None:
         index = PrefixIndex()
         pool = HttpPool(1.0, 5.0)
         health = HealthChecker(pool, replicas, 1.0, 1.0, 2, lambda n: index.purge(n))
-        feed = EventFeed(
-            index,
-            (),
-            {},
-            lambda n, c: index.purge(n),
-            lambda *_: None,
-            lambda: 0.0,
-            1000,
-            dynamic=True,
-        )
+        feed = EventFeed(index, (), {}, lambda *_: None, lambda: 0.0, 1000, dynamic=True)
         feed.start()
         dns = Dns()
         discovery = Discovery(

@@ -16,7 +16,7 @@ import pytest
 import trustme
 
 from kvtier.core.errors import ConfigError
-from kvtier.net.http_client import HttpPool
+from kvtier.net.http_client import ConnectFailed, ConnectRefused, HttpPool
 from kvtier.tools.fake_replica import FakeReplica
 from tests.helpers.aio import run
 
@@ -374,11 +374,13 @@ def test_a_silent_replica_times_out_and_a_closed_port_is_refused() -> None:
         async with raw_server(silent) as (url, _):
             pool = HttpPool(1.0, 0.2)
             started = asyncio.get_running_loop().time()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError) as timed_out:
                 await pool.post(url, "/x", b"{}", [])
             assert asyncio.get_running_loop().time() - started < 5
-        with pytest.raises(ConnectionRefusedError):
+            assert not isinstance(timed_out.value, ConnectFailed)  # it was sent
+        with pytest.raises(ConnectRefused) as refused:
             await pool.post(url, "/x", b"{}", [])  # the server is gone now
+        assert isinstance(refused.value, ConnectionRefusedError)  # not sent
         with pytest.raises(ConfigError, match=r"http\(s\)://HOST"):
             await pool.post("ftp://127.0.0.1:1", "/x", b"{}", [])
 

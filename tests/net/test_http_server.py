@@ -18,7 +18,8 @@ from tests.helpers.aio import run
 
 class Handler:
     """Answers by path: /echo the body, /headers the request's headers as JSON, /stream N
-    chunks, /flood endless chunks until the client is gone, /slow after a release, /crash."""
+    chunks, /flood endless chunks until the client is gone, /slow after a release (/slow-read:
+    after reading the body), /crash."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
@@ -39,7 +40,9 @@ class Handler:
                 await exchange.write(b"%d" % i * 65536)
             await exchange.finish()
             self.streamed.set()
-        elif exchange.path == "/slow":
+        elif exchange.path in ("/slow", "/slow-read"):
+            if exchange.path == "/slow-read":
+                await exchange.body(8 << 20, 5.0)
             await self._guarded(exchange, self.release.wait())
             await exchange.respond(200, b"late", [])
         elif exchange.path == "/flood":
@@ -260,6 +263,24 @@ def test_a_client_hanging_up_cancels_the_guarded_work() -> None:
             writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
             await writer.drain()
             await asyncio.sleep(0.1)
+            writer.close()
+            await asyncio.wait_for(handler.cancelled.wait(), 5)
+            await asyncio.sleep(0.05)
+            assert not server.connections
+
+    run(scenario())
+
+
+def test_a_client_hanging_up_after_a_large_body_cancels_the_guarded_work() -> None:
+    """A body past the size at which reading pauses (until the handler reads it): once read,
+    the connection is read again, so the hang-up is seen while the work runs."""
+
+    async def scenario() -> None:
+        async with serving() as (server, handler, port):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post("/slow-read", b"x" * (2 << 20)))
+            await writer.drain()
+            await asyncio.sleep(0.2)  # the body is read, the handler waits
             writer.close()
             await asyncio.wait_for(handler.cancelled.wait(), 5)
             await asyncio.sleep(0.05)

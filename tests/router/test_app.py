@@ -4,6 +4,7 @@ streaming failures, counters, bad input, auth, health and metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import ssl
@@ -18,12 +19,13 @@ from kvtier.core.errors import ConfigError
 from kvtier.core.events import EventKind
 from kvtier.core.keys import block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
+from kvtier.net.http_server import Exchange
 from kvtier.net.kv_events import EventPublisher
 from kvtier.router.app import Router, serving
 from kvtier.router.policies import CostPolicy
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Tokenizer
-from kvtier.router.upstream import HELD_ANSWER_BYTES
+from kvtier.router.upstream import DELIVERED_FAILOVERS, HELD_ANSWER_BYTES
 from kvtier.tools.fake_replica import adapter_path
 from tests.helpers.aio import run
 from tests.helpers.router import (
@@ -308,7 +310,7 @@ def test_kvaware_sends_an_adapter_prompt_to_the_replica_holding_the_adapters_blo
 # ----- failover -----
 
 
-@pytest.mark.parametrize("bad_mode", ["error500", "reset", "hang", "stopped"])
+@pytest.mark.parametrize("bad_mode", ["error500", "reset", "stopped"])
 def test_a_failing_replica_is_failed_over_before_the_first_byte(
     bad_mode: str, tokenizer: Tokenizer
 ) -> None:
@@ -344,6 +346,117 @@ def test_every_replica_failing_is_a_502_with_an_openai_error(tokenizer: Tokenize
             assert in_flight(rr) == {r.url: 0 for r in reps}
             # they answered, so they stay candidates: one bad request does not empty the fleet
             assert all(r.healthy for r in rr.router.replicas)
+
+    run(scenario())
+
+
+class PoisonReplica(FakeReplica):
+    """Resets the connection of a request whose prompt is "poison" (as an engine that a request
+    kills); answers the others."""
+
+    def __init__(self) -> None:
+        super().__init__(model=MODEL, max_model_len=MAX_MODEL_LEN, block_tokens=16)
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        if body.get("prompt") == "poison":
+            self.received.append(body)
+            return False
+        return await super()._generate(writer, body)
+
+
+def test_a_request_that_kills_its_replica_reaches_two_replicas_not_the_fleet(
+    tokenizer: Tokenizer,
+) -> None:
+    """A query of death: each replica that gets it resets. After one failure once delivered the
+    request fails over once more (a replica killed under it), then gives up: 502."""
+
+    async def scenario() -> None:
+        replicas = [await PoisonReplica().start() for _ in range(4)]
+        try:
+            async with running_router(tokenizer, replicas) as rr:
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion("poison"))
+                assert resp.status_code == 502
+                assert resp.json()["error"]["code"] == "upstream_failed"
+                reached = [r for r in replicas if r.received]
+                # (each may see it twice: a kept-alive connection closed before any byte is
+                # retried once on a new one, as a stale keep-alive socket)
+                assert len(reached) == 1 + DELIVERED_FAILOVERS
+                assert all(r.healthy for r in rr.router.replicas)  # the fault is the request's
+                assert in_flight(rr) == {r.url: 0 for r in replicas}
+        finally:
+            for r in replicas:
+                await r.stop()
+
+    run(scenario())
+
+
+def test_a_reset_request_does_not_take_out_the_last_replica_for_the_others(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        replica = await PoisonReplica().start()
+        try:
+            async with running_router(tokenizer, [replica], health_interval_s=30.0) as rr:
+                bad = await rr.client.post(rr.url + "/v1/completions", json=completion("poison"))
+                assert bad.status_code == 502
+                good = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert good.status_code == 200, good.text
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_a_refused_connection_makes_a_replica_suspect_unless_it_is_the_last_in_rotation(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        async with (
+            fakes("ok", "ok") as (gone, good),
+            running_router(tokenizer, [gone, good], health_interval_s=30.0) as rr,
+        ):
+            replicas = rr.router.replicas
+            await wait_for(lambda: all(r.models for r in replicas), "the first checks")
+            await gone.stop()  # no check comes for 30 s: only forwards see it
+            for _ in range(4):  # the policy offers the gone replica one of them at least
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+                assert resp.status_code == 200 and resp.headers["x-kvtier-replica"] == good.url
+            assert not replicas[gone.url].healthy  # suspect: the others avoid it
+            replicas[gone.url].healthy = True
+            replicas[good.url].healthy = False  # now the gone one is the last in rotation
+            resp = await rr.client.post(rr.url + "/v1/completions", json=completion())
+            assert resp.status_code == 502
+            assert replicas[gone.url].healthy  # kept: no 503 for everyone until a check
+
+    run(scenario())
+
+
+def test_a_replica_silent_past_the_read_timeout_is_a_504_not_resent(tokenizer: Tokenizer) -> None:
+    """A replica that got the request and sends nothing for `read_timeout_s` may only be slow
+    (a long whole answer): resent, it would be generated twice. The client gets a 504; the
+    replica stays in rotation."""
+
+    async def scenario() -> None:
+        async with (
+            fakes("hang", "ok") as (slow, fast),
+            running_router(
+                tokenizer, [slow, fast], strategy="roundrobin", read_timeout_s=0.5
+            ) as rr,
+        ):
+            answers = [
+                await rr.client.post(rr.url + "/v1/completions", json=completion(stream=i == 1))
+                for i in range(4)
+            ]
+            assert sorted(a.status_code for a in answers) == [200, 200, 504, 504]
+            for answer in answers:
+                if answer.status_code == 504:
+                    error = answer.json()["error"]
+                    assert error["code"] == "upstream_timeout" and slow.url in error["message"]
+            assert len(slow.received) + len(fast.received) == 4  # each generated once
+            assert all(r.healthy for r in rr.router.replicas)
+            text = rr.router.metrics.render().decode()
+            assert metric(text, f'kvtier_router_failovers_total{{replica="{slow.url}"}}') == 0
+            assert in_flight(rr) == {slow.url: 0, fast.url: 0}
 
     run(scenario())
 
@@ -593,6 +706,47 @@ LARGE_ANSWER = 2 * HELD_ANSWER_BYTES + 12345
 """A whole answer past what the router holds (long logprobs, say): its halves pass the limit."""
 
 
+class HalfEventReplica(FakeReplica):
+    """Streams one SSE event and half of the next, then resets the connection."""
+
+    def __init__(self) -> None:
+        super().__init__(model=MODEL, max_model_len=MAX_MODEL_LEN, block_tokens=16)
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        self.received.append(body)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        event = SSE_CHUNKS[1]
+        for chunk in (SSE_CHUNKS[0], event[: len(event) // 2]):
+            writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        return False
+
+
+def test_a_stream_cut_mid_event_ends_with_an_error_event_apart_from_the_half_event(
+    tokenizer: Tokenizer,
+) -> None:
+    async def scenario() -> None:
+        replica = await HalfEventReplica().start()
+        try:
+            async with running_router(tokenizer, [replica]) as rr:
+                resp = await rr.client.post(
+                    rr.url + "/v1/completions", json=completion(stream=True)
+                )
+                events = [e for e in resp.content.split(b"\n\n") if e.strip()]
+                assert events[0] + b"\n\n" == SSE_CHUNKS[0]
+                assert events[1] == SSE_CHUNKS[1][: len(SSE_CHUNKS[1]) // 2]  # as it came
+                error = json.loads(events[-1].removeprefix(b"data: "))["error"]
+                assert error["type"] == "upstream_error" and error["code"] == 502
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
 def test_a_whole_answer_larger_than_the_router_holds_is_relayed_as_it_comes(
     tokenizer: Tokenizer,
 ) -> None:
@@ -762,6 +916,97 @@ def test_a_client_leaving_mid_stream_releases_the_in_flight_counter(tokenizer: T
             await resp.aclose()  # the client hangs up mid-stream
             await wait_for(lambda: in_flight(rr) == {a.url: 0}, "in-flight release")
             a.release.set()
+
+    run(scenario())
+
+
+class WatchingReplica(FakeReplica):
+    """Completions wait, unanswered, until the router drops their connection (`dropped` is
+    set then)."""
+
+    def __init__(self) -> None:
+        super().__init__(model=MODEL, max_model_len=MAX_MODEL_LEN, block_tokens=16)
+        self.dropped = asyncio.Event()
+        self._readers: dict[asyncio.StreamWriter, asyncio.StreamReader] = {}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._readers[writer] = reader
+        await super()._serve(reader, writer)
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        self.received.append(body)
+        with contextlib.suppress(ConnectionError):
+            await self._readers[writer].read()  # until the router's end of the connection
+        self.dropped.set()
+        return False
+
+
+@pytest.mark.parametrize("body_mib", [0, 2])
+def test_a_client_leaving_before_its_answer_aborts_the_request_on_the_replica(
+    tokenizer: Tokenizer, body_mib: int
+) -> None:
+    """Also after a body large enough that the router paused reading the connection until it
+    read it (a base64 image, a long prompt): reading resumes once the body is in, so the
+    hang-up is seen."""
+
+    async def scenario() -> None:
+        replica = await WatchingReplica().start()
+        try:
+            async with running_router(tokenizer, [replica]) as rr:
+                host, port = rr.url.removeprefix("http://").split(":")
+                body = dumps(completion())[:-1] + b" " * (body_mib << 20) + b"}"
+                _, writer = await asyncio.open_connection(host, int(port))
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+                await wait_for(lambda: replica.received, "the replica got the request")
+                writer.close()  # the client hangs up
+                await asyncio.wait_for(replica.dropped.wait(), 5)  # vLLM aborts the request
+                await wait_for(lambda: in_flight(rr) == {replica.url: 0}, "in-flight release")
+        finally:
+            await replica.stop()
+
+    run(scenario())
+
+
+def test_a_stream_given_up_on_as_its_client_leaves_is_not_resent(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The health checker abandons a stream under way in the same loop turn as its client
+    hangs up: the stream ends there; it is never started again on another replica."""
+    exchanges: list[Exchange] = []
+    generate = Router._generate
+
+    async def noting(router: Router, exchange: Exchange, endpoint: str, chat: bool) -> int:
+        exchanges.append(exchange)
+        return await generate(router, exchange, endpoint, chat)
+
+    monkeypatch.setattr(Router, "_generate", noting)
+
+    async def scenario() -> None:
+        async with (
+            fakes("slow_stream", "slow_stream") as pair,
+            running_router(tokenizer, list(pair), strategy="roundrobin") as rr,
+        ):
+            request = rr.client.build_request(
+                "POST", rr.url + "/v1/completions", json=completion(stream=True)
+            )
+            resp = await rr.client.send(request, stream=True)
+            assert await anext(resp.aiter_raw()) == SSE_CHUNKS[0]
+            stuck, other = pair if pair[0].received else pair[::-1]
+            other.mode = "ok"
+            exchanges[0].abort()  # the client's connection drops...
+            rr.router.replicas[stuck.url].abandon_requests("stalled: no progress")  # ...and this
+            await wait_for(lambda: in_flight(rr) == {stuck.url: 0, other.url: 0}, "release")
+            await asyncio.sleep(0.3)
+            assert other.received == []
+            text = rr.router.metrics.render().decode()
+            assert 'kvtier_router_stream_errors_total{cause="client"} 1.0' in text
+            assert metric(text, f'kvtier_router_failovers_total{{replica="{stuck.url}"}}') == 0
+            await resp.aclose()
+            stuck.release.set()
 
     run(scenario())
 

@@ -20,14 +20,12 @@ TOKENS = list(range(100, 116))  # 4 blocks
 HASHES = tuple(block_hashes(TOKENS, BLOCK))
 
 
-class Forgets:
-    def __init__(self, index: PrefixIndex) -> None:
-        self.index = index
+class Counts:
+    def __init__(self) -> None:
         self.calls: list[tuple[str, str]] = []
 
-    def __call__(self, replica: str, cause: str) -> None:
-        self.calls.append((replica, cause))
-        self.index.purge(replica)
+    def __call__(self, source: str, kind: str) -> None:
+        self.calls.append((source, kind))
 
 
 def kv(
@@ -43,7 +41,7 @@ def kv(
 
 def test_kvtier_events_fill_tiers_and_l2_goes_to_the_shared_pseudo_replica() -> None:
     index = PrefixIndex()
-    applier = KvtierApplier(index, Forgets(index))
+    applier = KvtierApplier(index)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:2]), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L2), now=0.0)
     assert index.match(HASHES, replicas=["r1", "r2"]) == {
@@ -55,16 +53,44 @@ def test_kvtier_events_fill_tiers_and_l2_goes_to_the_shared_pseudo_replica() -> 
     assert index.match(HASHES, replicas=["r1"]) == {"r1": [Tier.L2, Tier.L2]}
 
 
-def test_a_new_epoch_purges_the_restarted_replica_but_not_the_shared_pool() -> None:
+def test_a_new_epoch_purges_the_restarted_replicas_l1_but_not_the_shared_pool() -> None:
     index = PrefixIndex()
-    forgets = Forgets(index)
-    applier = KvtierApplier(index, forgets)
+    counts = Counts()
+    applier = KvtierApplier(index, count=counts)
     applier.apply(kv(EventKind.STORED, Tier.L1), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L2, HASHES[:1]), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=1.0)
-    assert forgets.calls == [("r1", "restart")]
+    assert counts.calls == [("kvtier", "restart")]
     assert index.match(HASHES, replicas=["r1"]) == {"r1": [Tier.L1]}
     assert SHARED in index.replicas()
+
+
+def test_a_new_epoch_keeps_the_l0_that_vllms_events_announced() -> None:
+    index = PrefixIndex()
+    applier, rehasher = KvtierApplier(index), VllmRehasher("r1", index)
+    rehasher.apply(0, vllm_batch(stored([1, 2], TOKENS[:8])), 0.0, Counts())
+    applier.apply(kv(EventKind.STORED, Tier.L1), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2"), now=1.0)
+    assert index.match(HASHES) == {"r1": [Tier.L0, Tier.L0]}
+
+
+def test_a_vllm_restart_keeps_what_the_connectors_new_epoch_already_announced() -> None:
+    """One restart, two sources: the connector's new epoch arrives first, the engine's first
+    event (its sequence back at 0) later; the late purge must not wipe the new L1."""
+    index = PrefixIndex()
+    counts = Counts()
+    applier, rehasher = KvtierApplier(index, count=counts), VllmRehasher("r1", index)
+    rehasher.apply(5, vllm_batch(stored([1, 2], TOKENS[:8])), 0.0, counts)
+    applier.apply(kv(EventKind.STORED, Tier.L1, epoch="e1"), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L2, HASHES[3:], epoch="e1", seq=1), now=0.0)
+    applier.apply(kv(EventKind.STORED, Tier.L1, epoch="e2"), now=1.0)  # restarted
+    assert index.match(HASHES) == {"r1": [Tier.L0, Tier.L0, Tier.L1, Tier.L1]}
+    rehasher.apply(0, vllm_batch(stored([11], TOKENS[:4])), 1.1, counts)  # restart seen
+    assert index.match(HASHES) == {"r1": [Tier.L0, Tier.L1, Tier.L1, Tier.L1]}
+    assert index.match(HASHES, replicas=["r2"])["r2"] == []
+    assert SHARED in index.replicas()  # the pool's block 3 stays
+    assert counts.calls.count(("vllm", "restart")) == 1
+    assert counts.calls.count(("kvtier", "restart")) == 1
 
 
 def vllm_batch(*events: dict) -> bytes:
@@ -86,7 +112,7 @@ def stored(ext: list, tokens: list[int], parent: object = None) -> dict:
 
 def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() -> None:
     index = PrefixIndex()
-    rehasher = VllmRehasher("r1", index, Forgets(index))
+    rehasher = VllmRehasher("r1", index)
     counted: list[tuple[str, str]] = []
 
     def count(source: str, kind: str) -> None:
@@ -112,7 +138,7 @@ def test_vllm_stored_blocks_are_rehashed_into_kvtier_hashes_through_parents() ->
 def test_vllm_lora_blocks_are_rehashed_from_the_adapters_root_as_the_connector_names_them() -> None:
     index = PrefixIndex()
     paths = {"sql": "/adapters/sql"}  # what the replica's /v1/models says
-    rehasher = VllmRehasher("r1", index, Forgets(index), adapter_path=paths.get)
+    rehasher = VllmRehasher("r1", index, adapter_path=paths.get)
     # vLLM 0.32 events of a request to adapter "sql": each block's extra keys, untagged
     first = {**stored([11, 12], TOKENS[:8]), "lora_id": 1, "lora_name": "sql"}
     rest = {**stored([13, 14], TOKENS[8:], parent=12), "lora_id": 1, "lora_name": "sql"}
@@ -130,20 +156,30 @@ def test_vllm_lora_blocks_are_rehashed_from_the_adapters_root_as_the_connector_n
     assert rehasher.unnamed == 2 and len(index) == 4
 
 
+def test_all_blocks_cleared_drops_vllms_l0_and_keeps_kvtiers_l1() -> None:
+    """`/reset_prefix_cache` clears vLLM's cache, not the connector's L1."""
+    index = PrefixIndex()
+    applier, rehasher = KvtierApplier(index), VllmRehasher("r1", index)
+    rehasher.apply(0, vllm_batch(stored([1, 2, 3, 4], TOKENS)), 0.0, Counts())
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:2]), now=0.0)
+    rehasher.apply(1, vllm_batch({"type": "AllBlocksCleared"}), 1.0, Counts())
+    assert index.match(HASHES) == {"r1": [Tier.L1, Tier.L1]}
+
+
 def test_vllm_block_with_an_unknown_parent_is_skipped_not_misnamed() -> None:
     index = PrefixIndex()
-    rehasher = VllmRehasher("r1", index, Forgets(index))
+    rehasher = VllmRehasher("r1", index)
     rehasher.apply(0, vllm_batch(stored([5], TOKENS[4:8], parent=4)), 0.0, lambda s, k: None)
     assert len(index) == 0 and rehasher.unnamed == 1
 
 
-def test_vllm_sequence_going_backwards_means_a_restart_and_purges() -> None:
+def test_vllm_sequence_going_backwards_means_a_restart_and_purges_its_l0() -> None:
     index = PrefixIndex()
-    forgets = Forgets(index)
-    rehasher = VllmRehasher("r1", index, forgets)
-    rehasher.apply(5, vllm_batch(stored([1], TOKENS[:4])), 0.0, lambda s, k: None)
-    rehasher.apply(0, vllm_batch(), 1.0, lambda s, k: None)
-    assert forgets.calls == [("r1", "restart")] and len(index) == 0
+    counts = Counts()
+    rehasher = VllmRehasher("r1", index)
+    rehasher.apply(5, vllm_batch(stored([1], TOKENS[:4])), 0.0, counts)
+    rehasher.apply(0, vllm_batch(), 1.0, counts)
+    assert counts.calls == [("vllm", "BlockStored"), ("vllm", "restart")] and len(index) == 0
 
 
 def _free_endpoint() -> str:
@@ -157,9 +193,7 @@ def test_event_feed_applies_published_kvtier_events_over_zmq() -> None:
         endpoint = _free_endpoint()
         index = PrefixIndex()
         with EventPublisher(endpoint, "r1") as pub:
-            feed = EventFeed(
-                index, [endpoint], {}, Forgets(index), lambda s, k: None, time.monotonic, 1000
-            )
+            feed = EventFeed(index, [endpoint], {}, lambda s, k: None, time.monotonic, 1000)
             feed.start()
             try:
                 for _ in range(100):  # PUB/SUB drops until the subscription propagates
@@ -184,9 +218,7 @@ def test_a_router_started_after_the_stores_learns_them_without_new_events() -> N
             pub.publish(EventKind.STORED, Tier.L1, HASHES)
             pub.publish(EventKind.STORED, Tier.L2, HASHES[:2])
             await asyncio.sleep(0.3)  # sent to nobody: no subscriber yet
-            feed = EventFeed(
-                index, [endpoint], {}, Forgets(index), lambda s, k: None, time.monotonic, 1000
-            )
+            feed = EventFeed(index, [endpoint], {}, lambda s, k: None, time.monotonic, 1000)
             feed.start()
             try:
                 for _ in range(100):
@@ -204,9 +236,9 @@ def test_a_router_started_after_the_stores_learns_them_without_new_events() -> N
 def test_a_jump_in_a_replicas_sequence_is_counted_as_a_gap_and_a_restart_is_not() -> None:
     index = PrefixIndex()
     counted: list[tuple[str, str]] = []
-    applier = KvtierApplier(index, Forgets(index), count=lambda *c: counted.append(c))
+    applier = KvtierApplier(index, count=lambda *c: counted.append(c))
     for seq in (5, 6, 9, 10):  # 7 and 8 lost
         applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=seq), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], replica="r2", seq=40), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=0.0)
-    assert counted == [("kvtier", "gap")]
+    assert counted == [("kvtier", "gap"), ("kvtier", "restart")]

@@ -130,3 +130,51 @@ def test_discovery_goes_on_after_a_round_that_failed_unexpectedly() -> None:
             pool.close()
 
     run(scenario())
+
+
+def test_checks_that_only_time_out_keep_the_index_and_a_refused_one_purges_it_once() -> None:
+    """A slow or stopped replica keeps its cache: it is out of rotation, not purged (nothing
+    would re-send its state when it answers again); a refused connection means it is gone."""
+    slow = False
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while line := await reader.readline():
+                while (await reader.readline()) not in (b"\r\n", b""):
+                    pass
+                if slow and line.split()[1] == b"/health":
+                    await asyncio.sleep(5)
+                status, body = models(line.split()[1].decode())
+                writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body)))
+                writer.write(body)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        nonlocal slow
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        replicas = ReplicaSet((ReplicaSettings(url=url),))
+        pool = HttpPool(1.0, 2.0)
+        downs: list[str] = []
+        health = HealthChecker(pool, replicas, 0.05, 0.2, 2, downs.append)
+        try:
+            await health.check_all()
+            assert replicas[url].healthy
+            slow = True
+            for _ in range(3):
+                await health.check_all()
+            assert not replicas[url].healthy and downs == []
+            server.close()
+            await server.wait_closed()
+            for _ in range(2):
+                await health.check_all()
+            assert downs == [url]
+        finally:
+            server.close()
+            pool.close()
+
+    run(scenario())

@@ -75,3 +75,30 @@ def test_match_continues_a_prefix_across_merged_indexes() -> None:
     events.insert("a", CHAIN[:2], Tier.L1, now=0.0)
     speculative.insert("a", CHAIN[2:3], Tier.L0, now=0.0)
     assert events.match(CHAIN, also=(speculative,)) == {"a": [Tier.L1, Tier.L1, Tier.L0]}
+
+
+def test_remove_tier_also_drops_the_replicas_guesses_in_that_tier() -> None:
+    events, guesses = PrefixIndex(), PrefixIndex()
+    events.supersede(guesses)
+    events.insert("a", CHAIN[:1], Tier.L0, now=0.0)
+    guesses.insert("a", CHAIN[:3], Tier.L0, now=0.0)  # routed, no event yet
+    guesses.insert("b", CHAIN[:3], Tier.L0, now=0.0)
+    events.remove_tier("a", Tier.L0)
+    assert len(events) == 0
+    assert guesses.match(CHAIN) == {"b": [Tier.L0] * 3}
+
+
+def test_touch_keeps_a_read_prefix_and_refreshes_its_root_last() -> None:
+    index = PrefixIndex(max_blocks=4)
+    index.insert(SHARED, CHAIN[:1], Tier.L2, now=0.0)
+    index.insert("a", CHAIN[:2], Tier.L0, now=1.0)
+    index.insert("b", CHAIN[5:6], Tier.L0, now=2.0)
+    index.touch("a", CHAIN[:3], now=3.0)  # block 2 is held by nobody: skipped
+    index.insert("b", CHAIN[6:7], Tier.L0, now=4.0)  # evicts b/5, the least recently touched
+    assert index.match(CHAIN, replicas=["c"]) == {
+        "a": [Tier.L0] * 2,
+        "b": [Tier.L2],
+        "c": [Tier.L2],
+    }
+    index.insert("b", CHAIN[7:8], Tier.L0, now=5.0)  # evicts a/1: the leaf before the root
+    assert index.match(CHAIN, replicas=["c"]) == {"a": [Tier.L0], "b": [Tier.L2], "c": [Tier.L2]}

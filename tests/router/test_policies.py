@@ -193,3 +193,19 @@ def test_unknown_strategy_or_option_is_a_config_error_naming_it() -> None:
         make_policy("roundrobin", bogus=1)
     with pytest.raises(ConfigError, match="l1_credit"):
         CostWeights(l1_credit=1.5)
+
+
+def test_kvaware_keeps_a_shared_root_hot_in_a_full_index() -> None:
+    """A cache hit sends no event: routing to a replica refreshes its matched prefix, so a
+    system prompt stored once outlives the conversations' leaves stored after it."""
+    index = PrefixIndex(max_blocks=12)
+    policy, rng = make_policy("kvaware", index=index), random.Random(0)
+    system = request(9, blocks=4)  # a 4-block system prompt every conversation starts with
+    index.insert("a", system.hashes, Tier.L0, now=0.0)
+    for turn in range(1, 20):
+        tail = request(turn, blocks=2)
+        req = system._replace(hashes=system.hashes + tail.hashes, prompt_tokens=6 * BLOCK + 5)
+        decision = route(policy, req, idle("a"), rng, now=float(turn))
+        assert decision.cached_tokens >= 4 * BLOCK, turn
+        index.insert("a", req.hashes[4:], Tier.L0, now=turn + 0.5)  # the engine stores it
+    assert index.match(system.hashes) == {"a": [Tier.L0] * 4}

@@ -15,7 +15,9 @@ URLs are spoken over TLS, verified against the pool's `ssl.SSLContext` (the syst
 default); the certificate must name the URL's host.
 
 Failures surface as `OSError`s: `ConnectionError` (refused, reset, closed early, garbled answer)
-or `TimeoutError` (connect, or no byte for `read_timeout_s` while an answer is due).
+or `TimeoutError` (connect, or no byte for `read_timeout_s` while an answer is due). Those of
+opening a connection are also `ConnectFailed` (`ConnectRefused`, `ConnectTimeout`): the request
+was not sent, so the server did none of its work; any other came after it was sent.
 """
 
 from __future__ import annotations
@@ -34,13 +36,33 @@ import httptools
 from kvtier.core.errors import ConfigError
 from kvtier.net.deadline import Deadline
 
-__all__ = ["CONTROL_ANSWER_BYTES", "HttpPool", "Response"]
+__all__ = [
+    "CONTROL_ANSWER_BYTES",
+    "ConnectFailed",
+    "ConnectRefused",
+    "ConnectTimeout",
+    "HttpPool",
+    "Response",
+]
 
 _PAUSE_BYTES = 1 << 20
+"""Buffered response bytes at which the socket stops being read (a slow client downstream)."""
 CONTROL_ANSWER_BYTES = 16 << 20
 """The most a replica's answer to a control request (/health, /metrics, /v1/models, a probe)
 may hold: a replica cannot make the router buffer more."""
-"""Buffered response bytes at which the socket stops being read (a slow client downstream)."""
+
+
+class ConnectFailed(OSError):
+    """No connection could be opened (refused, timed out, no route, a failed TLS handshake):
+    the request was not sent."""
+
+
+class ConnectRefused(ConnectFailed, ConnectionRefusedError):
+    """Refused (no process listens), or a TLS handshake that failed."""
+
+
+class ConnectTimeout(ConnectFailed, TimeoutError):
+    """No answer to the connection within `connect_timeout_s`."""
 
 
 class ReplicaConnection(asyncio.Protocol):
@@ -382,7 +404,13 @@ class HttpPool:
                     server_hostname=address.host if tls else None,
                 )
         except ssl.SSLError as exc:  # a certificate or handshake failure: cannot connect
-            raise ConnectionRefusedError(f"TLS to {address.netloc} failed: {exc}") from exc
+            raise ConnectRefused(f"TLS to {address.netloc} failed: {exc}") from exc
+        except ConnectionRefusedError as exc:
+            raise ConnectRefused(f"{address.netloc} refused the connection: {exc}") from exc
+        except TimeoutError as exc:
+            raise ConnectTimeout(f"no connection to {address.netloc}: timed out") from exc
+        except OSError as exc:  # no route, an unknown host...
+            raise ConnectFailed(f"no connection to {address.netloc}: {exc}") from exc
         return conn
 
     def _address(self, base_url: str) -> _Address:

@@ -61,7 +61,7 @@ JSON_HEADERS: list[Header] = [(b"content-type", b"application/json")]
 
 _BODY_PAUSE_BYTES = 1 << 20
 """Body bytes of one request received at which the connection stops being read until its
-handler reads the body."""
+handler reads the body (then it is read again: a hang-up must reach `connection_lost`)."""
 _LINGER_S = 2.0
 _LINGER_BYTES = 16 << 20
 """How long, and how many bytes, a connection closed on a client still sending is read and
@@ -243,6 +243,7 @@ class Exchange:
             raise BodyTooLarge(limit)
         body = b"".join(self._body)
         self._body.clear()
+        self._conn.body_read()
         return body
 
     async def _await_body(self, limit: int) -> None:
@@ -569,6 +570,12 @@ class _Connection(asyncio.Protocol):
         """Wait for `resume_writing` or `connection_lost`."""
         self._writable = self._loop.create_future()
         await self._writable
+
+    def body_read(self) -> None:
+        """The request in flight has its whole body: read on, so that a hang-up is seen while
+        it is answered (unless pipelined requests wait: they keep the connection unread)."""
+        if not self._queue:
+            self.resume_reading()
 
     def pause_reading(self) -> None:
         if not self._reading_paused and self._transport is not None and not self.closed:

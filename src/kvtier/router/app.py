@@ -158,7 +158,6 @@ class Router:
                 self.index,
                 self.config.events,
                 vllm_events,
-                self.forget,
                 self._count_event,
                 self.clock,
                 self.config.max_blocks,

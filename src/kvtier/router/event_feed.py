@@ -2,7 +2,8 @@
 
 Two sources:
 - kvtier connector events (`kvtier.net.kv_events`, JSON over ZMQ): already named by kvtier hashes.
-  A new `epoch` for a replica means it restarted: everything of the replica is purged first.
+  A new `epoch` for a replica means it restarted: the tiers its connector announced for it (L1)
+  are purged first; the shared pool's L2 entries stay (they outlive the replica).
   A jump in a replica's `seq` means events were lost (its publisher's queue was full, or this
   subscriber was slow): counted as a `gap`. The index keeps what it has; an entry left stale
   by a lost removal costs a routing miss, never wrong output, until the LRU or a purge drops it.
@@ -12,8 +13,16 @@ Two sources:
   block from the event's token ids, chaining by parent hash per replica, into kvtier hashes (a
   LoRA adapter's blocks from the adapter's own root, by the event's `lora_name`; salted or
   multimodal blocks cannot be named: their extra keys are published untagged). A sequence
-  number going backwards means the engine restarted: purge. `AllBlocksCleared` drops the
-  replica's L0 entries.
+  number going backwards means the engine restarted: its L0 entries (and any tier its events
+  announced, e.g. vLLM's own CPU offloading as L1) are purged. `AllBlocksCleared` (vLLM's
+  `/reset_prefix_cache`) drops the replica's L0 entries only: it clears vLLM's cache, not
+  kvtier's L1.
+
+Each source purges only its own tiers: the two see one restart at different times (the
+connector's new epoch may come first, the engine's first event long after), and a source
+purging the whole replica would wipe what the other had just announced. A restart is counted as
+`count(source, "restart")`. A restart purge also drops the router's own guesses (speculative
+entries) of the same replica in those tiers (`PrefixIndex.remove_tier`).
 
 `KvtierApplier` and `VllmRehasher` are pure (state in, index mutations out) and unit-tested
 without sockets; `EventFeed` owns the sockets and one asyncio task per source.
@@ -42,14 +51,13 @@ __all__ = ["EventFeed", "KvtierApplier", "VllmRehasher"]
 
 log = logging.getLogger(__name__)
 
-Forget = Callable[[str, str], None]
-"""forget(replica, cause): purge a replica from the index and the policy."""
 Count = Callable[[str, str], None]
 """count(source, kind): one event applied."""
 
 
 class KvtierApplier:
-    """Applies kvtier connector events to the index, purging a replica on a new epoch.
+    """Applies kvtier connector events to the index; on a replica's new epoch, first drops the
+    tiers its connector announced (`count("kvtier", "restart")`).
 
     `known(replica)` is the allow-list: an event naming a replica the router does not serve
     (a stray or forged publisher) is ignored, so it can neither fill the index nor purge a
@@ -59,16 +67,16 @@ class KvtierApplier:
     def __init__(
         self,
         index: PrefixIndex,
-        forget: Forget,
         known: Callable[[str], bool] | None = None,
         count: Count = lambda source, kind: None,
     ) -> None:
         self._index = index
-        self._forget = forget
         self._known = known
         self._count = count
         self._epochs: dict[str, str] = {}
         self._next_seq: dict[str, int] = {}
+        self._tiers: dict[str, set[Tier]] = {}
+        """replica -> the tiers its connector announced for it alone (L2 is the pool's)."""
 
     def apply(self, event: KVEvent, now: float) -> bool:
         """Apply `event`; False when it was ignored (an unknown replica)."""
@@ -76,12 +84,16 @@ class KvtierApplier:
             return False
         known = self._epochs.get(event.replica)
         if known is not None and known != event.epoch:
-            self._forget(event.replica, "restart")
+            for tier in self._tiers.get(event.replica, ()):
+                self._index.remove_tier(event.replica, tier)
+            self._count("kvtier", "restart")
         elif event.seq > self._next_seq.get(event.replica, event.seq):
             self._count("kvtier", "gap")
         self._epochs[event.replica] = event.epoch
         self._next_seq[event.replica] = event.seq + 1
         holder = SHARED if event.tier is Tier.L2 else event.replica
+        if holder != SHARED:
+            self._tiers.setdefault(holder, set()).add(event.tier)
         if event.kind is EventKind.STORED:
             self._index.insert(holder, event.hashes, event.tier, now)
         elif event.kind is EventKind.REMOVED:
@@ -107,7 +119,6 @@ class VllmRehasher:
         self,
         replica: str,
         index: PrefixIndex,
-        forget: Forget,
         max_blocks: int = 1_000_000,
         adapter_path: Callable[[str], str | None] = lambda name: None,
     ) -> None:
@@ -116,16 +127,19 @@ class VllmRehasher:
         self.replica = replica
         self._adapter_path = adapter_path
         self._index = index
-        self._forget = forget
         self._max_blocks = max_blocks
         self._names: OrderedDict[object, BlockHash] = OrderedDict()
+        self._tiers = {Tier.L0}
+        """The tiers this replica's vLLM events announce (L0, and L1 for vLLM's CPU offload)."""
         self._last_seq: int | None = None
         self.unnamed = 0
 
     def apply(self, seq: int, payload: bytes, now: float, count: Count) -> None:
         if self._last_seq is not None and seq <= self._last_seq:
             self._names.clear()
-            self._forget(self.replica, "restart")
+            for tier in self._tiers:
+                self._index.remove_tier(self.replica, tier)
+            count("vllm", "restart")
         self._last_seq = seq
         batch = msgspec.msgpack.decode(payload)
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
@@ -140,7 +154,6 @@ class VllmRehasher:
             elif kind == "AllBlocksCleared":
                 self._names.clear()
                 self._index.remove_tier(self.replica, Tier.L0)
-                self._index.remove_tier(self.replica, Tier.L1)
             else:
                 kind = "malformed"
             count("vllm", str(kind))
@@ -170,6 +183,7 @@ class VllmRehasher:
         else:
             self.unnamed += len(hashes)
             return
+        self._tiers.add(tier)
         named: list[BlockHash] = []
         for i, ext in enumerate(hashes):
             parent = chain_hash(parent, tokens[i * size : (i + 1) * size])
@@ -219,7 +233,6 @@ class EventFeed:
         index: PrefixIndex,
         kvtier_endpoints: Sequence[str],
         vllm_endpoints: dict[str, str],
-        forget: Forget,
         count: Count,
         clock: Callable[[], float],
         max_blocks: int,
@@ -236,14 +249,13 @@ class EventFeed:
         self._index = index
         self._clock = clock
         self._count = count
-        self._kvtier = KvtierApplier(index, forget, known, count)
+        self._kvtier = KvtierApplier(index, known, count)
         self._subscriber = (
             EventSubscriber(kvtier_endpoints, curve_server_key=curve_server_key)
             if kvtier_endpoints or dynamic
             else None
         )
         self._ctx = zmq.asyncio.Context.instance()
-        self._forget = forget
         self._max_blocks = max_blocks
         self._adapter_path = adapter_path
         self._vllm: dict[str, tuple[zmq.asyncio.Socket, VllmRehasher]] = {}
@@ -284,7 +296,7 @@ class EventFeed:
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
         paths = functools.partial(self._adapter_path, replica)
-        rehasher = VllmRehasher(replica, self._index, self._forget, self._max_blocks, paths)
+        rehasher = VllmRehasher(replica, self._index, self._max_blocks, paths)
         self._vllm[replica] = (sock, rehasher)
 
     def _start_vllm(self, replica: str) -> None:

@@ -1,14 +1,20 @@
 """Active health checks: `GET /health` on every replica every `health_interval_s`.
 
-A replica is down after `unhealthy_after` consecutive failed checks: it leaves the candidate set
-and `on_down(name)` purges what the router knew of its cache (a restart empties it). A check
-that is only late (a replica busy on a small machine answers /health slowly) keeps it a
-candidate until then; a refused connection (no process listens) takes it out at once. One good
-check brings it back; its /v1/models is then (re)read, and every `models_refresh_s` while it
-stays healthy, for model ids (LoRA adapters: the cards with a `parent`) and `max_model_len`,
-and its /metrics for the engine's KV block size (`vllm:cache_config_info`), which the router
-hashes prompts by. A failed forward marks a replica suspect at once (`healthy = False`, no
-purge) so concurrent requests avoid it until the next good check.
+A replica is down after `unhealthy_after` consecutive failed checks: it leaves the candidate set.
+A check that is only late (a replica busy on a small machine answers /health slowly) keeps it a
+candidate until then; a refused connection (no process listens) takes it out at once. Once down,
+`on_down(name)` purges what the router knew of its cache at the first failed check that shows
+the cache gone or going: a refused connection (the process is gone: a restart empties its
+cache), an error answer or a cut connection (vLLM answers 503 once its engine died). Checks that
+only time out purge nothing: the process is alive but slow or stopped (or its node cut off),
+keeps its cache, and nothing would re-send that state when it answers again; the router does
+not route to it meanwhile, and a restart after all is told by a refused check or by its KV
+events (a new epoch, a sequence going back). One good check brings it back; its /v1/models is
+then (re)read, and every `models_refresh_s` while it stays healthy, for model ids (LoRA
+adapters: the cards with a `parent`) and `max_model_len`, and its /metrics for the engine's KV
+block size (`vllm:cache_config_info`), which the router hashes prompts by. A failed forward
+marks a replica suspect at once (`healthy = False`, no purge) so concurrent requests avoid it
+until the next good check.
 
 Gray failures: a replica whose /health answers while its engine hangs. With `stall_after_s`
 set, a replica holding requests that got no byte from it for that long is sent a probe (a
@@ -90,6 +96,8 @@ class HealthChecker:
         self._on_unreachable = on_unreachable
         self._models_refresh_s = models_refresh_s
         self._probes: dict[str, asyncio.Task[None]] = {}
+        self._purged: set[str] = set()
+        """Replicas `on_down` was called for since their last good check."""
 
     async def check_all(self) -> None:
         """Check every replica. A check that fails unexpectedly (a bug, an absurd answer) is
@@ -110,11 +118,10 @@ class HealthChecker:
                 probe.cancel()
 
     async def _check(self, replica: Replica) -> None:
-        refused = False
-        try:
-            ok = await self._get(replica, "/health", pass_refused=True) is not None
-        except ConnectionRefusedError:
-            ok, refused = False, True
+        answer = await self._health(replica)
+        ok, refused = answer == "ok", answer == "refused"
+        if ok:
+            self._purged.discard(replica.name)
         if ok and self._suspect_stall(replica):
             self._probes[replica.name] = asyncio.create_task(self._probe(replica))
         elif ok and replica.stopping and replica.name not in self._probes:
@@ -132,10 +139,28 @@ class HealthChecker:
         replica.stopping = False  # going or gone: the checks below take over
         if refused or replica.failed_checks >= self._unhealthy_after:
             replica.healthy = False
-        if replica.failed_checks == self._unhealthy_after:
+        if (
+            replica.failed_checks >= self._unhealthy_after
+            and answer != "late"
+            and replica.name not in self._purged
+        ):
+            self._purged.add(replica.name)
             self._on_down(replica.name)
         if not refused and replica.failed_checks >= self._unhealthy_after:
             await self._give_up_if_unreachable(replica)
+
+    async def _health(self, replica: Replica) -> str:
+        """The outcome of one /health check: ok (a 200), refused (no process listens), late
+        (no whole answer within the timeout) or failed (an error answer, a cut connection)."""
+        try:
+            status, _ = await self._request(replica, "/health", self._timeout_s)
+        except ConnectionRefusedError:
+            return "refused"
+        except TimeoutError:
+            return "late"
+        except OSError:
+            return "failed"
+        return "ok" if status == 200 else "failed"
 
     async def _give_up_if_unreachable(self, replica: Replica) -> None:
         """Abandon the requests of a replica out of rotation that sent nothing for a check
@@ -215,15 +240,10 @@ class HealthChecker:
         """A stalled replica is unhealthy until a check after an answered probe."""
         return any(other is not replica for other in self._replicas.healthy())
 
-    async def _get(self, replica: Replica, path: str, pass_refused: bool = False) -> bytes | None:
-        """The body of a 200 answer within the timeout, else None (with `pass_refused`, a
-        refused connection raises `ConnectionRefusedError`)."""
+    async def _get(self, replica: Replica, path: str) -> bytes | None:
+        """The body of a 200 answer within the timeout, else None."""
         try:
             status, body = await self._request(replica, path, self._timeout_s)
-        except ConnectionRefusedError:
-            if pass_refused:
-                raise
-            return None
         except (TimeoutError, OSError):
             return None
         return body if status == 200 else None

@@ -6,7 +6,11 @@ exact code the router runs):
 - `insert(replica, hashes, tier, now)`: the replica holds these blocks in `tier` (a KV event, or
   a speculative insert at route time). Touches the entries' LRU position.
 - `remove(replica, hashes, tier)`: the replica dropped these blocks from `tier`.
-- `purge(replica)`: forget everything of a replica (restart, cleared cache, gone).
+- `remove_tier(replica, tier)`: the replica dropped everything it held in `tier` (a cleared
+  cache, or the tier's process restarted); its guesses in that tier go too.
+- `purge(replica)`: forget everything of a replica (it is gone).
+- `touch(replica, hashes, now)`: a request routed to the replica reads these blocks: refresh the
+  LRU position of its entries and of the shared pool's, root last (a cache hit sends no event).
 - `match(hashes)`: per known replica, the best tier of each block of its longest contiguous
   cached prefix. A block held by the pseudo-replica `SHARED` (the shared L2 pool) counts as L2
   for every replica.
@@ -17,7 +21,11 @@ exact code the router runs):
 
 Memory is bounded: at most `max_blocks` (replica, block) entries; inserting beyond evicts the
 least recently touched entry. An entry keeps a bit set of the tiers it is in, so an L0 eviction
-leaves an L1 copy known.
+leaves an L1 copy known. Events alone would order entries by when they were stored: a shared
+system prompt stored once, then read by every request, would be the first evicted while the
+leaves of its conversations stay, and every match would then end at block 0. `touch` on each
+routed request keeps hot prefixes recent (O(1) per block: an `OrderedDict` move), and refreshes
+a prefix leaf first, so its root is the last of it to go.
 
 Callers: the router's policies (one event loop, so no locking) and the fleet simulator.
 """
@@ -116,8 +124,30 @@ class PrefixIndex:
                 self._drop(replica, h)
 
     def remove_tier(self, replica: str, tier: Tier) -> None:
-        """The replica dropped everything it held in `tier` (an AllBlocksCleared event)."""
-        self.remove(replica, list(self._by_replica.get(replica, ())), tier)
+        """The replica dropped everything it held in `tier` (a cleared cache, a restart of the
+        process announcing that tier); its guesses in `tier` go too, whatever blocks they name."""
+        for guesses in self._guesses:
+            guesses.remove_tier(replica, tier)
+        bit = _BIT[tier]
+        for h in list(self._by_replica.get(replica, ())):
+            holders = self._holders[h]
+            mask = holders[replica] & ~bit
+            if mask:
+                holders[replica] = mask
+            else:
+                del self._lru[(replica, h)]
+                self._drop(replica, h)
+
+    def touch(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
+        """A request routed to `replica` reads the prefix `hashes`: refresh the LRU position
+        of the replica's entries and the shared pool's for these blocks (absent ones are
+        skipped), leaf first so the root ends most recent."""
+        lru = self._lru
+        for h in reversed(hashes):
+            for key in ((replica, h), (SHARED, h)):
+                if key in lru:
+                    lru[key] = now
+                    lru.move_to_end(key)
 
     def purge(self, replica: str) -> None:
         for h in self._by_replica.pop(replica, set()):

@@ -218,14 +218,15 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         "KV events applied to the index.",
         ("source", "kind"),
         "source: kvtier (connector), vllm (engine); kind: stored, removed, cleared, malformed, "
-        "gap (a jump in a replica's sequence numbers: events lost before this one)",
+        "gap (a jump in a replica's sequence numbers: events lost before this one), restart "
+        "(a new epoch or sequence: the tiers that source announced for the replica dropped)",
     ),
     MetricDef(
         "kvtier_router_index_purges",
         "counter",
         "Replicas purged from the index.",
         ("cause",),
-        "cause: restart, cleared, down",
+        "cause: down (health checks refused or failed), gone (left the DNS answer)",
     ),
 )
 DEFS = {d.name: d for d in ROUTER_METRICS}

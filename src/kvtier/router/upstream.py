@@ -8,15 +8,23 @@ before anything reached the client (a stream: before its first byte; a whole ans
 was complete, or past `HELD_ANSWER_BYTES`, from when it is relayed), so another replica can
 serve it. The replica may then have generated part or
 all of the answer for nothing: failover trades that work for an answer instead of a 502.
-A replica that did not answer at all is marked suspect at once (other requests avoid it until
-its next good health check); one that answered 5xx is only excluded for this request. A replica
-that refused the request as a stopping vLLM does while it drains (a 500 saying its executor shut
-down, an answer aborted before any token, a stream that ends before its first choice) is marked
-`stopping`: out of rotation until the health checker finds it answering a completion again or
-gone, so the requests of its drain go straight elsewhere instead of one extra hop each. A request
-whose replica the health checker gave up on (stalled, or unreachable) is abandoned (its task
-cancelled, the claim marked with why): before its first byte it fails over the same way; a
-stream under way ends with an error event naming why.
+Failover is free while the request never reached a replica (no connection) or was refused
+unserved (a stopping replica, below); once a replica got it and failed (a reset, a 5xx, a cut),
+it fails over once more at most (`DELIVERED_FAILOVERS`): a request that kills the engine it
+reaches (a query of death) reaches two replicas, not the whole fleet. A replica that got the
+request and sent nothing for the client's read timeout (`read_timeout_s`) answers 504: it may
+only be slow (a long whole answer), so the request is not generated again elsewhere, nor the
+replica marked. A replica that took no connection is marked suspect at once (other requests
+avoid it until its next good health check) unless it is the last in rotation (a fleet emptied
+by one failed connect would answer 503 to every request until the next check); one that failed
+after it got the request is only excluded for this request (the fault may be the request's). A
+replica that refused the request as a stopping vLLM does while it drains (a 500 saying its
+executor shut down, an answer aborted before any token, a stream that ends before its first
+choice) is marked `stopping`: out of rotation until the health checker finds it answering a
+completion again or gone, so the requests of its drain go straight elsewhere instead of one
+extra hop each. A request whose replica the health checker gave up on (stalled, or
+unreachable) is abandoned (its task cancelled, the claim marked with why): before its first
+byte it fails over the same way; a stream under way ends with an error event naming why.
 
 Once the first byte is relayed the request is committed: a streaming response cut by the replica
 ends with an SSE error event (the client sees an error, never a hang); a client that disconnects
@@ -37,13 +45,13 @@ from functools import partial
 from typing import NamedTuple
 
 from kvtier.core.errors import RoutingError
-from kvtier.net.http_client import CONTROL_ANSWER_BYTES, HttpPool, Response
+from kvtier.net.http_client import CONTROL_ANSWER_BYTES, ConnectFailed, HttpPool, Response
 from kvtier.net.http_server import Exchange, Header
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Decision, Policy, RouteRequest, work_tokens
 from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet
 
-__all__ = ["Forward", "Upstream", "UpstreamFailed", "reported_usage"]
+__all__ = ["DELIVERED_FAILOVERS", "Forward", "Upstream", "UpstreamFailed", "reported_usage"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,10 @@ HELD_ANSWER_BYTES = 4 << 20
 """The most of a whole (non-streamed) answer held before relaying it. An answer within it is
 checked before the client sees it (an abort or a cut fails over); a larger one (long logprobs)
 is relayed as it comes, so a request holds at most this much of the router's memory."""
+DELIVERED_FAILOVERS = 1
+"""Failovers a request gets once an attempt failed after its replica got it (a reset, a 5xx, an
+answer cut before the client had any of it). Failing over off a replica that took no connection,
+or refused the request unserved as a stopping vLLM does, is free."""
 
 
 class UpstreamFailed(Exception):
@@ -95,9 +107,14 @@ def reported_usage(body: bytes) -> tuple[int, int] | None:
     return int(prompt.group(1)), int(cached.group(1)) if cached else 0
 
 
-def sse_error(message: str, code: int) -> bytes:
+def sse_error(message: str, code: int, after: bytes = b"") -> bytes:
+    """An SSE error event to send after `after`, the last bytes relayed: when a replica cut its
+    stream mid-event, a blank line first ends the half event, so the error parses on its own."""
     doc = {"error": {"message": message, "type": "upstream_error", "param": None, "code": code}}
-    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+    event = b"data: " + json.dumps(doc).encode() + b"\n\n"
+    if after and not after.endswith((b"\n\n", b"\r\n\r\n")):
+        return b"\n\n" + event
+    return event
 
 
 class Upstream:
@@ -124,6 +141,7 @@ class Upstream:
             raise RoutingError("no healthy replica")
         excluded: set[str] = set()
         last_error = ""
+        delivered = 0  # attempts that failed after their replica got the request
         for _ in range(len(self._replicas)):
             now = self._clock()
             try:
@@ -150,15 +168,26 @@ class Upstream:
                     )
                 except _Retry as retry:
                     last_error = f"{replica.name}: {retry}"
-                    if retry.stopping and not replica.stopping:
-                        self._mark_stopping(replica, str(retry))
-                    if retry.unreachable or retry.stopping:
-                        replica.healthy = False  # out until a good check (stopping: a probe)
+                    if retry.stopping:
+                        if not replica.stopping:
+                            self._mark_stopping(replica, str(retry))
+                        replica.healthy = False  # out until it answers a probe
+                    elif not retry.delivered:
+                        if self._others_in_rotation(replica):
+                            replica.healthy = False  # suspect until a good check
+                    else:
+                        delivered += 1
                 except asyncio.CancelledError:
-                    # abandoned by the health checker, and not also cancelled for another reason
-                    if not claim.abandoned or (task is not None and task.uncancel()):
+                    # committed (a stream under way: `_relay` ended it), or the client gone:
+                    # never resent; else abandoned by the health checker alone: fail over
+                    if claim.relaying or exchange.started or not _abandoned_alone(claim, exchange):
                         raise
                     last_error = f"{replica.name}: {claim.abandoned}"
+            if delivered > DELIVERED_FAILOVERS:
+                raise UpstreamFailed(
+                    f"{delivered} replicas failed the request after receiving it; "
+                    f"last: {last_error}"
+                )
             log.warning("failing over off %s", last_error)
             excluded.add(replica.name)
             self._metrics.failovers.labels(replica.name).inc()
@@ -171,6 +200,11 @@ class Upstream:
         self._policy.observe_routed(route, decision, now)
         self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
         self._metrics.routed.inc(decision.replica)
+
+    def _others_in_rotation(self, replica: Replica) -> bool:
+        """Whether another replica is in rotation (as `kvtier.router.health` asks before it
+        stalls one out)."""
+        return any(other is not replica for other in self._replicas.healthy())
 
     def _mark_stopping(self, replica: Replica, why: str) -> None:
         replica.stopping = True
@@ -190,14 +224,21 @@ class Upstream:
             resp = await self._pool.post(
                 replica.settings.url, fwd.endpoint, fwd.body, fwd.headers, on_way
             )
+        except ConnectFailed as exc:  # never sent
+            raise _Retry(f"{type(exc).__name__}: {exc}", delivered=False) from exc
+        except TimeoutError as exc:
+            return await self._timed_out(exchange, replica, exc)
         except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
         try:
             if resp.status in RETRY_STATUSES:  # it answers: fail over, but keep it
-                stopping = resp.status == 500 and await _says_shut_down(resp)
-                raise _Retry(f"HTTP {resp.status}", unreachable=False, stopping=stopping)
+                if resp.status == 500 and await _says_shut_down(resp):
+                    raise _Retry("HTTP 500", stopping=True)
+                raise _Retry(f"HTTP {resp.status}")
             try:
                 first = await resp.chunk()
+            except TimeoutError as exc:
+                return await self._timed_out(exchange, replica, exc)
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
             if fwd.stream and resp.status == 200 and _refused_stream(first):
@@ -209,6 +250,8 @@ class Upstream:
             if not fwd.stream or resp.status != 200:
                 try:
                     held, whole = await _hold(resp, first)
+                except TimeoutError as exc:
+                    return await self._timed_out(exchange, replica, exc)
                 except OSError as exc:  # nothing sent yet: still a retry
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
                 if whole:
@@ -229,6 +272,21 @@ class Upstream:
         finally:
             resp.close()
 
+    async def _timed_out(self, exchange: Exchange, replica: Replica, exc: TimeoutError) -> int:
+        """The replica got the request, then sent nothing for the read timeout, before the
+        client had any of the answer: a 504. It may only be slow (a whole answer longer than
+        the timeout): neither resent, to be generated again elsewhere, nor the replica marked
+        (the health checks and stall probes judge it)."""
+        log.warning("replica %s timed out on a request: %s", replica.name, exc)
+        error = {
+            "message": f"replica {replica.name} timed out: {exc}",
+            "type": "upstream_error",
+            "param": None,
+            "code": "upstream_timeout",
+        }
+        await exchange.respond_json(504, {"error": error})
+        return 504
+
     async def _relay(
         self, exchange: Exchange, resp: Response, first: bytes, claim: LoadClaim
     ) -> bytes:
@@ -241,7 +299,8 @@ class Upstream:
             while chunk:
                 if _ABORTED.search(chunk):  # cut short by the replica: not a complete answer
                     self._metrics.stream_errors.labels("upstream").inc()
-                    await exchange.write(sse_error("the replica aborted the request", 502))
+                    error = sse_error("the replica aborted the request", 502, tail[2])
+                    await exchange.write(error)
                     break
                 tail = (tail[1], tail[2], chunk)
                 await exchange.write(chunk, complete=_ends_stream(tail))
@@ -250,17 +309,17 @@ class Upstream:
                     claim.progress()
                 except OSError as exc:  # the replica died or went silent
                     self._metrics.stream_errors.labels("upstream").inc()
-                    await exchange.write(sse_error(f"replica failed mid-stream: {exc}", 502))
+                    error = sse_error(f"replica failed mid-stream: {exc}", 502, tail[2])
+                    await exchange.write(error)
                     break
             await exchange.finish()
             return b"".join(tail)
         except asyncio.CancelledError:  # the client went away, or the replica was given up
-            task = asyncio.current_task()
-            if not claim.abandoned or (task is not None and task.uncancel()):
+            if not _abandoned_alone(claim, exchange):
                 self._metrics.stream_errors.labels("client").inc()
                 raise
             self._metrics.stream_errors.labels("upstream").inc()
-            await exchange.write(sse_error(f"replica {claim.abandoned}", 504))
+            await exchange.write(sse_error(f"replica {claim.abandoned}", 504, tail[2]))
             await exchange.finish()
             return b"".join(tail)
 
@@ -287,6 +346,17 @@ class Upstream:
             return b""
         await exchange.finish()
         return b"".join(tail)
+
+
+def _abandoned_alone(claim: LoadClaim, exchange: Exchange) -> bool:
+    """On a cancellation: whether it is the health checker abandoning `claim`
+    (`LoadClaim.abandon`) and nothing else. The abandonment's cancel is taken back here, and
+    only here (once per claim: `_relay` for a stream under way, else `Upstream.forward`); a
+    client's hang-up or the router's stop, in the same loop turn or not, is never swallowed."""
+    if claim.abandoned is None:
+        return False
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() == 0 and not exchange.client_gone
 
 
 async def _hold(resp: Response, first: bytes) -> tuple[list[bytes], bool]:
@@ -331,12 +401,13 @@ def _ends_stream(tail: tuple[bytes, bytes, bytes]) -> bool:
 class _Retry(Exception):
     """This attempt failed before any byte reached the client."""
 
-    def __init__(self, message: str, unreachable: bool = True, stopping: bool = False) -> None:
+    def __init__(self, message: str, delivered: bool = True, stopping: bool = False) -> None:
         super().__init__(message)
-        self.unreachable = unreachable
-        """The replica did not answer (connect, reset, timeout): other requests avoid it too."""
+        self.delivered = delivered
+        """The replica got the request (False: no connection; other requests avoid it too)."""
         self.stopping = stopping
-        """The replica refused it as a draining vLLM does: out of rotation (`Replica.stopping`)."""
+        """The replica refused it as a draining vLLM does: out of rotation (`Replica.stopping`);
+        it did none of the work, so the failover is free."""
 
 
 # The body is relayed as raw bytes (no decompression), so Content-Encoding passes through.

@@ -159,6 +159,9 @@ class KVAwarePolicy(CostPolicy):
 
     def observe_routed(self, request: RouteRequest, decision: Decision, now: float) -> None:
         self.speculative.expire(now - self.speculative_ttl_s)
+        # a cache hit sends no event: without this, hot prefixes age out of the index first
+        held = -(-decision.cached_tokens // request.block_tokens)
+        self.index.touch(decision.replica, request.hashes[:held], now)
         super().observe_routed(request, decision, now)
 
     def forget(self, replica: str) -> None:
