@@ -1,6 +1,6 @@
 """PrefixIndex: per-replica, per-tier prefix matching with LRU bounds and purges."""
 
-from kvtier.core.keys import block_hashes
+from kvtier.core.keys import BlockHash, block_hashes
 from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 
@@ -102,3 +102,15 @@ def test_touch_keeps_a_read_prefix_and_refreshes_its_root_last() -> None:
     }
     index.insert("b", CHAIN[7:8], Tier.L0, now=5.0)  # evicts a/1: the leaf before the root
     assert index.match(CHAIN, replicas=["c"]) == {"a": [Tier.L0], "b": [Tier.L2], "c": [Tier.L2]}
+
+
+def test_touch_refreshes_a_prefix_at_most_once_a_second() -> None:
+    index = PrefixIndex(10)
+    chain = [BlockHash(bytes([i]) * 16) for i in range(3)]
+    index.insert("a", chain, Tier.L1, now=0.0)
+    index.insert("b", [BlockHash(b"\xff" * 16)], Tier.L1, now=5.0)
+    index.touch("a", chain, now=10.0)
+    index.touch("a", chain[:1], now=10.5)  # within the second: left as it was
+    assert list(index._lru.values()) == [5.0, 10.0, 10.0, 10.0]
+    index.touch("a", chain[:1], now=11.0)
+    assert list(index._lru.values())[-1] == 11.0

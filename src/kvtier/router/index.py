@@ -43,6 +43,8 @@ __all__ = ["SHARED", "PrefixIndex"]
 
 SHARED = "*"
 """Pseudo-replica holding L2 (shared pool) blocks: they count for every replica."""
+TOUCH_EVERY_S = 1.0
+"""How often `touch` refreshes one prefix at most."""
 
 _BIT = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
 
@@ -141,8 +143,15 @@ class PrefixIndex:
     def touch(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         """A request routed to `replica` reads the prefix `hashes`: refresh the LRU position
         of the replica's entries and the shared pool's for these blocks (absent ones are
-        skipped), leaf first so the root ends most recent."""
+        skipped), leaf first so the root ends most recent. A prefix whose root was refreshed
+        less than `TOUCH_EVERY_S` ago is left as it is (one lookup: hot prefixes are routed
+        over and over, and their order within that second does not matter)."""
+        if not hashes:
+            return
         lru = self._lru
+        root = lru.get((replica, hashes[0]), lru.get((SHARED, hashes[0])))
+        if root is not None and now - root < TOUCH_EVERY_S:
+            return
         for h in reversed(hashes):
             for key in ((replica, h), (SHARED, h)):
                 if key in lru:
