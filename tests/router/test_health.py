@@ -20,15 +20,21 @@ Answer = Callable[[str], tuple[int, bytes]]
 
 
 @asynccontextmanager
-async def replica(answer: Answer) -> AsyncIterator[str]:
-    """A loopback HTTP server answering each GET path with `answer(path)`; yields its URL."""
+async def replica(
+    answer: Answer, delay: Callable[[str], float] = lambda path: 0.0
+) -> AsyncIterator[str]:
+    """A loopback HTTP server answering each GET path with `answer(path)`, `delay(path)`
+    seconds late; yields its URL."""
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while line := await reader.readline():
                 while (await reader.readline()) not in (b"\r\n", b""):
                     pass
-                status, body = answer(line.split()[1].decode())
+                path = line.split()[1].decode()
+                if seconds := delay(path):
+                    await asyncio.sleep(seconds)
+                status, body = answer(path)
                 writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body)))
                 writer.write(body)
                 await writer.drain()
@@ -137,44 +143,27 @@ def test_checks_that_only_time_out_keep_the_index_and_a_refused_one_purges_it_on
     would re-send its state when it answers again); a refused connection means it is gone."""
     slow = False
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while line := await reader.readline():
-                while (await reader.readline()) not in (b"\r\n", b""):
-                    pass
-                if slow and line.split()[1] == b"/health":
-                    await asyncio.sleep(5)
-                status, body = models(line.split()[1].decode())
-                writer.write(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(body)))
-                writer.write(body)
-                await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+    def delay(path: str) -> float:
+        return 5.0 if slow and path == "/health" else 0.0
 
     async def scenario() -> None:
         nonlocal slow
-        server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        replicas = ReplicaSet((ReplicaSettings(url=url),))
         pool = HttpPool(1.0, 2.0)
         downs: list[str] = []
-        health = HealthChecker(pool, replicas, 0.05, 0.2, 2, downs.append)
         try:
-            await health.check_all()
-            assert replicas[url].healthy
-            slow = True
-            for _ in range(3):
+            async with replica(models, delay) as url:
+                replicas = ReplicaSet((ReplicaSettings(url=url),))
+                health = HealthChecker(pool, replicas, 0.05, 0.2, 2, downs.append)
                 await health.check_all()
-            assert not replicas[url].healthy and downs == []
-            server.close()
-            await server.wait_closed()
-            for _ in range(2):
+                assert replicas[url].healthy
+                slow = True
+                for _ in range(3):
+                    await health.check_all()
+                assert not replicas[url].healthy and downs == []
+            for _ in range(2):  # the server is closed: refused
                 await health.check_all()
             assert downs == [url]
         finally:
-            server.close()
             pool.close()
 
     run(scenario())

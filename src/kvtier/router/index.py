@@ -113,32 +113,27 @@ class PrefixIndex:
     def remove(self, replica: str, hashes: Sequence[BlockHash], tier: Tier) -> None:
         for guesses in self._guesses:
             guesses.remove(replica, hashes, tier)
-        bit = _BIT[tier]
         for h in hashes:
             holders = self._holders.get(h)
-            if holders is None or replica not in holders:
-                continue
-            mask = holders[replica] & ~bit
-            if mask:
-                holders[replica] = mask
-            else:
-                del self._lru[(replica, h)]
-                self._drop(replica, h)
+            if holders is not None and replica in holders:
+                self._clear(replica, h, holders, _BIT[tier])
 
     def remove_tier(self, replica: str, tier: Tier) -> None:
         """The replica dropped everything it held in `tier` (a cleared cache, a restart of the
         process announcing that tier); its guesses in `tier` go too, whatever blocks they name."""
         for guesses in self._guesses:
             guesses.remove_tier(replica, tier)
-        bit = _BIT[tier]
         for h in list(self._by_replica.get(replica, ())):
-            holders = self._holders[h]
-            mask = holders[replica] & ~bit
-            if mask:
-                holders[replica] = mask
-            else:
-                del self._lru[(replica, h)]
-                self._drop(replica, h)
+            self._clear(replica, h, self._holders[h], _BIT[tier])
+
+    def _clear(self, replica: str, h: BlockHash, holders: dict[str, int], bit: int) -> None:
+        """Take tier `bit` off the replica's entry for `h`; the entry goes with its last tier."""
+        mask = holders[replica] & ~bit
+        if mask:
+            holders[replica] = mask
+        else:
+            del self._lru[(replica, h)]
+            self._drop(replica, h)
 
     def touch(self, replica: str, hashes: Sequence[BlockHash], now: float) -> None:
         """A request routed to `replica` reads the prefix `hashes`: refresh the LRU position
