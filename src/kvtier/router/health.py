@@ -215,7 +215,7 @@ class HealthChecker:
                 log.warning("replica %s answers again: back in rotation", replica.name)
             replica.stalled = False
             return
-        if not replica.stalled and not self._others_in_rotation(replica):
+        if not replica.stalled and not self._replicas.others_in_rotation(replica):
             log.warning(
                 "replica %s: no answer for %.0f s, but no other replica is in rotation: kept "
                 "(a stall of the whole fleet points at the host or the router, not one replica)",
@@ -235,10 +235,6 @@ class HealthChecker:
             self._on_stall(replica.name)
         replica.stalled = True
         replica.healthy = False
-
-    def _others_in_rotation(self, replica: Replica) -> bool:
-        """A stalled replica is unhealthy until a check after an answered probe."""
-        return any(other is not replica for other in self._replicas.healthy())
 
     async def _get(self, replica: Replica, path: str) -> bytes | None:
         """The body of a 200 answer within the timeout, else None."""

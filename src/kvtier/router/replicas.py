@@ -181,6 +181,11 @@ class ReplicaSet:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy and not r.draining]
 
+    def others_in_rotation(self, replica: Replica) -> bool:
+        """Whether a replica other than `replica` is in rotation: the last one is never taken
+        out for a suspicion (a stall, a failed connection), which would answer 503 to all."""
+        return any(other is not replica for other in self.healthy())
+
     def add(self, settings: ReplicaSettings, healthy: bool = True) -> Replica:
         """A replica joins (discovery); `healthy=False` keeps it out until a good check."""
         replica = self.replicas[settings.name] = Replica(settings, healthy=healthy)

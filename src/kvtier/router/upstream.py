@@ -173,7 +173,7 @@ class Upstream:
                             self._mark_stopping(replica, str(retry))
                         replica.healthy = False  # out until it answers a probe
                     elif not retry.delivered:
-                        if self._others_in_rotation(replica):
+                        if self._replicas.others_in_rotation(replica):
                             replica.healthy = False  # suspect until a good check
                     else:
                         delivered += 1
@@ -200,11 +200,6 @@ class Upstream:
         self._policy.observe_routed(route, decision, now)
         self._metrics.decisions.inc(self._metrics.strategy, decision.reason)
         self._metrics.routed.inc(decision.replica)
-
-    def _others_in_rotation(self, replica: Replica) -> bool:
-        """Whether another replica is in rotation (as `kvtier.router.health` asks before it
-        stalls one out)."""
-        return any(other is not replica for other in self._replicas.healthy())
 
     def _mark_stopping(self, replica: Replica, why: str) -> None:
         replica.stopping = True
