@@ -62,7 +62,7 @@ from kvtier.router.policies import CostPolicy, RouteRequest, make_policy
 from kvtier.router.replicas import ReplicaSet
 from kvtier.router.settings import RouterSettings
 from kvtier.router.tokenizer import Prompt, Tokenizer
-from kvtier.router.upstream import Forward, Upstream, UpstreamFailed
+from kvtier.router.upstream import Forward, Upstream, UpstreamFailed, UpstreamTimedOut
 
 __all__ = ["Listening", "Router", "serve", "serving"]
 
@@ -259,6 +259,8 @@ class Router:
             )
         except UpstreamFailed as exc:
             error = BadRequest(502, str(exc), code="upstream_failed", type_="upstream_error")
+        except UpstreamTimedOut as exc:
+            error = BadRequest(504, str(exc), code="upstream_timeout", type_="upstream_error")
         except ClientGone:
             raise
         except Exception as exc:

@@ -51,7 +51,14 @@ from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policies import Decision, Policy, RouteRequest, work_tokens
 from kvtier.router.replicas import LoadClaim, Replica, ReplicaSet
 
-__all__ = ["DELIVERED_FAILOVERS", "Forward", "Upstream", "UpstreamFailed", "reported_usage"]
+__all__ = [
+    "DELIVERED_FAILOVERS",
+    "Forward",
+    "Upstream",
+    "UpstreamFailed",
+    "UpstreamTimedOut",
+    "reported_usage",
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,18 @@ or refused the request unserved as a stopping vLLM does, is free."""
 
 class UpstreamFailed(Exception):
     """Every eligible replica failed before the first byte."""
+
+
+class UpstreamTimedOut(Exception):
+    """The replica got the request, then sent nothing for the read timeout, before the client
+    had any of the answer (a 504). It may only be slow (a whole answer longer than the
+    timeout): neither resent, to be generated again elsewhere, nor the replica marked (the
+    health checks and stall probes judge it)."""
+
+
+def _timed_out(replica: Replica, exc: TimeoutError) -> UpstreamTimedOut:
+    log.warning("replica %s timed out on a request: %s", replica.name, exc)
+    return UpstreamTimedOut(f"replica {replica.name} timed out: {exc}")
 
 
 class Forward(NamedTuple):
@@ -222,7 +241,7 @@ class Upstream:
         except ConnectFailed as exc:  # never sent
             raise _Retry(f"{type(exc).__name__}: {exc}", delivered=False) from exc
         except TimeoutError as exc:
-            return await self._timed_out(exchange, replica, exc)
+            raise _timed_out(replica, exc) from exc
         except OSError as exc:
             raise _Retry(f"{type(exc).__name__}: {exc}") from exc
         try:
@@ -233,7 +252,7 @@ class Upstream:
             try:
                 first = await resp.chunk()
             except TimeoutError as exc:
-                return await self._timed_out(exchange, replica, exc)
+                raise _timed_out(replica, exc) from exc
             except OSError as exc:
                 raise _Retry(f"{type(exc).__name__}: {exc}") from exc
             if fwd.stream and resp.status == 200 and _refused_stream(first):
@@ -246,7 +265,7 @@ class Upstream:
                 try:
                     held, whole = await _hold(resp, first)
                 except TimeoutError as exc:
-                    return await self._timed_out(exchange, replica, exc)
+                    raise _timed_out(replica, exc) from exc
                 except OSError as exc:  # nothing sent yet: still a retry
                     raise _Retry(f"{type(exc).__name__}: {exc}") from exc
                 if whole:
@@ -266,21 +285,6 @@ class Upstream:
             return resp.status
         finally:
             resp.close()
-
-    async def _timed_out(self, exchange: Exchange, replica: Replica, exc: TimeoutError) -> int:
-        """The replica got the request, then sent nothing for the read timeout, before the
-        client had any of the answer: a 504. It may only be slow (a whole answer longer than
-        the timeout): neither resent, to be generated again elsewhere, nor the replica marked
-        (the health checks and stall probes judge it)."""
-        log.warning("replica %s timed out on a request: %s", replica.name, exc)
-        error = {
-            "message": f"replica {replica.name} timed out: {exc}",
-            "type": "upstream_error",
-            "param": None,
-            "code": "upstream_timeout",
-        }
-        await exchange.respond_json(504, {"error": error})
-        return 504
 
     async def _relay(
         self, exchange: Exchange, resp: Response, first: bytes, claim: LoadClaim
