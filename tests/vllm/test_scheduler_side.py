@@ -603,6 +603,24 @@ def test_the_blocks_a_step_computed_after_a_failed_synchronous_load_are_stale_to
         side.close()
 
 
+def _loader_and_sharer(
+    rt: process_store.ProcessStore, batches_in_flight: int = 1
+) -> tuple[SchedulerSide, FakeRequest, FakeRequest]:
+    """A side with synchronous loads where `loader` (engine blocks 0-16) is planned to load its
+    first 4 stored kvtier blocks (engine blocks 0-7), and `sharer`, tracked but not yet
+    scheduled, holds engine blocks 0-7 too, then 20-29."""
+    tokens = list(range(2100))
+    _store_blocks(rt, tokens, 4)
+    ids = {"loader": list(range(17)), "sharer": [*range(8), *range(20, 30)]}
+    side = _side(rt, ids, load_async=False, batches_in_flight=batches_in_flight)
+    loader, sharer = FakeRequest("loader", tokens), FakeRequest("sharer", tokens)
+    side.new_request(loader)  # type: ignore[arg-type]
+    side.new_request(sharer)  # type: ignore[arg-type]
+    assert _answer(side, loader, 0) == (1024, False)
+    side.after_alloc(loader, FakeBlocks(ids["loader"]), 1024)  # type: ignore[arg-type]
+    return side, loader, sharer
+
+
 def test_a_request_computing_on_from_a_shared_block_that_failed_to_load_saves_nothing_more(
     rt: process_store.ProcessStore,
 ) -> None:
@@ -611,26 +629,18 @@ def test_a_request_computing_on_from_a_shared_block_that_failed_to_load_saves_no
     prefix cache. vLLM takes A back to block 4 but not B, which computes on from the stale
     block: none of B's later blocks may be saved (its step N+1 save names the loaded blocks
     for the worker to bar), while A saves again once it recomputes."""
-    tokens = list(range(2100))
-    _store_blocks(rt, tokens, 4)
-    a_ids, b_ids = list(range(17)), [*range(8), *range(20, 30)]
-    side = _side(rt, {"a": a_ids, "b": b_ids}, load_async=False, batches_in_flight=2)
+    side, a, b = _loader_and_sharer(rt, batches_in_flight=2)
     try:
-        a, b = FakeRequest("a", tokens), FakeRequest("b", tokens)
-        side.new_request(a)  # type: ignore[arg-type]
-        side.new_request(b)  # type: ignore[arg-type]
-        assert _answer(side, a, 0) == (1024, False)
-        side.after_alloc(a, FakeBlocks(a_ids), 1024)  # type: ignore[arg-type]
-        (load,) = side.build_meta(FakeSchedulerOutput({"a": 76})).loads  # type: ignore[arg-type]
+        (load,) = side.build_meta(FakeSchedulerOutput({"loader": 76})).loads  # type: ignore[arg-type]
         assert load.engine_block_ids == tuple(range(8))  # step N
         b.num_computed_tokens = 1024  # step N+1: B's first 8 blocks from vLLM's prefix cache
-        (save,) = side.build_meta(FakeSchedulerOutput({"b": 512})).saves  # type: ignore[arg-type]
+        (save,) = side.build_meta(FakeSchedulerOutput({"sharer": 512})).saves  # type: ignore[arg-type]
         assert save.loaded_before == frozenset(range(8))
 
         assert 4 in side.computed_from({4})  # step N's output: block 4 failed
         a.num_computed_tokens, b.num_computed_tokens = 512, 1536  # vLLM took A back, not B
-        saves = side.build_meta(FakeSchedulerOutput({"a": 600, "b": 512})).saves  # type: ignore[arg-type]
-        assert [s.req_id for s in saves] == ["a"]
+        saves = side.build_meta(FakeSchedulerOutput({"loader": 600, "sharer": 512})).saves  # type: ignore[arg-type]
+        assert [s.req_id for s in saves] == ["loader"]
         assert saves[0].loaded_before == frozenset()  # (the window has passed: B would save)
     finally:
         side.close()
@@ -663,21 +673,13 @@ def test_a_request_sharing_a_failed_block_in_the_failing_step_saves_once_recompu
     """Y took X's loading blocks from vLLM's prefix cache in the same step, so vLLM takes Y
     back to those blocks (X recomputes the failed one in the next step, beside Y): Y's blocks
     computed then are good, and saved."""
-    tokens = list(range(2100))
-    _store_blocks(rt, tokens, 4)
-    x_ids, y_ids = list(range(17)), [*range(8), *range(20, 30)]
-    side = _side(rt, {"x": x_ids, "y": y_ids}, load_async=False)
+    side, x, y = _loader_and_sharer(rt)
     try:
-        x, y = FakeRequest("x", tokens), FakeRequest("y", tokens)
-        side.new_request(x)  # type: ignore[arg-type]
-        side.new_request(y)  # type: ignore[arg-type]
-        assert _answer(side, x, 0) == (1024, False)
-        side.after_alloc(x, FakeBlocks(x_ids), 1024)  # type: ignore[arg-type]
         y.num_computed_tokens = 1024  # from vLLM's prefix cache, as X's load writes them
-        side.build_meta(FakeSchedulerOutput({"x": 76, "y": 512}))  # type: ignore[arg-type]
+        side.build_meta(FakeSchedulerOutput({"loader": 76, "sharer": 512}))  # type: ignore[arg-type]
         assert side.computed_from({4}) >= {4, 20, 21, 22, 23}
         x.num_computed_tokens, y.num_computed_tokens = 512, 1024  # vLLM takes both back
-        saves = side.build_meta(FakeSchedulerOutput({"x": 600, "y": 512})).saves  # type: ignore[arg-type]
-        assert sorted(s.req_id for s in saves) == ["x", "y"]
+        saves = side.build_meta(FakeSchedulerOutput({"loader": 600, "sharer": 512})).saves  # type: ignore[arg-type]
+        assert sorted(s.req_id for s in saves) == ["loader", "sharer"]
     finally:
         side.close()
