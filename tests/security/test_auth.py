@@ -28,6 +28,14 @@ bravo {KEY_B}
 """
 
 
+@pytest.fixture
+def keys_file(tmp_path: Path) -> Path:
+    """The keys file of tenants alpha (two keys), bravo and a shared-namespace key."""
+    path = tmp_path / "keys"
+    path.write_text(KEYS_FILE)
+    return path
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -41,9 +49,7 @@ def write_atomically(path: Path, text: str) -> None:
 # ----- the key set -----
 
 
-def test_keys_come_from_the_setting_the_environment_and_the_file(tmp_path: Path) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(KEYS_FILE)
+def test_keys_come_from_the_setting_the_environment_and_the_file(keys_file: Path) -> None:
     keys = ApiKeys("sk-flag", str(keys_file), environ={KEYS_ENV: "sk-env1, delta sk-env2"})
     assert len(keys) == 7
     assert keys.authenticate("Bearer sk-flag") is None
@@ -120,10 +126,8 @@ def test_tenant_salts_are_disjoint_stable_and_keep_the_clients_own_inside() -> N
 
 
 def test_the_router_authenticates_and_salts_each_tenants_requests(
-    tmp_path: Path, tokenizer: Tokenizer
+    keys_file: Path, tokenizer: Tokenizer
 ) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(KEYS_FILE)
 
     async def scenario() -> None:
         async with (
@@ -157,13 +161,11 @@ def test_the_router_authenticates_and_salts_each_tenants_requests(
 
 
 def test_a_tenant_cannot_tell_from_the_tokenizer_cache_what_another_sent(
-    tmp_path: Path, tokenizer: Tokenizer
+    keys_file: Path, tokenizer: Tokenizer
 ) -> None:
     """The router caches encoded chunks and prompt heads; a hit answers sooner (a request
     failing right after tokenizing: ~1 ms for a known text, ~24 ms for a new one). Each tenant
     hits only its own texts: another tenant's identical request encodes every chunk afresh."""
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(KEYS_FILE)
     text = " ".join(f"alpha-merger-figure-{i}" for i in range(120)) + "\nQuestion: approved?"
     probe = completion(text, truncate_prompt_tokens=8, truncation_side="middle")
 
@@ -203,10 +205,8 @@ def test_a_tenant_cannot_tell_from_the_tokenizer_cache_what_another_sent(
 
 
 def test_a_tenant_cannot_join_or_move_another_tenants_session(
-    tmp_path: Path, tokenizer: Tokenizer
+    keys_file: Path, tokenizer: Tokenizer
 ) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(KEYS_FILE)
 
     async def scenario() -> None:
         async with (
@@ -237,10 +237,8 @@ def test_a_tenant_cannot_join_or_move_another_tenants_session(
 
 
 def test_no_key_shows_in_logs_errors_metrics_or_models(
-    tmp_path: Path, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+    keys_file: Path, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    keys_file = tmp_path / "keys"
-    keys_file.write_text(KEYS_FILE)
     secrets = (KEY_A1, KEY_A2, KEY_B, KEY_SHARED)
     seen: list[str] = []
 

@@ -23,9 +23,9 @@ Memory is bounded: at most `max_blocks` (replica, block) entries; inserting beyo
 least recently touched entry. An entry keeps a bit set of the tiers it is in, so an L0 eviction
 leaves an L1 copy known. Events alone would order entries by when they were stored: a shared
 system prompt stored once, then read by every request, would be the first evicted while the
-leaves of its conversations stay, and every match would then end at block 0. `touch` on each
-routed request keeps hot prefixes recent (O(1) per block: an `OrderedDict` move), and refreshes
-a prefix leaf first, so its root is the last of it to go.
+leaves of its conversations stay, and every match would then end at block 0. `touch` on a
+routed request keeps hot prefixes recent (O(1) per block: an `OrderedDict` move; a prefix at
+most once a second), and refreshes a prefix leaf first, so its root is the last of it to go.
 
 Callers: the router's policies (one event loop, so no locking) and the fleet simulator.
 """
