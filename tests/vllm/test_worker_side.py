@@ -249,6 +249,35 @@ def test_a_load_past_its_deadline_keeps_what_it_wrote_and_writes_nothing_late(
         close_replica(b)
 
 
+def test_close_gives_up_on_a_load_stuck_in_a_hung_mount(tmp_path: Path) -> None:
+    """vLLM shutting down while an asynchronous load is stuck in an L2 read that never returns:
+    `close` returns after its bound instead of waiting for the read."""
+    a, _ = replica(tmp_path)
+    b, _ = replica(tmp_path, load_layerwise=False)
+    release = threading.Event()
+    try:
+        save_blocks(a, "computed", (7, 8, 9))
+        assert a._store.flush(30)
+        entered = threading.Event()
+
+        def hung_read(block_hash: bytes, staging: memoryview, times: object) -> object:
+            entered.set()
+            release.wait(30)
+            raise OSError("the mount came back too late")
+
+        b._store._l2_read_into = hung_read  # type: ignore[method-assign,assignment]
+        load = LoadSpec("hit", CHAIN, (1, 2, 3), 0, (Tier.L2,) * 3, asynchronous=True)
+        b.start_loads(KvtierMetadata(loads=[load]))
+        assert entered.wait(10)
+        started = time.monotonic()
+        b.close()  # waits `CLOSE_WAIT_S` at most
+        assert time.monotonic() - started < 15
+    finally:
+        release.set()
+        close_replica(a)
+        close_replica(b)
+
+
 def test_an_l1_hit_is_copied_layer_by_layer_while_the_forward_pass_runs(tmp_path: Path) -> None:
     """A synchronous L1 hit returns from `start_loads` before any copy; the forward pass's
     wait for layer i returns once layer i (and not yet i + 1) of every block is written."""

@@ -56,10 +56,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.core.daemon_pool import DaemonPool
 from kvtier.core.events import EventKind
 from kvtier.core.keys import BlockHash, block_hashes, root_hash
 from kvtier.core.tiers.base import TIER_ORDER, Tier
@@ -166,10 +167,10 @@ class SchedulerSide:
         )
         """Per step in flight, each scheduled request holding a block such a load wrote, with
         its engine block ids (what a step computed after a failed one is stale too)."""
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvtier-lookup")
+        self._lookups = DaemonPool(1, "kvtier-lookup")
         self._running_since: float | None = None
         """When the lookup thread started the lookup it runs now (None: idle)."""
-        self._checks = ThreadPoolExecutor(len(self._stores), thread_name_prefix="kvtier-exists")
+        self._checks = DaemonPool(len(self._stores), "kvtier-exists")
 
     # ---- vLLM hooks ---------------------------------------------------------------------
 

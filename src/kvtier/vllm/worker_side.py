@@ -77,12 +77,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
 
+from kvtier.core.clock import deadline_in, seconds_left
 from kvtier.core.codec import BlockMeta
+from kvtier.core.daemon_pool import DaemonPool
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
 from kvtier.core.store import LoadedBlock
@@ -97,6 +99,10 @@ from kvtier.vllm.stats import ConnectorCounters
 from kvtier.vllm.transfer import PagedKV, host_bytes, payload_view
 
 log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 5.0
+"""How long `close` waits for the loads, copies and saves in progress (a save into L1 ends
+soon; a read stuck in a hung mount may never end)."""
 
 _NOTHING_TO_SAVE: Future[None] = Future()
 """The job of a save dropped past the backlog: already done."""
@@ -242,10 +248,8 @@ class WorkerSide:
         self._kv: PagedKV | None = None
         self._pinned_save_buffer: torch.Tensor | None = None  # CUDA only; the saver's
         self._local = threading.local()  # per loader thread: its staging buffer
-        self._loader = ThreadPoolExecutor(
-            load_threads,
-            thread_name_prefix="kvtier-load",
-            initializer=thread_placer(cpus) if loads_in_background else None,
+        self._loader = DaemonPool(
+            load_threads, "kvtier-load", thread_placer(cpus) if loads_in_background else None
         )
         # Readers of synchronous loads may use every CPU: the engine waits for them.
         reader_cpus = (
@@ -253,22 +257,12 @@ class WorkerSide:
         )
         self._read_threads = load_read_threads
         self._readers = (
-            ThreadPoolExecutor(
-                load_read_threads,
-                thread_name_prefix="kvtier-read",
-                initializer=thread_placer(reader_cpus),
-            )
+            DaemonPool(load_read_threads, "kvtier-read", thread_placer(reader_cpus))
             if load_read_threads > 0 and load_staging
             else None
         )
-        self._saver = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="kvtier-save",
-            initializer=thread_placer(cpus),
-        )
-        self._copier = ThreadPoolExecutor(
-            1, thread_name_prefix="kvtier-copy", initializer=thread_placer(cpus)
-        )
+        self._saver = DaemonPool(1, "kvtier-save", thread_placer(cpus))
+        self._copier = DaemonPool(1, "kvtier-copy", thread_placer(cpus))
         spare = cpus is not None and bool(cpus - os.sched_getaffinity(0))
         self._layerwise = spare if load_layerwise is None else load_layerwise
         """The layered copy (`load_layerwise`; unset: where the copier has a core of its own:
@@ -516,12 +510,20 @@ class WorkerSide:
             errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def close(self) -> None:
-        self._loader.shutdown(wait=True, cancel_futures=True)
-        self._copier.shutdown(wait=True)
+    def close(self, timeout_s: float = CLOSE_WAIT_S) -> None:
+        """Cancel queued loads, let queued saves and copies run, and wait for the threads up to
+        `timeout_s` in all; threads stuck in a hung mount are left behind (they are daemons:
+        they never keep the process alive)."""
+        pools = [self._loader, self._copier, self._saver]
+        self._loader.shutdown(wait=False, cancel_futures=True)
         if self._readers is not None:
-            self._readers.shutdown(wait=True, cancel_futures=True)
-        self._saver.shutdown(wait=True)
+            self._readers.shutdown(wait=False, cancel_futures=True)
+            pools.append(self._readers)
+        self._copier.shutdown(wait=False)
+        self._saver.shutdown(wait=False)
+        deadline = deadline_in(timeout_s)
+        for pool in pools:
+            pool.join(seconds_left(deadline))
 
     # ---- background threads -------------------------------------------------------------
 
