@@ -390,6 +390,37 @@ def test_a_request_that_kills_its_replica_reaches_two_replicas_not_the_fleet(
     run(scenario())
 
 
+class DyingReplica(PoisonReplica):
+    """Dies of a request whose prompt is "poison": its connection is reset and it listens no
+    more (as a vLLM server whose engine the request killed)."""
+
+    async def _generate(self, writer: asyncio.StreamWriter, body: dict[str, Any]) -> bool:
+        if body.get("prompt") == "poison" and self._server is not None:
+            self._server.close()
+        return await super()._generate(writer, body)
+
+
+def test_a_request_that_kills_its_replica_process_reaches_two_replicas_not_the_fleet(
+    tokenizer: Tokenizer,
+) -> None:
+    """As above, with replicas that die: the request arrives on a kept-alive connection (the
+    health checks' own), the client's resend on a new connection is refused, and that refusal
+    must not count the replica as one that never got the request."""
+
+    async def scenario() -> None:
+        replicas = [await DyingReplica().start() for _ in range(4)]
+        try:
+            async with running_router(tokenizer, replicas, health_interval_s=30.0) as rr:
+                resp = await rr.client.post(rr.url + "/v1/completions", json=completion("poison"))
+                assert resp.status_code == 502
+                assert len([r for r in replicas if r.received]) == 1 + DELIVERED_FAILOVERS
+        finally:
+            for r in replicas:
+                await r.stop()
+
+    run(scenario())
+
+
 def test_a_reset_request_does_not_take_out_the_last_replica_for_the_others(
     tokenizer: Tokenizer,
 ) -> None:

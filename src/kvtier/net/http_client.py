@@ -10,7 +10,9 @@ socket work.
 One `ReplicaConnection` carries one request at a time; `HttpPool` keeps idle ones per base URL
 (LIFO, dropped after `idle_s`, below uvicorn's 5 s keep-alive so a replica rarely closes one
 under us). A request on a reused connection that dies before any response byte is retried once
-on a fresh connection: that is a stale keep-alive socket, not a dead replica. `https://` base
+on a fresh connection: that is a stale keep-alive socket, not a dead replica. If that
+connection cannot be opened, the replica may have died of the request: the error is then a
+`ConnectionResetError`, not a `ConnectFailed` (the request may have been delivered). `https://` base
 URLs are spoken over TLS, verified against the pool's `ssl.SSLContext` (the system's CAs by
 default); the certificate must name the URL's host.
 
@@ -317,17 +319,23 @@ class HttpPool:
             f"Content-Length: {len(body)}\r\n{fields}\r\n"
         ).encode("latin-1")
         conn = self._take_idle(base_url)
-        if conn is not None:
-            try:
-                return await self._exchange(base_url, conn, head, body, on_way)
-            except ConnectionError:
-                if conn.got_bytes:
-                    raise
-                # a stale keep-alive socket (the replica closed it while idle): retry once
-                # (`on_way` has run: a write never raises, its failure comes as `conn.error`)
-        elif on_way is not None:
-            on_way()
-        conn = await self._connect(address)
+        if conn is None:
+            if on_way is not None:
+                on_way()
+            conn = await self._connect(address)
+            return await self._exchange(base_url, conn, head, body, None)
+        try:
+            return await self._exchange(base_url, conn, head, body, on_way)
+        except ConnectionError as exc:
+            if conn.got_bytes:
+                raise
+            closed = exc
+        # a stale keep-alive socket (the replica closed it while idle): retry once
+        # (`on_way` has run: a write never raises, its failure comes as `conn.error`)
+        try:
+            conn = await self._connect(address)
+        except ConnectFailed as exc:  # a replica that died of the request, maybe: it got it
+            raise ConnectionResetError(f"{closed}, and then refused a new one: {exc}") from exc
         return await self._exchange(base_url, conn, head, body, None)
 
     async def _exchange(
