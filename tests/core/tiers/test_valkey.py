@@ -6,7 +6,9 @@ import os
 import signal
 import socket
 import struct
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, cast
 
@@ -284,3 +286,136 @@ def test_server_side_lru_keeps_memory_under_maxmemory_and_keeps_the_newest() -> 
         assert int(info["used_memory"]) <= limit + 2 * 1024**2  # type: ignore[call-overload]
         assert present[-1] and sum(present) < len(blocks)
         assert tier.stats().errors == 0
+
+
+def test_a_fault_that_fails_many_calls_at_once_pauses_once_and_one_call_probes() -> None:
+    """Calls from several threads in flight when the server hangs fail together: the pause is
+    `backoff_initial_s`, not doubled once per call; when it ends one call tries the server and
+    the others still skip it, instead of all of them waiting out the timeout together."""
+    server = start_valkey()
+    assert server.pid is not None
+    stopped = False
+    now = [0.0]
+    threads = 6
+    try:
+        tier = ValkeyTier(
+            ValkeyTierSettings(
+                url=server.url, lookup_timeout_s=0.5, backoff_initial_s=1.0, backoff_max_s=60.0
+            ),
+            NAMESPACE,
+            clock=lambda: now[0],
+        )
+        h, meta, payload = make_block(11, 0, 4 * KIB)
+        assert tier.put(h, meta, payload).stored
+
+        def lookups() -> list[float]:
+            """Each thread's contains_many, started together: how long each took."""
+            barrier = threading.Barrier(threads)
+
+            def one() -> float:
+                barrier.wait(timeout=10)
+                started = time.monotonic()
+                assert tier.contains_many([h]) == [False]
+                return time.monotonic() - started
+
+            with ThreadPoolExecutor(threads) as pool:
+                futures = [pool.submit(one) for _ in range(threads)]
+                return [f.result(timeout=30) for f in futures]
+
+        os.kill(server.pid, signal.SIGSTOP)
+        stopped = True
+        assert all(t >= 0.4 for t in lookups())  # all in flight, all timed out
+        assert tier.stats().errors == threads
+        now[0] += 1.0  # the pause of one fault has passed
+        took = lookups()
+        assert sum(t >= 0.4 for t in took) == 1  # the probe; the others skipped at once
+        assert sum(t < 0.2 for t in took) == threads - 1
+        assert tier.stats().errors == 2 * threads
+        os.kill(server.pid, signal.SIGCONT)
+        stopped = False
+        now[0] += 2.0  # the failed probe doubled the pause
+        assert tier.contains_many([h]) == [True]
+        tier.close()
+    finally:
+        if stopped:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
+def test_a_block_over_the_servers_proto_max_bulk_len_is_rejected_not_an_outage() -> None:
+    """The server drops a connection that sends a value over `proto-max-bulk-len`; the tier
+    must not send it (that would read as an outage and pause every call for the backoff)."""
+    with ValkeyServer(ValkeyServerSpec()) as server:
+        valkey.Valkey.from_url(server.url).config_set("proto-max-bulk-len", 1024 * KIB)
+        tier = ValkeyTier(
+            ValkeyTierSettings(url=server.url, backoff_initial_s=3600, backoff_max_s=3600),
+            NAMESPACE,
+        )
+        h, meta, payload = make_block(12, 0, 1024 * KIB)  # with its header, over 1 MiB
+        assert not tier.put(h, meta, payload).stored
+        small = make_block(12, 1, 4 * KIB)
+        assert tier.put(*small).stored  # not in a backoff
+        assert tier.contains_many([h, small[0]]) == [False, True]
+        stats = tier.stats()
+        assert (stats.rejected, stats.errors, stats.stored) == (1, 0, 1)
+        tier.close()
+
+
+def test_corrupt_removed_counts_only_what_the_server_deleted(tmp_path: Path) -> None:
+    """An ACL user that may not DEL (nor CONFIG): invalid values are misses left in place,
+    counted as errors, not as removed; the size limit falls back to the default."""
+    with ValkeyServer(ValkeyServerSpec()) as server:
+        admin = valkey.Valkey.from_url(server.url)
+        admin.execute_command(
+            "ACL", "SETUSER", "nodel", "on", ">pw", "~*", "+@all", "-del", "-unlink", "-config"
+        )
+        (tmp_path / "password").write_text("pw\n")
+        tier = ValkeyTier(
+            ValkeyTierSettings(
+                url=server.url, username="nodel", password_file=str(tmp_path / "password")
+            ),
+            NAMESPACE,
+        )
+        blocks = [make_block(13, i, 4 * KIB) for i in range(3)]
+        assert tier.put(*blocks[0]).stored
+        corrupt, hashed = tier.key(blocks[0][0]), tier.key(blocks[1][0])
+        admin.setrange(corrupt, 4096 + 10, b"\xff\xfe")
+        admin.hset(hashed, "field", "value")
+        assert tier.get_many([blocks[0][0], blocks[1][0]]) == [None, None]
+        assert admin.exists(corrupt, hashed) == 2  # DEL refused (NOPERM)
+        stats = tier.stats()
+        assert (stats.misses, stats.corrupt_removed, stats.errors) == (2, 0, 2)
+        assert tier.put(*blocks[2]).stored and tier.stats().rejected == 0
+        tier.close()
+
+
+class _ClusterNode(ValkeyServer):
+    """A cluster-mode server (`cluster-enabled yes`), one shard once it holds every slot."""
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--cluster-enabled", "yes"]
+
+
+def test_a_single_shard_cluster_serves_batches_of_keys_in_different_hash_slots() -> None:
+    """Block keys fall in different hash slots: a batch must not be one multi-key command,
+    which a cluster-mode server refuses (CROSSSLOT) even when one shard holds every slot."""
+    with _ClusterNode(ValkeyServerSpec()) as server:
+        admin = valkey.Valkey.from_url(server.url)
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        assert poll(lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"), 10)
+        tier = tier_for(server)
+        blocks = [make_block(14, i, 4 * KIB) for i in range(5)]
+        for block in blocks[:3]:
+            assert tier.put(*block).stored
+        foreign = [tier.key(h) for h, _, _ in blocks[3:]]
+        admin.hset(foreign[0], "field", "value")  # keys of another type: removed
+        admin.rpush(foreign[1], "item")
+        hashes = [h for h, _, _ in blocks]
+        assert len({admin.execute_command("CLUSTER", "KEYSLOT", k) for k in foreign}) == 2
+        got = tier.get_many(hashes)
+        payloads = [bytes(b.payload) if b else None for b in got]
+        assert payloads == [p for _, _, p in blocks[:3]] + [None, None]
+        assert [admin.exists(k) for k in foreign] == [0, 0]
+        stats = tier.stats()
+        assert (stats.hits, stats.misses, stats.corrupt_removed, stats.errors) == (3, 2, 2, 0)
+        tier.close()

@@ -15,13 +15,20 @@ thin wrappers.
 Faults never reach the caller. A lost connection (server restarted, network gone) turns the
 call into misses or a failed put, counted in `errors`; the tier then stops talking to the
 server for a backoff that doubles from `backoff_initial_s` to `backoff_max_s` (so a dead server
-costs lookups nothing; each call skipped meanwhile counts in `errors` too) and the first call
-after it reconnects. A value that fails validation
-is a miss, deleted and counted, and so is a key of another type (a hash, a list, written under
-the namespace by some other client): EXISTS finds it, so left alone it would be a lookup hit
-whose load fails, forever. MGET answers it nil, like an absent key, so a nil is looked at with
-TYPE, one more round trip on misses only. A server error on one command (WRONGTYPE among
-them) is counted in `errors` and turns the call into misses; it is never raised.
+costs lookups nothing; each call skipped meanwhile counts in `errors` too). One fault doubles
+it once, however many threads' calls it failed together; when it ends, one call tries the
+server while the others go on skipping. A value that fails validation is a miss, deleted and
+counted, and so is a key of another type (a hash, a list, written under the namespace by some
+other client): EXISTS finds it, so left alone it would be a lookup hit whose load fails,
+forever. Its GET answers WRONGTYPE, taken as a nil like an absent key, so a nil is looked at
+with TYPE, one more round trip on misses only. A server error on one command is counted in
+`errors` and turns the call into misses; it is never raised. A block whose value would exceed
+the server's `proto-max-bulk-len` (asked at start; 512 MiB if CONFIG is refused) is not sent,
+since the server drops the connection that sends it: the put fails, counted in `rejected`.
+
+Cluster mode: every command names one key, so a cluster-mode server holding all 16384 slots
+(one shard) works; several shards need a cluster client, which this tier is not (their MOVED
+replies are counted errors, i.e. misses).
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
@@ -38,7 +45,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self, cast
 
 import valkey
 from pydantic import Field, model_validator
@@ -66,8 +73,12 @@ log = logging.getLogger(__name__)
 PASSWORD_ENV = "KVTIER_L2_PASSWORD"
 """Environment variable holding the Valkey password when no `password_file` is given."""
 
+MAX_BULK_DEFAULT = 512 * 1024**2
+"""Valkey's and Redis's default `proto-max-bulk-len`: the largest value a SET may carry, assumed
+when the server does not answer CONFIG GET (a managed service that disables it)."""
+
 _ABSENT_OR_STRING = (b"none", b"string")
-"""TYPE's answers for a key MGET may answer nil: absent, or written since."""
+"""TYPE's answers for a key GET answered nil: absent, or written since."""
 
 
 class ValkeyTierSettings(Settings):
@@ -120,19 +131,37 @@ def _password(config: ValkeyTierSettings) -> str | None:
 
 
 class _Backoff:
-    """Connection health: after a fault, calls are skipped until `retry_at`."""
+    """Connection health: after a fault, calls are skipped until `retry_at`; then one call (the
+    probe) tries the server while the others go on skipping, for one more pause at most.
+
+    One fault pauses once, however many calls it fails together: a call's failure doubles the
+    pause only if no other fault was counted since the call was let through (`admit`'s token),
+    so the calls in flight when the server died do not stretch a blip to `backoff_max_s`."""
 
     def __init__(self, initial_s: float, max_s: float, clock: Callable[[], float]) -> None:
         self._initial, self._max, self._clock = initial_s, max_s, clock
         self._lock = threading.Lock()
         self._delay = 0.0
         self._retry_at = 0.0
+        self._faults = 0
 
-    def ready(self) -> bool:
-        return self._clock() >= self._retry_at
-
-    def failed(self) -> float:
+    def admit(self) -> int | None:
+        """A token for a call that may talk to the server now; None while it pauses."""
         with self._lock:
+            if self._delay:
+                now = self._clock()
+                if now < self._retry_at:
+                    return None
+                self._retry_at = now + self._delay  # this call probes; the others keep skipping
+            return self._faults
+
+    def failed(self, token: int) -> float | None:
+        """Record the fault of the call admitted with `token`: the new pause, or None when a
+        fault counted since then already paused the calls."""
+        with self._lock:
+            if token != self._faults:
+                return None
+            self._faults += 1
             self._delay = min(self._max, max(self._initial, self._delay * 2))
             self._retry_at = self._clock() + self._delay
             return self._delay
@@ -181,9 +210,20 @@ class ValkeyTier:
         )
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
+        self._max_value_bytes = self._server_max_value_bytes()
+        self._warned_too_large = False
         if manifest is not None:
             body = json.dumps(manifest, sort_keys=True)
             self._call(lambda c: c.set(self._prefix + "manifest", body, nx=True), "manifest")
+
+    def _server_max_value_bytes(self) -> int:
+        """The server's `proto-max-bulk-len`, else `MAX_BULK_DEFAULT`. A server sent a longer
+        value drops the connection, which would look like an outage and pause every call."""
+        try:
+            reply = cast("dict[str, str]", self._lookup_client.config_get("proto-max-bulk-len"))
+            return int(reply["proto-max-bulk-len"])
+        except (valkey.exceptions.ValkeyError, KeyError, TypeError, ValueError):
+            return MAX_BULK_DEFAULT
 
     @property
     def tier(self) -> Tier:
@@ -200,14 +240,17 @@ class ValkeyTier:
         """Run `fn(client)` (default: the reads' and writes' client); None when the server is
         in backoff or the call failed (both counted in `errors`: a call skipped in the backoff
         is a lost read or write too)."""
-        if not self._backoff.ready():
+        token = self._backoff.admit()
+        if token is None:
             self._counters.add(errors=1)
             return None
         try:
             result = fn(client or self._client)
         except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError) as exc:
             self._counters.add(errors=1)
-            delay = self._backoff.failed()
+            delay = self._backoff.failed(token)
+            if delay is None:  # another call's failure already paused (and logged) this fault
+                return None
             log.warning(
                 "kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
                 op,
@@ -241,10 +284,22 @@ class ValkeyTier:
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
-        """Each block (None on a miss), fetched with one MGET."""
+        """Each block (None on a miss), fetched in one pipelined round trip of GETs: one key per
+        command, so a cluster-mode server (one shard holding every slot) serves it, where an
+        MGET of keys in different hash slots is refused (CROSSSLOT)."""
         if not hashes:
             return []
-        values = self._call(lambda c: c.mget([self.key(h) for h in hashes]), "get")
+
+        def run(client: valkey.Valkey) -> list[bytes | None]:
+            pipe = client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.get(self.key(h))
+            replies = pipe.execute(raise_on_error=False)  # type: ignore[no-untyped-call]
+            # A key's error (WRONGTYPE: a key of another type) is a nil, as MGET answers it;
+            # the TYPE check of the nils removes such a key, or counts the error it answers too.
+            return [None if isinstance(r, valkey.exceptions.ResponseError) else r for r in replies]
+
+        values = self._call(run, "get")
         if values is None:
             self._counters.add(misses=len(hashes))
             return [None] * len(hashes)
@@ -255,7 +310,7 @@ class ValkeyTier:
         return blocks
 
     def _remove_foreign(self, hashes: Sequence[BlockHash]) -> None:
-        """Delete the keys of `hashes` (MGET answered them nil) that hold another type than a
+        """Delete the keys of `hashes` (GET answered them nil) that hold another type than a
         string: not blocks, and in the way of the block's `SET NX`."""
 
         def run(client: valkey.Valkey) -> list[bytes]:
@@ -272,8 +327,15 @@ class ValkeyTier:
             return
         for h, t in foreign.items():
             log.warning("kvtier L2 valkey: removing %s: a %s, not a block", self.key(h), t.decode())
-        self._call(lambda c: c.delete(*(self.key(h) for h in foreign)), "delete")
-        self._counters.add(corrupt_removed=len(foreign))
+
+        def delete(client: valkey.Valkey) -> int:
+            pipe = client.pipeline(transaction=False)
+            for h in foreign:
+                pipe.delete(self.key(h))  # one key per DEL: no CROSSSLOT in cluster mode
+            return sum(pipe.execute())  # type: ignore[no-untyped-call]
+
+        removed = self._call(delete, "delete")
+        self._counters.add(corrupt_removed=removed or 0)
 
     def _decode(self, block_hash: BlockHash, value: bytes | None) -> StoredBlock | None:
         if value is None:
@@ -288,8 +350,8 @@ class ValkeyTier:
             verify_payload(header, payload)
         except CodecError as exc:
             log.warning("kvtier L2 valkey: removing invalid block %s: %s", block_hash.hex(), exc)
-            self._call(lambda c: c.delete(self.key(block_hash)), "delete")
-            self._counters.add(misses=1, corrupt_removed=1)
+            removed = self._call(lambda c: c.delete(self.key(block_hash)), "delete")
+            self._counters.add(misses=1, corrupt_removed=removed or 0)
             return None
         self._counters.add(hits=1, bytes_read=payload.nbytes)
         return StoredBlock(header.meta, payload)
@@ -304,6 +366,17 @@ class ValkeyTier:
 
     def put(self, block_hash: BlockHash, meta: BlockMeta, payload: Buffer) -> PutResult:
         view = byte_view(payload)
+        if HEADER_BYTES + view.nbytes > self._max_value_bytes:
+            self._counters.add(rejected=1)
+            if not self._warned_too_large:  # once: every block of the model is as large
+                self._warned_too_large = True
+                log.warning(
+                    "kvtier L2 valkey: not storing blocks of %d bytes, over the server's "
+                    "proto-max-bulk-len (%d); counted in `rejected`",
+                    HEADER_BYTES + view.nbytes,
+                    self._max_value_bytes,
+                )
+            return PutResult(stored=False)
         value = encode_header(self._namespace, block_hash, meta, view) + view
         # SET NX answers None when the key exists; bool() keeps None for "the call failed".
         created = self._call(lambda c: bool(c.set(self.key(block_hash), value, nx=True)), "set")
