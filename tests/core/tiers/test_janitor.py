@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvtier.core.tiers.janitor import AccessRecorder, Janitor, JanitorSettings, read_status
-from kvtier.core.tiers.lease import FileLease
+from kvtier.core.tiers.lease import LEASE_MAX_BYTES, FileLease, LeaseInfo
 from kvtier.core.tiers.posix import PosixTier
-from kvtier.core.tiers.usage import Entry, Usage, control_dir, plan_eviction, scan
+from kvtier.core.tiers.usage import MAX_DEPTH, Entry, Usage, control_dir, plan_eviction, scan
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, refuse
 
 KIB = 1024
@@ -316,3 +321,262 @@ def test_janitor_config_names_the_bad_field() -> None:
         JanitorSettings(capacity_bytes=10, high_watermark=0.5, low_watermark=0.7)
     with pytest.raises(ValueError, match="lease_ttl_s"):
         JanitorSettings(capacity_bytes=10, interval_s=5, lease_ttl_s=6)
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*") if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    ("swapped", "grace_s"),
+    [(NAMESPACE, 0.0), (NAMESPACE, 30.0), (".kvtier/graveyard", 30.0)],
+    ids=["namespace-unlink", "namespace-graveyard", "graveyard-purge"],
+)
+def test_a_directory_swapped_for_a_symlink_after_the_scan_leads_no_removal_out_of_l2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swapped: str, grace_s: float
+) -> None:
+    """Between the scan and the removals someone who can write the root replaces a directory
+    by a symlink to a copy elsewhere (same names: files the janitor would then reach): no
+    eviction, orphan removal or purge touches the copy."""
+    root, outside = tmp_path / "l2", tmp_path / "outside"
+    root.mkdir()
+    fill(root, 10, 100 * KIB)
+    orphan = root / NAMESPACE / "ab" / "cd" / "x.kvt.dead.tmp"
+    orphan.parent.mkdir(parents=True)
+    orphan.write_bytes(b"partial")
+    os.utime(orphan, (0, 0))
+    cfg = config(capacity_bytes=9 * (4096 + 100 * KIB), grace_s=grace_s, lease_ttl_s=100)
+    janitor = Janitor(str(root), cfg)
+    if swapped != NAMESPACE:  # fill the graveyard with entries past their grace
+        assert janitor.run_once() is not None
+        for entry in os.scandir(control_dir(str(root), "graveyard")):
+            stamp, rest = entry.name.split(".", 1)
+            os.rename(entry.path, Path(entry.path).with_name(f"{int(stamp) - 31 * 10**9}.{rest}"))
+    real_scan = scan
+
+    def scan_then_swap(*args: Any, **kwargs: Any) -> Usage:
+        usage = real_scan(*args, **kwargs)
+        (root / swapped).rename(tmp_path / "moved")
+        (root / swapped).symlink_to(outside)
+        return usage
+
+    shutil.copytree(root / swapped, outside)
+    before = _tree(outside)
+    assert before  # the bait: blocks, an orphan, or graveyard entries
+    monkeypatch.setattr("kvtier.core.tiers.janitor.scan", scan_then_swap)
+    report = janitor.run_once()
+    assert report is not None
+    assert _tree(outside) == before
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo"])
+def test_a_planted_status_file_is_neither_written_through_nor_waited_on(
+    tmp_path: Path, planted: str
+) -> None:
+    """`.kvtier/status.json` replaced by a symlink to a file outside L2, or by a FIFO: a pass
+    writes nothing outside and does not block, and `read_status` reads no report."""
+    root, outside = tmp_path / "l2", tmp_path / "precious"
+    root.mkdir()
+    outside.write_text('{"mine": 1}')
+    janitor = Janitor(str(root), config())
+    status = control_dir(str(root), "status.json")
+    if planted == "symlink":
+        os.symlink(outside, status)
+    else:
+        os.mkfifo(status)
+    results: list[object] = []
+
+    def work() -> None:
+        results.append(janitor.run_once())
+        results.append(read_status(str(root), pause=lambda _: None))
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(10.0)
+    if thread.is_alive():  # blocked in open(): give it the other end so that it ends
+        for flags in (os.O_RDONLY | os.O_NONBLOCK, os.O_WRONLY | os.O_NONBLOCK):
+            with contextlib.suppress(OSError):
+                os.close(os.open(status, flags))
+        thread.join(10.0)
+        pytest.fail("a pass or status read blocked on the planted status file")
+    assert results[0] is not None and results[1] is None
+    assert outside.read_text() == '{"mine": 1}'
+
+
+def test_a_planted_deep_tree_neither_stops_the_janitor_nor_is_walked(tmp_path: Path) -> None:
+    """1,200 nested directories in a namespace (deeper than Python's recursion limit): the scan
+    names the first level past `MAX_DEPTH` as unreadable and the pass evicts as usual."""
+    paths = fill(tmp_path, 10, 100 * KIB)
+    levels = 1200
+    top = tmp_path / NAMESPACE
+    fd = os.open(tmp_path / NAMESPACE, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+    try:
+        usage = scan(str(tmp_path), 600, 0)
+        too_deep = os.path.join(top, *["d"] * (MAX_DEPTH + 1))
+        assert usage.unreadable == ((too_deep, f"nested deeper than {MAX_DEPTH} levels"),)
+        report = Janitor(str(tmp_path), config(capacity_bytes=9 * (4096 + 100 * KIB))).run_once()
+        assert report is not None and report.evicted_blocks == 6
+        assert [os.path.exists(p) for p in paths] == [False] * 6 + [True] * 4
+    finally:
+        for depth in range(levels, 0, -1):  # rmtree recurses as deep as the tree
+            os.rmdir(os.path.join(tmp_path / NAMESPACE, *["d"] * depth))
+
+
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "oversized", "directory"])
+def test_a_planted_lease_file_is_no_lease_and_is_neither_followed_nor_waited_on(
+    tmp_path: Path, planted: str
+) -> None:
+    """The newest lease file replaced by a symlink to a fresh lease elsewhere, a FIFO, a
+    lease padded past `LEASE_MAX_BYTES`, or a directory: it is no lease (expired), so the next
+    epoch is taken at once, without blocking, reading it whole, or touching what a symlink
+    leads to."""
+    lease_dir, outside = tmp_path / "lease", tmp_path / "outside"
+    lease_dir.mkdir()
+    outside.write_text('{"holder": "outside", "ttl_s": 3600}')  # fresh: "held" if followed
+    os.utime(outside, (0, time.time()))
+    (lease_dir / "lease.000000000003").write_text('{"holder": "dead", "ttl_s": 1}')
+    os.utime(lease_dir / "lease.000000000003", (0, 0))  # long expired
+    newest = lease_dir / "lease.000000000004"
+    if planted == "symlink":
+        newest.symlink_to(outside)
+    elif planted == "fifo":
+        os.mkfifo(newest)
+    elif planted == "directory":
+        newest.mkdir()
+    else:
+        newest.write_text('{"holder": "big", "ttl_s": 3600}' + " " * LEASE_MAX_BYTES)
+    lease = FileLease(str(lease_dir), "a", ttl_s=10, stale_s=0)
+    taken: list[bool] = []
+    thread = threading.Thread(target=lambda: taken.append(lease.try_acquire()), daemon=True)
+    thread.start()
+    thread.join(10.0)
+    if thread.is_alive():  # blocked in open(): give it a writer so that it ends
+        with contextlib.suppress(OSError):
+            os.close(os.open(newest, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(10.0)
+        pytest.fail("taking the lease blocked on a planted FIFO")
+    assert taken == [True] and lease.epoch == 5
+    if planted == "symlink":  # a holder whose own file became a symlink renews no target
+        os.unlink(lease_dir / "lease.000000000005")
+        os.symlink(outside, lease_dir / "lease.000000000005")
+        os.utime(outside, (0, 1))
+        lease.try_acquire()
+        assert os.stat(outside).st_mtime == 1
+        lease.release()
+        assert os.stat(outside).st_mtime == 1
+
+
+def test_a_contender_that_stalled_takes_no_epoch_behind_a_newer_holder(tmp_path: Path) -> None:
+    """c sees a's lease expired, then stalls while b takes epoch 2 and releases it and d takes
+    epoch 3 (removing 1 and 2): the name epoch 2 is free again, but c must not hold it."""
+    clock = Clock(os.stat(tmp_path).st_mtime)
+    a, b, c, d = (
+        FileLease(str(tmp_path), name, ttl_s=10, stale_s=1, clock=clock) for name in "abcd"
+    )
+    assert a.try_acquire() and a.epoch == 1
+    clock.now += 12  # a is presumed dead
+    look = c.current
+
+    def stalled_look() -> LeaseInfo | None:
+        latest = look()
+        assert b.try_acquire() and b.epoch == 2
+        b.release()
+        assert d.try_acquire() and d.epoch == 3
+        return latest
+
+    c.current = stalled_look  # type: ignore[method-assign]
+    assert not c.try_acquire() and c.epoch is None
+    assert sorted(os.listdir(tmp_path)) == ["lease.000000000003"] and d.held()
+
+
+def test_writes_and_reuse_are_not_mistaken_for_idle_when_the_janitors_clock_runs_ahead(
+    tmp_path: Path,
+) -> None:
+    """The janitor's node is 60 s ahead of the writers' (more than a pass apart): a block
+    written or re-used since the previous pass still has an mtime before that pass began on
+    the janitor's clock, yet it is activity: no idle trim until a pass sees nothing change."""
+    paths = fill(tmp_path, 6, 100 * KIB)  # 6 of 10 slots: above low (5), below high (8)
+    clock = Clock(time.time() + 60)
+    janitor = Janitor(str(tmp_path), config(lease_ttl_s=1000), clock=clock)
+    assert janitor.run_once() is not None  # the baseline
+    (new,) = fill(tmp_path, 1, 100 * KIB, seed=2)
+    os.utime(new)  # written now, on the writer's clock
+    clock.now += 5
+    written = janitor.run_once()
+    assert written is not None and written.trigger is None
+    os.utime(paths[0])  # the oldest block re-used now
+    clock.now += 5
+    reused = janitor.run_once()
+    assert reused is not None and reused.trigger is None
+    clock.now += 5
+    idle = janitor.run_once()
+    assert idle is not None and idle.trigger == "idle"
+    assert [os.path.exists(p) for p in [*paths, new]] == [
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
+
+
+def test_a_scan_longer_than_the_lease_keeps_it_and_no_other_janitor_acts_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow file system (0.1 s per directory listed): a's scan lasts about 2 s, twice its
+    lease TTL, while b tries to take the lease throughout; a renews it as it scans, so b never
+    holds it and a's pass evicts."""
+    fill(tmp_path, 10, 100 * KIB)
+    cfg = config(capacity_bytes=9 * (4096 + 100 * KIB), interval_s=0.1, lease_ttl_s=1.0)
+    a, b = Janitor(str(tmp_path), cfg, holder="a"), Janitor(str(tmp_path), cfg, holder="b")
+    assert a.lease.try_acquire()
+    real_scandir = os.scandir
+    b_held: list[bool] = []
+
+    def slow_scandir(path: Any) -> Any:
+        time.sleep(0.1)
+        b_held.append(b.lease.try_acquire())
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", slow_scandir)
+    started = time.monotonic()
+    report = a.run_once()
+    assert time.monotonic() - started > 2 * cfg.lease_ttl_s  # the scan outlasted the lease
+    assert not any(b_held) and len(b_held) > 20
+    assert report is not None and report.evicted_blocks == 6
+
+
+def test_a_janitor_that_loses_the_lease_during_its_scan_evicts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a stalls 1.2 s in its first listing (past its 1 s TTL) and b takes the lease: a's scan
+    ends at its next renewal and its pass does nothing; b's evicts."""
+    paths = fill(tmp_path, 10, 100 * KIB)
+    cfg = config(capacity_bytes=9 * (4096 + 100 * KIB), interval_s=0.1, lease_ttl_s=1.0)
+    a, b = Janitor(str(tmp_path), cfg, holder="a"), Janitor(str(tmp_path), cfg, holder="b")
+    real_scandir = os.scandir
+    stalls = [1.2]
+
+    def stalling_scandir(path: Any) -> Any:
+        if stalls:
+            time.sleep(stalls.pop())
+            assert b.lease.try_acquire()
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", stalling_scandir)
+    assert a.run_once() is None
+    assert all(os.path.exists(p) for p in paths)
+    report = b.run_once()
+    assert report is not None and report.evicted_blocks == 6

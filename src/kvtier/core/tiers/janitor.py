@@ -7,8 +7,10 @@ runs a pass every `interval_s`:
 1. scan the whole directory (every namespace): live blocks (`*.kvt`: size, mtime), in-flight
    temp files, and the graveyard; remove temp files orphaned by crashed writers;
 2. if usage (live + in flight) is above the high watermark, or L2 has been idle since the
-   previous pass (nothing new or re-used) and usage is above the low watermark, evict least
-   recently used blocks until usage is at the low watermark;
+   previous pass (nothing new or re-used: the same blocks with the same mtimes, compared as
+   such, not against this node's clock, which may be skewed against the writers') and usage is
+   above the low watermark, evict least recently used blocks until usage is at the low
+   watermark;
 3. purge graveyard entries older than `grace_s`; write `<root>/.kvtier/status.json`.
 
 **Recency** is a shared access record kept in each block's mtime, not atime (FUSE file systems
@@ -25,7 +27,9 @@ Where unlink-while-open is safe for every client (a local directory) `grace_s = 
 once. Graveyard bytes are reported apart: they are already on their way out.
 
 Only the janitor deletes blocks here (the POSIX tier deletes only objects that fail
-validation). Deletions are best-effort: an entry that cannot be removed is skipped.
+validation). Deletions are best-effort: an entry that cannot be removed is skipped. Every
+removal, rename and status write goes through directories opened with O_NOFOLLOW
+(`usage.parent_dir`, `usage.open_dir`), so a symlink planted after the scan leads nowhere.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Self
 
@@ -51,8 +55,9 @@ from kvtier.core.tiers.usage import (
     CONTROL_DIR,
     Entry,
     control_dir,
+    open_dir,
+    parent_dir,
     plan_eviction,
-    real_dir,
     scan,
 )
 
@@ -60,6 +65,13 @@ log = logging.getLogger(__name__)
 
 STATUS_RETRY_S = 0.01
 """Pause before reading a status file again that was caught mid-rewrite."""
+STATUS_FILE = "status.json"
+_STATUS_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+"""A planted symlink is refused (ELOOP), a planted FIFO does not block the open."""
+
+
+class _LeaseLost(Exception):
+    """Raised by `Janitor._renew` to end a scan whose lease another janitor took."""
 
 
 class JanitorSettings(Settings):
@@ -163,6 +175,16 @@ class JanitorStats:
     """Its latest pass (None until it held the lease once)."""
 
 
+def _fingerprint(blocks: Iterable[Entry]) -> tuple[int, int]:
+    """(count, XOR of (path, mtime) hashes) of `blocks`: changes when a block is written,
+    re-used or removed; XOR so that the blocks evicted from a scan can be taken out again."""
+    count = digest = 0
+    for e in blocks:
+        count += 1
+        digest ^= hash((e.path, e.mtime))
+    return count, digest
+
+
 class AccessRecorder:
     """The readers' half of the shared access record (see the module docstring).
 
@@ -222,7 +244,10 @@ class Janitor:
             stale_s=config.stale_s,
             clock=clock,
         )
-        self._last_scan: float | None = None
+        self._last_seen: tuple[int, int] | None = None
+        """`_fingerprint` of the blocks our previous pass left, None without one."""
+        self._renewed = 0.0
+        """When the lease was last renewed (this janitor's clock)."""
         self._unreadable = False
         """Whether the last scan found directories it could not read (logged when it changes)."""
         self._stop = threading.Event()
@@ -239,10 +264,14 @@ class Janitor:
         `force_low` evicts down to the low watermark whatever the usage (`kvtier l2 gc`).
         """
         if not self.lease.try_acquire():
-            self._last_scan = None  # a future pass of ours must not trust an old baseline
+            self._last_seen = None  # a future pass of ours must not trust an old baseline
             return None
-        started = self._clock()
-        usage = scan(self.root, self.config.temp_max_age_s, started)
+        started = self._renewed = self._clock()
+        try:
+            usage = scan(self.root, self.config.temp_max_age_s, started, tick=self._renew)
+        except _LeaseLost:
+            self._last_seen = None
+            return None
         if bool(usage.unreadable) != self._unreadable:
             self._unreadable = bool(usage.unreadable)
             if usage.unreadable:
@@ -252,12 +281,8 @@ class Janitor:
                     *usage.unreadable[0],
                     len(usage.unreadable) - 1,
                 )
-        idle = (
-            self.config.trim_when_idle
-            and self._last_scan is not None
-            and usage.temp_bytes == 0
-            and usage.newest_mtime < self._last_scan
-        )
+        seen = _fingerprint(usage.blocks)
+        idle = self.config.trim_when_idle and usage.temp_bytes == 0 and seen == self._last_seen
         victims = plan_eviction(usage, self.config, trim=idle or force_low)
         trigger = (
             None
@@ -271,7 +296,8 @@ class Janitor:
         evicted = self._evict(victims)
         orphans = sum(self._unlink(e.path) for e in usage.orphans)
         purged = self._purge(usage.graveyard, started)
-        self._last_scan = started
+        gone = _fingerprint(evicted)
+        self._last_seen = (seen[0] - gone[0], seen[1] ^ gone[1])
         evicted_bytes = sum(e.size for e in evicted)
         report = PassReport(
             holder=self.holder,
@@ -301,6 +327,16 @@ class Janitor:
         self._write_status(report)
         return report
 
+    def _renew(self) -> None:
+        """Renew the lease during a scan, at most once per `interval_s`: a scan that outlasted
+        the lease would let another janitor act beside this one. Raises `_LeaseLost`."""
+        now = self._clock()
+        if now - self._renewed < self.config.interval_s:
+            return
+        if not self.lease.try_acquire():
+            raise _LeaseLost
+        self._renewed = now
+
     def _evict(self, victims: list[Entry]) -> list[Entry]:
         if not victims:
             return []
@@ -309,33 +345,38 @@ class Janitor:
             log.warning("kvtier L2 janitor: no graveyard under %s: nothing evicted", self.root)
             return []
         done = []
-        for i, entry in enumerate(victims):
-            if i % 64 == 63 and not self.lease.try_acquire():
-                break  # lost the lease mid-pass (stalled too long): the new holder goes on
-            try:
-                if grave is not None:
-                    stamp = time.time_ns()
-                    os.rename(
-                        entry.path,
-                        os.path.join(
-                            grave, f"{stamp}.{uuid.uuid4().hex[:8]}.{os.path.basename(entry.path)}"
-                        ),
-                    )
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                continue  # gone already, or not removable: skip it
-            done.append(entry)
+        try:
+            for i, entry in enumerate(victims):
+                if i % 64 == 63 and not self.lease.try_acquire():
+                    break  # lost the lease mid-pass (stalled too long): the new holder goes on
+                try:
+                    with parent_dir(self.root, entry.path) as (fd, name):
+                        if grave is not None:
+                            stamp = f"{time.time_ns()}.{uuid.uuid4().hex[:8]}"
+                            os.rename(name, f"{stamp}.{name}", src_dir_fd=fd, dst_dir_fd=grave)
+                        else:
+                            os.unlink(name, dir_fd=fd)
+                except OSError:
+                    continue  # gone already, not removable, or a symlink on its way: skip it
+                done.append(entry)
+        finally:
+            if grave is not None:
+                os.close(grave)
         return done
 
-    def _graveyard(self) -> str | None:
-        """The graveyard directory, made if missing; None unless it and `.kvtier` are real
-        directories (through a planted symlink, evicted blocks would leave L2)."""
-        grave = control_dir(self.root, "graveyard")
-        if real_dir(self.root, CONTROL_DIR):
-            with contextlib.suppress(OSError):
-                os.makedirs(grave, exist_ok=True)
-        return grave if real_dir(self.root, CONTROL_DIR, "graveyard") else None
+    def _graveyard(self) -> int | None:
+        """A descriptor of the graveyard directory, made if missing (the caller closes it);
+        None unless it and `.kvtier` are real directories (through a planted symlink, evicted
+        blocks would leave L2)."""
+        with contextlib.suppress(OSError):
+            control = open_dir(self.root, CONTROL_DIR)
+            try:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir("graveyard", dir_fd=control)
+            finally:
+                os.close(control)
+            return open_dir(self.root, CONTROL_DIR, "graveyard")
+        return None
 
     def _purge(self, graveyard: tuple[Entry, ...], now: float) -> int:
         return sum(
@@ -344,10 +385,11 @@ class Janitor:
             if now - e.mtime >= self.config.grace_s and self._unlink(e.path)
         )
 
-    @staticmethod
-    def _unlink(path: str) -> bool:
+    def _unlink(self, path: str) -> bool:
+        """Remove `path` (listed by the scan) unless a level on its way is now a symlink."""
         try:
-            os.unlink(path)
+            with parent_dir(self.root, path) as (fd, name):
+                os.unlink(name, dir_fd=fd)
             return True
         except OSError:
             return False
@@ -362,11 +404,16 @@ class Janitor:
         """
         body = json.dumps(asdict(report), indent=2).encode()
         try:
-            fd = os.open(
-                control_dir(self.root, "status.json"),
-                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                0o644,
-            )
+            control = open_dir(self.root, CONTROL_DIR)
+            try:
+                fd = os.open(
+                    STATUS_FILE,
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _STATUS_FLAGS,
+                    0o644,
+                    dir_fd=control,
+                )
+            finally:
+                os.close(control)
             try:
                 os.write(fd, body)
             finally:
@@ -428,12 +475,18 @@ def read_status(
 
     A read that races a rewrite sees a JSON prefix; it is read again (`attempts` in all,
     `STATUS_RETRY_S` apart) so that a reader does not lose the report for a whole interval.
+    A status file that is a symlink, or a `.kvtier` that is one, is no report (None).
     """
     for attempt in range(attempts):
         if attempt:
             pause(STATUS_RETRY_S)
         try:
-            with open(control_dir(root, "status.json"), encoding="utf-8") as f:
+            control = open_dir(root, CONTROL_DIR)
+            try:
+                fd = os.open(STATUS_FILE, os.O_RDONLY | _STATUS_FLAGS, dir_fd=control)
+            finally:
+                os.close(control)
+            with open(fd, encoding="utf-8") as f:
                 return json.load(f)  # type: ignore[no-any-return]
         except OSError:
             return None

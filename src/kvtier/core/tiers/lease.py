@@ -10,10 +10,16 @@ No `flock` (not cluster-wide on SeaweedFS) and no rename-over-existing (leaves o
 
 - Take: find the highest epoch; if its file's mtime is older than its TTL plus `stale_s` (the
   file system's attribute-cache staleness), publish `lease.<epoch+1>` (temp file + `link()`).
-  Two contenders cannot both create the same epoch, so exactly one wins.
+  Two contenders cannot both create the same epoch, so exactly one wins. A contender that
+  stalled after its look may find that epoch's name free again only because newer holders
+  removed it: a take that is not the highest epoch once linked is withdrawn.
 - Hold: the holder renews by touching its file's mtime (no inode replaced, so no stale
   dentries). It has lost the lease when a higher epoch exists or its file is gone.
 - Release: set the mtime to 0, i.e. expired, so the next contender needn't wait for the TTL.
+
+A lease file is read without following a symlink, only if it is a regular file, and only up to
+`LEASE_MAX_BYTES`: a planted symlink, FIFO or huge file is no lease (expired), so it neither
+blocks nor exhausts memory nor keeps the lease from being taken.
 
 Given the shared `root` the directory lies under, the lease refuses a path that a symlink leads
 out of (a planted `<root>/.kvtier` symlink would move the lease, and its writes, elsewhere): it
@@ -27,11 +33,13 @@ that costs at most one extra eviction round, never wrong data.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
 import os
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -42,6 +50,8 @@ from kvtier.core.tiers.usage import real_dir
 log = logging.getLogger(__name__)
 
 _PREFIX = "lease."
+LEASE_MAX_BYTES = 4096
+"""A lease body is ~100 bytes: a bigger file is not a lease, and is not read whole."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,12 +144,12 @@ class FileLease:
         if not self._usable():
             return None
         for epoch in reversed(self._epochs()):
-            path = self._path(epoch)
             try:
-                heartbeat = os.stat(path).st_mtime
-                body = self._body(path)
-            except OSError:
-                continue  # removed meanwhile: look at the previous one
+                heartbeat, body = self._read(self._path(epoch))
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    continue  # removed meanwhile: look at the previous one
+                heartbeat, body = 0.0, None  # a symlink: not a lease
             if body is None:
                 return LeaseInfo(epoch, "?", heartbeat, self.ttl_s, expired=True)
             holder, ttl = body
@@ -147,10 +157,21 @@ class FileLease:
             return LeaseInfo(epoch, holder, heartbeat, ttl, expired)
         return None
 
-    def _body(self, path: str) -> tuple[str, float] | None:
-        """The holder and TTL a lease file names; None if it is not a lease."""
-        with open(path, "rb") as f:
-            raw = f.read()
+    def _read(self, path: str) -> tuple[float, tuple[str, float] | None]:
+        """The heartbeat (mtime) of the lease file `path` and the holder and TTL it names (None
+        if it is not a lease). Raises OSError, ELOOP for a symlink."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            raw = os.read(fd, LEASE_MAX_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(st.st_mode) or len(raw) > LEASE_MAX_BYTES:
+            return st.st_mtime, None
+        return st.st_mtime, self._body(raw)
+
+    def _body(self, raw: bytes) -> tuple[str, float] | None:
+        """The holder and TTL a lease file's bytes name; None if they are not a lease."""
         try:
             body = json.loads(raw, parse_int=float)  # (a huge integer: inf, not OverflowError)
         except (ValueError, RecursionError):
@@ -181,7 +202,7 @@ class FileLease:
         try:
             if self.held():
                 assert self.epoch is not None
-                os.utime(self._path(self.epoch))
+                os.utime(self._path(self.epoch), follow_symlinks=False)
                 return True
             if not self._usable():
                 return False
@@ -226,6 +247,11 @@ class FileLease:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         self._cannot_take = None
+        # A stalled contender finds the name free only because newer holders removed it.
+        if max(self._epochs(), default=epoch) != epoch:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path(epoch))
+            return False
         self.epoch = epoch
         for old in self._epochs():
             if old < epoch:
@@ -240,7 +266,7 @@ class FileLease:
         if self.held():
             assert self.epoch is not None
             try:
-                os.utime(self._path(self.epoch), (0, 0))
+                os.utime(self._path(self.epoch), (0, 0), follow_symlinks=False)
             except OSError:
                 pass
         self.epoch = None
