@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
+import pytest
+import zmq
+import zmq.asyncio
 
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import block_hashes, extra_key
@@ -242,3 +247,150 @@ def test_a_jump_in_a_replicas_sequence_is_counted_as_a_gap_and_a_restart_is_not(
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], replica="r2", seq=40), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=0.0)
     assert counted == [("kvtier", "gap"), ("kvtier", "restart")]
+
+
+def test_a_jump_in_vllms_sequence_is_counted_as_a_gap_and_leaves_descendants_unnamed() -> None:
+    index = PrefixIndex()
+    counts = Counts()
+    rehasher = VllmRehasher("r1", index)
+    rehasher.apply(0, vllm_batch(stored([1], TOKENS[:4])), 0.0, counts)
+    rehasher.apply(1, vllm_batch(stored([2], TOKENS[4:8], parent=1)), 0.0, counts)
+    rehasher.apply(3, vllm_batch(stored([4], TOKENS[12:], parent=3)), 0.0, counts)  # 2 lost
+    assert counts.calls.count(("vllm", "gap")) == 1 and ("vllm", "restart") not in counts.calls
+    assert index.match(HASHES) == {"r1": [Tier.L0] * 2} and rehasher.unnamed == 1
+    assert rehasher.last_seq == 3
+
+
+# --- gaps in vLLM's events over real sockets: vLLM's own publisher, a link that loses batches
+
+
+class LossyLink:
+    """A hop between vLLM's publisher and the router (a network path): forwards every batch,
+    but drops those that pass while `dropping` is set (a blip, a full queue)."""
+
+    def __init__(self, upstream: str, downstream: str) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._pub = ctx.socket(zmq.PUB)
+        for sock in (self._sub, self._pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.connect(upstream)
+        self._pub.bind(downstream)
+        self.dropping = False
+        self.dropped = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _forward(self) -> None:
+        while True:
+            frames = await self._sub.recv_multipart()
+            if self.dropping:
+                self.dropped += 1
+            else:
+                await self._pub.send_multipart(frames)
+
+    async def __aenter__(self) -> LossyLink:
+        self._task = asyncio.create_task(self._forward())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._sub.close(0)
+        self._pub.close(0)
+
+
+async def _until(done: Callable[[], bool], act: Callable[[], object] = lambda: None) -> None:
+    """Call `act` and wait 50 ms, until `done()`; at most 100 times (5 s)."""
+    for _ in range(100):
+        act()
+        await asyncio.sleep(0.05)
+        if done():
+            return
+    raise AssertionError("timed out")
+
+
+def _lose_two_batches(
+    tmp_path: Path, replay: str | None, timeout_s: float = 1.0, at_start: bool = False
+) -> tuple[PrefixIndex, Counts]:
+    """vLLM's `ZmqEventPublisher` (its replay socket bound at ipc://TMP/replay) publishes
+    blocks 1-4 of one prompt, a batch each, to a feed following it through a `LossyLink`
+    that loses the batches of blocks 2 and 3; the feed asks `replay` (None: no replay) for
+    gaps; `at_start`: the feed is given both endpoints when built, else by `connect_vllm`.
+    Returns the index and the counts once block 4's batch is applied."""
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+    def batch(block: int) -> KVEventBatch:
+        tokens = TOKENS[(block - 1) * BLOCK : block * BLOCK]
+        parent = block - 1 if block > 1 else None
+        event = BlockStored([block], parent, tokens, BLOCK, None, "GPU", None)
+        return KVEventBatch(ts=time.time(), events=[event])
+
+    async def scenario() -> None:
+        engine, link = f"ipc://{tmp_path}/engine", f"ipc://{tmp_path}/link"
+        feed = EventFeed(
+            index,
+            (),
+            {"r1": link} if at_start else {},
+            counts,
+            time.monotonic,
+            1000,
+            vllm_replay={"r1": replay} if at_start and replay else None,
+            replay_timeout_s=timeout_s,
+        )
+        publisher = ZmqEventPublisher(0, engine, f"ipc://{tmp_path}/replay", topic="kv")
+        try:
+            async with LossyLink(engine, link) as hop:
+                if not at_start:
+                    feed.connect_vllm("r1", link, replay)
+                feed.start()
+                await _until(lambda: len(index) == 1, lambda: publisher.publish(batch(1)))
+                await asyncio.sleep(0.2)  # a block-1 batch still on its way passes too
+                hop.dropping = True
+                publisher.publish(batch(2))
+                publisher.publish(batch(3))
+                await _until(lambda: hop.dropped == 2)
+                hop.dropping = False
+                applied = counts.calls.count(("vllm", "BlockStored"))
+                publisher.publish(batch(4))
+                await _until(  # block 4's batch, after those replayed
+                    lambda: (
+                        counts.calls.count(("vllm", "BlockStored"))
+                        > applied + counts.calls.count(("vllm", "replayed"))
+                    )
+                )
+        finally:
+            await feed.close()
+            publisher.shutdown()
+
+    index, counts = PrefixIndex(), Counts()
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    return index, counts
+
+
+@pytest.mark.parametrize("at_start", [False, True], ids=["connected", "at_start"])
+def test_a_gap_in_vllms_events_is_filled_from_its_replay_endpoint(
+    tmp_path: Path, at_start: bool
+) -> None:
+    index, counts = _lose_two_batches(tmp_path, f"ipc://{tmp_path}/replay", at_start=at_start)
+    assert index.match(HASHES) == {"r1": [Tier.L0] * 4}  # blocks 2, 3 replayed: 4 named
+    assert counts.calls.count(("vllm", "replayed")) == 2
+    assert ("vllm", "gap") not in counts.calls and ("vllm", "replay_failed") not in counts.calls
+
+
+def test_without_a_replay_endpoint_a_gap_is_counted_and_its_descendants_stay_unnamed(
+    tmp_path: Path,
+) -> None:
+    index, counts = _lose_two_batches(tmp_path, None)
+    assert index.match(HASHES) == {"r1": [Tier.L0]}  # block 4's parent was never named
+    assert counts.calls.count(("vllm", "gap")) == 1 and ("vllm", "replayed") not in counts.calls
+
+
+def test_a_replay_endpoint_that_does_not_answer_is_counted_and_the_gap_stays(
+    tmp_path: Path,
+) -> None:
+    index, counts = _lose_two_batches(tmp_path, f"ipc://{tmp_path}/nobody", timeout_s=0.3)
+    assert index.match(HASHES) == {"r1": [Tier.L0]}
+    assert counts.calls.count(("vllm", "replay_failed")) == 1
+    assert counts.calls.count(("vllm", "gap")) == 1  # block 4 applied after the timeout

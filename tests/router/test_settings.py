@@ -16,14 +16,20 @@ def test_replicas_file_accepts_urls_and_objects_in_yaml_or_json(tmp_path: Path) 
     yaml_file = tmp_path / "r.yaml"
     yaml_file.write_text(
         "replicas:\n  - http://127.0.0.1:8001/\n"
-        "  - {url: 'http://127.0.0.1:8002', name: b, vllm_events: 'ipc:///x'}\n"
+        "  - {url: 'http://127.0.0.1:8002', name: b, vllm_events: 'ipc:///x',\n"
+        "     vllm_events_replay: 'ipc:///y'}\n"
         "  - http://127.0.0.1:8003=tcp://127.0.0.1:5557\n"
     )
     json_file = tmp_path / "r.json"
     json_file.write_text('["http://127.0.0.1:8001"]')
     assert load_replicas_file(yaml_file) == (
         ReplicaSettings(url="http://127.0.0.1:8001", name="http://127.0.0.1:8001"),
-        ReplicaSettings(url="http://127.0.0.1:8002", name="b", vllm_events="ipc:///x"),
+        ReplicaSettings(
+            url="http://127.0.0.1:8002",
+            name="b",
+            vllm_events="ipc:///x",
+            vllm_events_replay="ipc:///y",
+        ),
         ReplicaSettings(url="http://127.0.0.1:8003", vllm_events="tcp://127.0.0.1:5557"),
     )
     assert load_replicas_file(json_file) == (ReplicaSettings(url="http://127.0.0.1:8001"),)
@@ -61,6 +67,27 @@ def test_bad_replicas_files_are_config_errors(tmp_path: Path, text: str, match: 
         ({"replicas": ["http://a:1", "http://a:1"]}, "^replicas: duplicate"),
         ({"replicas": ["http://a:1=tcp://*:5557"]}, "^replicas.0.vllm_events: 'tcp://"),
         ({"replicas": ["http://a:1=tcp://a"]}, "^replicas.0.vllm_events: .* not a ZMQ endpoint"),
+        (
+            {
+                "replicas": [
+                    {
+                        "url": "http://a:1",
+                        "vllm_events": "ipc:///e",
+                        "vllm_events_replay": "tcp://*:5558",
+                    }
+                ]
+            },
+            r"^replicas.0.vllm_events_replay: 'tcp://\*:5558' is not a ZMQ endpoint",
+        ),
+        (
+            {"replicas": [{"url": "http://a:1", "vllm_events_replay": "ipc:///r"}]},
+            "^replicas.0.vllm_events_replay: only meaningful with vllm_events",
+        ),
+        (
+            {"replicas_dns": "svc:8000", "replica_vllm_replay_port": 5558},
+            "^replica_vllm_replay_port: only meaningful with replica_vllm_events_port",
+        ),
+        ({"replica_vllm_replay_port": 0}, "^replica_vllm_replay_port: input should be greater"),
     ],
 )
 def test_router_settings_name_the_bad_field(options: dict, message: str) -> None:

@@ -148,6 +148,9 @@ class Router:
         await health.check_all()
         self._tasks.append(asyncio.create_task(health.run()))
         vllm_events = {r.name: r.vllm_events for r in self.config.replicas if r.vllm_events}
+        vllm_replay = {
+            r.name: r.vllm_events_replay for r in self.config.replicas if r.vllm_events_replay
+        }
         discovered_events = self.config.replicas_dns and (
             self.config.replica_events_port or self.config.replica_vllm_events_port
         )
@@ -165,6 +168,7 @@ class Router:
                 known=self.replicas.replicas.__contains__,
                 curve_server_key=self.config.events_curve_server_key,
                 adapter_path=lambda replica, name: self.replicas.adapter_path(name, replica),
+                vllm_replay=vllm_replay,
             )
             self._feed.start()
         if self.config.replicas_dns is not None:

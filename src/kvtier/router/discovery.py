@@ -8,7 +8,8 @@ router's `ReplicaSet` in step with the answer:
   `http://A:PORT` joins (named by that URL, as the connector of a pod names itself from its pod
   IP), is health-checked once more so the router learns its models and block size before
   routing to it, and its KV events (`tcp://A:replica_events_port`) and its engine's own
-  (`tcp://A:replica_vllm_events_port`, vLLM's `--kv-events-config`) are followed;
+  (`tcp://A:replica_vllm_events_port`, vLLM's `--kv-events-config`; its gaps asked back from
+  `tcp://A:replica_vllm_replay_port` when set) are followed;
 - an address gone from the answer is drained: no new requests go to it, and it is dropped once
   its in-flight requests end (or after `drain_timeout_s`): removed from the set, purged from the
   index and the policy, its events no longer followed; one that comes back while draining is
@@ -152,8 +153,10 @@ class Discovery:
             if self._feed is not None:
                 await self._feed.connect(endpoint)
         vllm_port = self._config.replica_vllm_events_port
+        replay_port = self._config.replica_vllm_replay_port
         if vllm_port is not None and self._feed is not None:
-            self._feed.connect_vllm(name, f"tcp://{_host(address)}:{vllm_port}")
+            replay = None if replay_port is None else f"tcp://{_host(address)}:{replay_port}"
+            self._feed.connect_vllm(name, f"tcp://{_host(address)}:{vllm_port}", replay)
         self._mine[name] = endpoint
         log.info("replica %s joined", name)
         return True

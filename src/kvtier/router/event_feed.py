@@ -16,7 +16,16 @@ Two sources:
   number going backwards means the engine restarted: its L0 entries (and any tier its events
   announced, e.g. vLLM's own CPU offloading as L1) are purged. `AllBlocksCleared` (vLLM's
   `/reset_prefix_cache`) drops the replica's L0 entries only: it clears vLLM's cache, not
-  kvtier's L1.
+  kvtier's L1. A jump in the sequence means batches were lost (a network blip, the PUB
+  socket's high-water mark): a lost parent leaves every descendant unnamed. Given the
+  publisher's replay endpoint (its `replay_endpoint`, a ROUTER), the replica's loop asks it for
+  the batches after the last applied (DEALER: b"", start seq; answers b"", topic, seq, payload,
+  then seq -1 to end) and applies those before the live batch, in order, then the live batch;
+  one replay at a time (the loop is sequential: the SUB socket queues meanwhile), at most
+  `REPLAY_MAX_BATCHES` batches within `REPLAY_TIMEOUT_S`. Counted: `replayed` per batch filled,
+  `replay_failed` per replay that failed or timed out, and `gap` per jump still left when a
+  batch is applied (batches lost for good: no replay endpoint, the replay failed, or vLLM's
+  buffer no longer held them).
 
 Each source purges only its own tiers: the two see one restart at different times (the
 connector's new epoch may come first, the engine's first event long after), and a source
@@ -34,7 +43,8 @@ import asyncio
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -47,7 +57,7 @@ from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventSubscriber
 from kvtier.router.index import SHARED, PrefixIndex
 
-__all__ = ["EventFeed", "KvtierApplier", "VllmRehasher"]
+__all__ = ["REPLAY_MAX_BATCHES", "REPLAY_TIMEOUT_S", "EventFeed", "KvtierApplier", "VllmRehasher"]
 
 log = logging.getLogger(__name__)
 
@@ -134,12 +144,23 @@ class VllmRehasher:
         self._last_seq: int | None = None
         self.unnamed = 0
 
+    @property
+    def last_seq(self) -> int | None:
+        """The sequence number of the last batch applied (None: none yet)."""
+        return self._last_seq
+
     def apply(self, seq: int, payload: bytes, now: float, count: Count) -> None:
+        """Apply batch `seq`. A `seq` at or below the last one means the engine restarted: the
+        replica's tiers announced by these events are purged first (`count("vllm",
+        "restart")`); one beyond the next means batches were lost for good before it
+        (`count("vllm", "gap")`: their blocks, and every descendant, stay unnamed)."""
         if self._last_seq is not None and seq <= self._last_seq:
             self._names.clear()
             for tier in self._tiers:
                 self._index.remove_tier(self.replica, tier)
             count("vllm", "restart")
+        elif self._last_seq is not None and seq > self._last_seq + 1:
+            count("vllm", "gap")
         self._last_seq = seq
         batch = msgspec.msgpack.decode(payload)
         if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
@@ -225,6 +246,23 @@ def _key(ext: object) -> object:
     return tuple(ext) if isinstance(ext, list) else ext
 
 
+REPLAY_TIMEOUT_S = 1.0
+"""Longest one gap's replay may take, all its batches together."""
+REPLAY_MAX_BATCHES = 10_000
+"""Most batches one replay reads (vLLM keeps its last 10,000: `buffer_steps`)."""
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence number of vLLM's end-of-replay marker."""
+
+
+@dataclass
+class _VllmSource:
+    """One replica's vLLM events: the live SUB socket, its rehasher, its replay endpoint."""
+
+    sock: zmq.asyncio.Socket
+    rehasher: VllmRehasher
+    replay: str | None
+
+
 class EventFeed:
     """Owns the event sockets; `start()` spawns the tasks, `close()` stops them."""
 
@@ -241,11 +279,16 @@ class EventFeed:
         known: Callable[[str], bool] | None = None,
         curve_server_key: str | None = None,
         adapter_path: Callable[[str, str], str | None] = lambda replica, name: None,
+        vllm_replay: Mapping[str, str] | None = None,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        max_replay: int = REPLAY_MAX_BATCHES,
     ) -> None:
         """`dynamic`: endpoints may join later (`connect`), even with none at start. `known`:
         the replicas whose kvtier events are accepted (None: any); `curve_server_key`: the
         publishers' CURVE public key (`kvtier.net.kv_events`); `adapter_path(replica, name)`:
-        the path of a replica's LoRA adapter (`VllmRehasher`)."""
+        the path of a replica's LoRA adapter (`VllmRehasher`). `vllm_replay`: replica -> the
+        replay endpoint of its vLLM publisher, asked for the batches of a gap (at most
+        `max_replay` of them, within `replay_timeout_s`)."""
         self._index = index
         self._clock = clock
         self._count = count
@@ -258,10 +301,12 @@ class EventFeed:
         self._ctx = zmq.asyncio.Context.instance()
         self._max_blocks = max_blocks
         self._adapter_path = adapter_path
-        self._vllm: dict[str, tuple[zmq.asyncio.Socket, VllmRehasher]] = {}
+        self._replay_timeout_s = replay_timeout_s
+        self._max_replay = max_replay
+        self._vllm: dict[str, _VllmSource] = {}
         self._vllm_tasks: dict[str, asyncio.Task[None]] = {}
         for replica, endpoint in vllm_endpoints.items():
-            self._add_vllm(replica, endpoint)
+            self._add_vllm(replica, endpoint, (vllm_replay or {}).get(replica))
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
 
@@ -272,11 +317,12 @@ class EventFeed:
         for replica in self._vllm:
             self._start_vllm(replica)
 
-    def connect_vllm(self, replica: str, endpoint: str) -> None:
+    def connect_vllm(self, replica: str, endpoint: str, replay: str | None = None) -> None:
         """Also follow `replica`'s vLLM KV events published at `endpoint` (a replica that
-        joined); a replica already followed is left as it is."""
+        joined), repairing gaps from its publisher's `replay` endpoint if given; a replica
+        already followed is left as it is."""
         if replica not in self._vllm:
-            self._add_vllm(replica, endpoint)
+            self._add_vllm(replica, endpoint, replay)
             if self._started:
                 self._start_vllm(replica)
 
@@ -288,20 +334,19 @@ class EventFeed:
             await asyncio.gather(task, return_exceptions=True)
         followed = self._vllm.pop(replica, None)
         if followed is not None:
-            followed[0].close(0)
+            followed.sock.close(0)
 
-    def _add_vllm(self, replica: str, endpoint: str) -> None:
+    def _add_vllm(self, replica: str, endpoint: str, replay: str | None) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
         paths = functools.partial(self._adapter_path, replica)
         rehasher = VllmRehasher(replica, self._index, self._max_blocks, paths)
-        self._vllm[replica] = (sock, rehasher)
+        self._vllm[replica] = _VllmSource(sock, rehasher, replay)
 
     def _start_vllm(self, replica: str) -> None:
-        sock, rehasher = self._vllm[replica]
-        self._vllm_tasks[replica] = asyncio.create_task(self._vllm_loop(sock, rehasher))
+        self._vllm_tasks[replica] = asyncio.create_task(self._vllm_loop(self._vllm[replica]))
 
     async def connect(self, endpoint: str) -> None:
         """Also follow the kvtier events published at `endpoint` (a replica that joined)."""
@@ -322,19 +367,58 @@ class EventFeed:
                 applied = self._kvtier.apply(event, self._clock())
                 self._count("kvtier", event.kind.value if applied else "foreign")
 
-    async def _vllm_loop(self, sock: zmq.asyncio.Socket, rehasher: VllmRehasher) -> None:
+    async def _vllm_loop(self, source: _VllmSource) -> None:
+        """Apply the live batches in order; a gap before one is first repaired by replay (the
+        SUB socket queues the batches that arrive meanwhile)."""
         while True:
-            frames = await sock.recv_multipart()
+            frames = await source.sock.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._count("vllm", "malformed")
                 continue
-            try:
-                rehasher.apply(
-                    int.from_bytes(frames[1], "big"), frames[2], self._clock(), self._count
-                )
-            except Exception as exc:  # whatever a malformed batch raises: skip it, keep the feed
-                log.warning("bad vLLM KV event batch from %s: %r", rehasher.replica, exc)
-                self._count("vllm", "malformed")
+            seq = int.from_bytes(frames[1], "big")
+            last = source.rehasher.last_seq
+            if source.replay is not None and last is not None and seq > last + 1:
+                await self._replay(source.rehasher, source.replay, last, seq)
+            self._apply_vllm(source.rehasher, seq, frames[2])
+
+    def _apply_vllm(self, rehasher: VllmRehasher, seq: int, payload: bytes) -> None:
+        try:
+            rehasher.apply(seq, payload, self._clock(), self._count)
+        except Exception as exc:  # whatever a malformed batch raises: skip it, keep the feed
+            log.warning("bad vLLM KV event batch from %s: %r", rehasher.replica, exc)
+            self._count("vllm", "malformed")
+
+    async def _replay(self, rehasher: VllmRehasher, endpoint: str, last: int, until: int) -> None:
+        """Fill the gap between batches `last` (applied) and `until` (not yet): ask vLLM's
+        replay `endpoint` (a ROUTER) for the batches from `last + 1` on and apply, in order,
+        those strictly between the two (`count("vllm", "replayed")` each); others are skipped.
+        Bounded by `replay_timeout_s` and `max_replay` batches read. A replay that fails or
+        times out is counted as `replay_failed`; whatever it left unfilled is then counted as a
+        `gap` by `VllmRehasher.apply`. Raises nothing but cancellation."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            async with asyncio.timeout(self._replay_timeout_s):
+                sock.connect(endpoint)
+                await sock.send_multipart([b"", (last + 1).to_bytes(8, "big")])
+                for _ in range(self._max_replay):
+                    frames = await sock.recv_multipart()  # b"", topic, seq, payload
+                    if len(frames) != 4 or len(frames[2]) != 8 or frames[2] == _END_SEQ:
+                        return
+                    seq = int.from_bytes(frames[2], "big")
+                    if seq >= until:
+                        return
+                    if seq > last:
+                        self._apply_vllm(rehasher, seq, frames[3])
+                        self._count("vllm", "replayed")
+                        last = seq
+                    if last == until - 1:
+                        return
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.warning("replay of %s's vLLM KV events failed: %r", rehasher.replica, exc)
+            self._count("vllm", "replay_failed")
+        finally:
+            sock.close(0)
 
     async def close(self) -> None:
         tasks = [*self._tasks, *self._vllm_tasks.values()]
@@ -343,8 +427,8 @@ class EventFeed:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
         self._vllm_tasks.clear()
-        for sock, _ in self._vllm.values():
-            sock.close(0)
+        for source in self._vllm.values():
+            source.sock.close(0)
         self._vllm.clear()
         if self._subscriber is not None:
             self._subscriber.close()

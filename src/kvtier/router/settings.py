@@ -4,7 +4,8 @@
                    strategy="kvaware", events=["tcp://127.0.0.1:5601"])
 
 A replica is given as a URL, `URL=VLLM_EVENTS_ENDPOINT`, or an object `{url, name?,
-vllm_events?}`. A replicas file is YAML or JSON: a list of those, or `{"replicas": [...]}`.
+vllm_events?, vllm_events_replay?}`. A replicas file is YAML or JSON: a list of those, or
+`{"replicas": [...]}`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class ReplicaSettings(Settings):
     """Name in metrics and KV events; defaults to the URL (what the kvtier connector uses)."""
     vllm_events: str | None = None
     """ZMQ endpoint of vLLM's own KV events (`--kv-events-config`), feeding L0 of `kvaware`."""
+    vllm_events_replay: str | None = None
+    """ZMQ endpoint of that publisher's replay socket (`replay_endpoint` of
+    `--kv-events-config`): batches lost in transit (a gap in their sequence) are asked back
+    from it. Only with `vllm_events`."""
 
     @model_validator(mode="before")
     @classmethod
@@ -58,11 +63,14 @@ class ReplicaSettings(Settings):
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"url: {self.url!r} is not an http(s) base URL")
-        if self.vllm_events is not None and not _ZMQ_ENDPOINT.fullmatch(self.vllm_events):
-            raise ValueError(
-                f"vllm_events: {self.vllm_events!r} is not a ZMQ endpoint "
-                "(tcp://HOST:PORT or ipc://PATH)"
-            )
+        for field in ("vllm_events", "vllm_events_replay"):
+            endpoint = getattr(self, field)
+            if endpoint is not None and not _ZMQ_ENDPOINT.fullmatch(endpoint):
+                raise ValueError(
+                    f"{field}: {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)"
+                )
+        if self.vllm_events_replay is not None and self.vllm_events is None:
+            raise ValueError("vllm_events_replay: only meaningful with vllm_events")
         object.__setattr__(self, "url", self.url.rstrip("/"))
         if not self.name:
             object.__setattr__(self, "name", self.url)
@@ -162,6 +170,10 @@ class RouterSettings(Settings):
     """Port of vLLM's own KV-event publisher (`--kv-events-config`) on every discovered
     replica, followed at tcp://ADDRESS:PORT as that replica's `vllm_events` (L0 of kvaware);
     unset: not followed."""
+    replica_vllm_replay_port: Annotated[int, Field(gt=0, lt=65536)] | None = None
+    """Port of that publisher's replay socket on every discovered replica (tcp://ADDRESS:PORT,
+    the replica's `vllm_events_replay`): gaps in its events are asked back from it. Only with
+    `replica_vllm_events_port`."""
     drain_timeout_s: Annotated[float, Field(ge=0)] = 60.0
     """A replica gone from `replicas_dns` gets no new requests and is dropped once its last
     request ends, or after this many seconds."""
@@ -187,6 +199,10 @@ class RouterSettings(Settings):
             host, _, port = self.replicas_dns.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ValueError(f"replicas_dns: expected HOST:PORT, got {self.replicas_dns!r}")
+        if self.replica_vllm_replay_port is not None and self.replica_vllm_events_port is None:
+            raise ValueError(
+                "replica_vllm_replay_port: only meaningful with replica_vllm_events_port"
+            )
         names = [r.name for r in self.replicas]
         if len(set(names)) != len(names):
             raise ValueError(f"replicas: duplicate names in {names}")

@@ -75,6 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--replicas-file",
         metavar="FILE",
-        help="YAML/JSON list of replica URLs or {url, name, vllm_events} objects",
+        help="YAML/JSON list of replica URLs or {url, name, vllm_events, vllm_events_replay} "
+        "objects",
     )
     p.set_defaults(func=_run)

@@ -51,6 +51,7 @@ def test_overlay_renders_and_every_object_validates(overlay: str) -> None:
         "http": 8000,
         "kv-events": 5557,
         "vllm-events": 5558,
+        "vllm-replay": 5559,
     }
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert replica[probe]["httpGet"]["path"] == "/health"
@@ -103,11 +104,12 @@ def test_network_policies_allow_only_the_fleets_flows() -> None:
                 {"protocol": "TCP", "port": 8000},
                 {"protocol": "TCP", "port": 5557},
                 {"protocol": "TCP", "port": 5558},
+                {"protocol": "TCP", "port": 5559},
             ],
         }
     ]
     router_out = policies["kvtier-router"]["egress"]
-    assert [p["port"] for p in router_out[0]["ports"]] == [8000, 5557, 5558]
+    assert [p["port"] for p in router_out[0]["ports"]] == [8000, 5557, 5558, 5559]
     assert router_out[1]["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
     valkey_in = policies["kvtier-valkey"]["ingress"][0]
     assert valkey_in["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (

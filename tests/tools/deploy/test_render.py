@@ -766,11 +766,16 @@ def test_the_routers_follow_vllms_own_kv_events_on_the_port_the_replicas_publish
     port = int(config["endpoint"].rpartition(":")[2])
     assert config["endpoint"] == f"tcp://*:{port}"  # every address of the pod
     assert {p["name"]: p["containerPort"] for p in replica["ports"]}["vllm-events"] == port
+    replay = int(config["replay_endpoint"].rpartition(":")[2])  # what a router missed
+    assert config["replay_endpoint"] == f"tcp://*:{replay}" and replay != port
+    assert {p["name"]: p["containerPort"] for p in replica["ports"]}["vllm-replay"] == replay
     args = router["args"]
     assert args[args.index("--replica-vllm-events-port") + 1] == str(port)
+    assert args[args.index("--replica-vllm-replay-port") + 1] == str(replay)
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
-    assert {"protocol": "TCP", "port": port} in policies["kvtier-replica"]["ingress"][0]["ports"]
-    assert {"protocol": "TCP", "port": port} in policies["kvtier-router"]["egress"][0]["ports"]
+    for p in (port, replay):
+        assert {"protocol": "TCP", "port": p} in policies["kvtier-replica"]["ingress"][0]["ports"]
+        assert {"protocol": "TCP", "port": p} in policies["kvtier-router"]["egress"][0]["ports"]
 
     # off by the setting, or for a strategy that reads no events
     for name, change in (
@@ -780,7 +785,9 @@ def test_the_routers_follow_vllms_own_kv_events_on_the_port_the_replicas_publish
         render(parse_spec({**FILES["one-router"], **change}), tmp_path / name)
         objects = kustomize(tmp_path / name)
         assert "--kv-events-config" not in container(objects, "kvtier-replica")["args"]
-        assert "--replica-vllm-events-port" not in container(objects, "kvtier-router")["args"]
+        router_args = container(objects, "kvtier-router")["args"]
+        assert "--replica-vllm-events-port" not in router_args
+        assert "--replica-vllm-replay-port" not in router_args
     # a --kv-events-config of the user's would replace the one the routers follow
     own: dict[str, Any] = {"kubernetes": {"vllmArgs": ["--kv-events-config={}"]}}
     with pytest.raises(ConfigError, match=r"kubernetes\.vllmArgs: --kv-events-config is set by"):

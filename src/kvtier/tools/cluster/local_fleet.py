@@ -38,7 +38,10 @@ STATE_FILE = "cluster.json"
 
 
 _MAX_SOCKET_DIR = 90
-"""Longest work directory whose `vllm-events-N` sockets fit a Unix socket path (107 bytes)."""
+"""Longest work directory whose `vllm-events-N` and `vllm-replay-N` sockets fit a Unix socket
+path (107 bytes)."""
+ROUTER_REPLICAS_FILE = "router-replicas.json"
+"""The router's replicas with their vLLM event endpoints (`--replicas-file`), in the work dir."""
 
 
 class LocalFleet:
@@ -54,8 +57,9 @@ class LocalFleet:
         self.model_name = Path(self.model).name
         self.replicas: list[ServerProcess] = []
         self.event_endpoints: list[str] = []
-        self.vllm_event_endpoints: list[str] = []
-        """Where each replica publishes vLLM's own KV events (none: not published)."""
+        self.vllm_event_endpoints: list[tuple[str, str]] = []
+        """Where each replica publishes vLLM's own KV events and answers replays of the ones a
+        subscriber missed (none: not published)."""
         self.router: subprocess.Popen[bytes] | None = None
         self.l2_locations: list[str] = []
         self._stack = ExitStack()
@@ -194,10 +198,10 @@ class LocalFleet:
         return SHARED_MACHINE_WAIT if self.engines_share_cores() else None
 
     def server_spec(
-        self, index: int, events_endpoint: str, vllm_events_endpoint: str | None = None
+        self, index: int, events_endpoint: str, vllm_events: tuple[str, str] | None = None
     ) -> ServerSpec:
-        """How replica `index`'s vLLM server is started (publishing vLLM's own KV events at
-        `vllm_events_endpoint`, if given)."""
+        """How replica `index`'s vLLM server is started (publishing vLLM's own KV events, if
+        `vllm_events` gives their endpoint and the replay endpoint)."""
         return ServerSpec(
             model=self.model,
             port=self.spec.local.replica_base_port + index,
@@ -209,7 +213,7 @@ class LocalFleet:
             queue_wait=self.queue_wait(),
             max_model_len=self._max_model_len(),
             drain_s=self.spec.local.replica_drain_s,
-            extra_args=self._engine_args(vllm_events_endpoint),
+            extra_args=self._engine_args(vllm_events),
             log_path=self.work_dir / "logs" / f"replica-{index}.log",
         )
 
@@ -224,11 +228,15 @@ class LocalFleet:
         for i in range(self.spec.replicas):
             endpoint = f"tcp://127.0.0.1:{free_port()}"
             # (vLLM binds only wildcard and ipc endpoints: it connects to tcp://HOST:PORT)
-            vllm_endpoint = f"ipc://{self.work_dir}/vllm-events-{i}" if vllm_events else None
-            self.replicas.append(ServerProcess(self.server_spec(i, endpoint, vllm_endpoint)))
+            vllm = (
+                (f"ipc://{self.work_dir}/vllm-events-{i}", f"ipc://{self.work_dir}/vllm-replay-{i}")
+                if vllm_events
+                else None
+            )
+            self.replicas.append(ServerProcess(self.server_spec(i, endpoint, vllm)))
             self.event_endpoints.append(endpoint)
-            if vllm_endpoint is not None:
-                self.vllm_event_endpoints.append(vllm_endpoint)
+            if vllm is not None:
+                self.vllm_event_endpoints.append(vllm)
         with tqdm(
             total=len(self.replicas),
             desc="starting replicas",
@@ -243,22 +251,29 @@ class LocalFleet:
         """8,192 tokens; with a capped engine cache, what vLLM fits into it (-1)."""
         return 8192 if self.spec.local.engine_kv_cache_blocks is None else -1
 
-    def _engine_args(self, vllm_events_endpoint: str | None) -> list[str]:
+    def _engine_args(self, vllm_events: tuple[str, str] | None) -> list[str]:
         args = ["--enable-prompt-tokens-details"]
-        if vllm_events_endpoint is not None:
-            config = {"enable_kv_cache_events": True, "publisher": "zmq"}
-            args += ["--kv-events-config", json.dumps({**config, "endpoint": vllm_events_endpoint})]
+        if vllm_events is not None:
+            endpoint, replay = vllm_events
+            config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+            args += ["--kv-events-config", json.dumps({**config, "replay_endpoint": replay})]
         if self.spec.local.engine_kv_cache_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.spec.local.engine_kv_cache_blocks)]
         return args
 
-    def _router_replicas(self) -> list[str]:
-        """The router's replicas: their URLs, as URL=ENDPOINT where it follows the replica's
-        vLLM KV events."""
+    def _router_replica_args(self) -> list[str]:
+        """The router's flags naming its replicas: their URLs, or, where it follows the
+        replicas' vLLM KV events, a replicas file naming each one's event and replay endpoints."""
         if not self.vllm_event_endpoints:
-            return self.replica_urls
+            return to_flags(RouterSettings, {"replicas": self.replica_urls}, ROUTER_FLAGS)
         pairs = zip(self.replica_urls, self.vllm_event_endpoints, strict=True)
-        return [f"{url}={events}" for url, events in pairs]
+        entries = [
+            {"url": url, "vllm_events": events, "vllm_events_replay": replay}
+            for url, (events, replay) in pairs
+        ]
+        path = self.work_dir / ROUTER_REPLICAS_FILE
+        path.write_text(json.dumps(entries, indent=1) + "\n")
+        return ["--replicas-file", str(path)]
 
     def _start_router(self) -> None:
         values: dict[str, Any] = {
@@ -266,7 +281,6 @@ class LocalFleet:
             "port": self.spec.local.router_port,
             "strategy": self.spec.strategy,
             "model_dir": self.model,
-            "replicas": self._router_replicas(),
         }
         if self.spec.cache.connector_enabled:  # (an empty --events is not a valid flag)
             values["events"] = self.event_endpoints
@@ -276,6 +290,7 @@ class LocalFleet:
             "kvtier.cli",
             "router",
             *to_flags(RouterSettings, values, ROUTER_FLAGS),
+            *self._router_replica_args(),
         ]
         with open(self.work_dir / "logs" / "router.log", "ab") as log:
             self.router = subprocess.Popen(

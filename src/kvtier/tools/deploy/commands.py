@@ -34,6 +34,8 @@ HTTP_PORT = 8000
 EVENTS_PORT = 5557
 VLLM_EVENTS_PORT = 5558
 """vLLM's own KV-event publisher on a replica (`kubernetes.vllmKvEvents`)."""
+VLLM_REPLAY_PORT = 5559
+"""Where that publisher replays the events a router missed (vLLM's `replay_endpoint`)."""
 API_KEYS_FILE = "/etc/kvtier/api-keys/keys"
 CPU_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "8192"]
 REPLICA_PRESTOP_S = 20
@@ -59,11 +61,13 @@ def vllm_events(spec: FleetSpec) -> bool:
 
 
 def _events_config() -> str:
-    """`--kv-events-config`: vLLM's KV events published on every address of the pod."""
+    """`--kv-events-config`: vLLM's KV events published on every address of the pod, and
+    replayed from there to a router that missed some."""
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
         "endpoint": f"tcp://*:{VLLM_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{VLLM_REPLAY_PORT}",
     }
     return json.dumps(config)
 
@@ -113,6 +117,7 @@ def router_args(spec: FleetSpec) -> list[str]:
         "discovery_interval_s": 5,
         "replica_events_port": EVENTS_PORT if spec.cache.connector_enabled else None,
         "replica_vllm_events_port": VLLM_EVENTS_PORT if vllm_events(spec) else None,
+        "replica_vllm_replay_port": VLLM_REPLAY_PORT if vllm_events(spec) else None,
         "consistent_ties": True,
         "api_keys_file": API_KEYS_FILE,
     }

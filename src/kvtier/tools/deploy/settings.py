@@ -165,10 +165,11 @@ class KubernetesSpec(_Strict):
     """Extra `vllm serve` arguments, e.g. [--max-model-len, "8192"]."""
     vllm_kv_events: bool = Field(True, alias="vllmKvEvents")
     """With the kvaware strategy: every replica publishes vLLM's own KV events (its engine
-    cache, L0; `--kv-events-config`) on port 5558 and every router follows them, so routing
-    knows which prefixes sit in each engine's GPU memory and when they are evicted, not only
-    what the connector announces (L1/L2). Costs the routers a hash per block an engine stores.
-    Off: the routers know L0 only from their own routing decisions."""
+    cache, L0; `--kv-events-config`) on port 5558, replays the ones a router missed on 5559,
+    and every router follows them, so routing knows which prefixes sit in each engine's GPU
+    memory and when they are evicted, not only what the connector announces (L1/L2). Costs the
+    routers a hash per block an engine stores. Off: the routers know L0 only from their own
+    routing decisions."""
     model_cache_gib: Annotated[int, Field(gt=0)] = Field(32, alias="modelCacheGiB")
     """Size of the replicas' download cache (an emptyDir at HF_HOME) when `model` is an HF id,
     also requested as ephemeral storage: the weights' size (about 2 bytes a parameter in
