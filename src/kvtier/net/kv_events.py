@@ -13,12 +13,15 @@ JSON keeps the format readable from any language with no extra dependency. PUB/S
 messages when nobody listens or a subscriber is slow; consumers detect loss by a gap in `seq`
 and treat the index as a hint (routing stays correct, only less informed).
 
-Snapshots: the publisher's socket is an XPUB, so it sees every subscription. On each one (a
-router started, restarted or reconnected) it re-sends what its own events left stored
-(`kvtier.net.holdings`, bounded) as ordinary stored-events with fresh sequence numbers, so a
-new router learns the replica's L1 and L2 blocks without waiting for new stores. Subscribers
-already listening get them too; storing a held block again changes nothing but recency. Joins
-within `SNAPSHOT_MIN_INTERVAL_S` of a snapshot share the next one.
+Snapshots: the publisher's socket is an XPUB, so it sees every subscription. Each subscriber
+subscribes to `TOPIC` and to a snapshot topic of its own (`SNAPSHOT_TOPIC_PREFIX` + a random
+id); on each such subscription (a router started, restarted or reconnected) the publisher
+sends what its own events left stored (`kvtier.net.holdings`, bounded) as stored-events on
+that topic alone, so the new router learns the replica's L1 and L2 blocks without waiting for
+new stores, and the routers already listening hear nothing of it. Snapshot events take no
+sequence number of their own: they carry the number of the last event sent, so neither the
+new subscriber nor any other sees a jump. Joins within `SNAPSHOT_MIN_INTERVAL_S` of a snapshot
+wait for the next round, which serves at most `SNAPSHOTS_PER_ROUND` of them.
 
 What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
 the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
@@ -61,6 +64,7 @@ from kvtier.core.tiers.base import Tier
 from kvtier.net.holdings import Holdings
 
 __all__ = [
+    "SNAPSHOT_TOPIC_PREFIX",
     "TOPIC",
     "WIRE_VERSION",
     "EventPublisher",
@@ -79,9 +83,16 @@ SNAPSHOT_CHUNK = 1000
 """Hashes per stored-event of a snapshot (~35 KB frames)."""
 SUBSCRIPTION_POLL_S = 0.1
 """How often an idle publisher looks for new subscribers (the snapshot's added delay)."""
+SNAPSHOT_TOPIC_PREFIX = b"kvtier.snap."
+"""The start of each subscriber's own snapshot topic (not a prefix of `TOPIC`'s, nor it of this)."""
 SNAPSHOT_MIN_INTERVAL_S = 1.0
-"""At most one snapshot per interval: joins within it share the next one, so a client that
-subscribes over and over cannot make a replica send its holdings over and over."""
+"""At most one round of snapshots per interval: joins within it wait for the next round, so a
+client that subscribes over and over cannot make a replica send its holdings over and over."""
+SNAPSHOTS_PER_ROUND = 8
+"""Snapshot topics served per round; the others wait for the next round (a client joining
+under many topics gets at most this many snapshots sent a second)."""
+_MAX_JOINS_PENDING = 1024
+"""Snapshot topics waiting at most; later joins are ignored until the queue shrinks."""
 _MAX_JOINS_READ = 1000
 CURVE_SECRET_ENV = "KVTIER_EVENTS_CURVE_SECRET_FILE"
 """Environment variable naming the file that holds the publishers' Z85 CURVE secret key."""
@@ -169,8 +180,9 @@ class EventPublisher:
 
     `publish(kind, tier, hashes)` stamps replica and epoch and enqueues; the sender thread
     numbers each event as it sends it (so a snapshot sent between queued events never puts
-    numbers out of order), skipping one number per event the full queue dropped, and re-sends
-    a snapshot of the held blocks to each new subscriber (at most `max_held_blocks` per tier);
+    numbers out of order), skipping one number per event the full queue dropped, and sends a
+    snapshot of the held blocks to each new subscriber alone (at most `max_held_blocks` per
+    tier);
     `close()` sends what is queued (up to `linger_s`) and stops it.
     """
 
@@ -238,7 +250,7 @@ class EventPublisher:
 
     @property
     def snapshots(self) -> int:
-        """Snapshots sent (one per subscription seen while something was held)."""
+        """Snapshots sent (one per subscriber's join seen while something was held)."""
         return self._snapshots
 
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
@@ -254,12 +266,16 @@ class EventPublisher:
 
     def _send_loop(self) -> None:
         # Only this thread touches the socket (and the holdings) after construction.
-        snapshot_due, last_snapshot = False, -SNAPSHOT_MIN_INTERVAL_S
+        due: dict[bytes, None] = {}  # snapshot topics waiting, in join order
+        last_snapshot = -SNAPSHOT_MIN_INTERVAL_S
         while True:
-            snapshot_due |= self._someone_subscribed()
-            if snapshot_due and time.monotonic() - last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
-                self._send_snapshot()
-                snapshot_due, last_snapshot = False, time.monotonic()
+            self._read_joins(due)
+            if due and time.monotonic() - last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
+                topics = list(due)[:SNAPSHOTS_PER_ROUND]
+                for topic in topics:
+                    del due[topic]
+                self._send_snapshot(topics)
+                last_snapshot = time.monotonic()
             try:
                 event = self._queue.get(timeout=SUBSCRIPTION_POLL_S)
             except queue.Empty:
@@ -270,26 +286,35 @@ class EventPublisher:
             self._send(replace(event, seq=self._numbers(1)))
         self._socket.close()
 
-    def _someone_subscribed(self) -> bool:
-        """Whether a subscription arrived; reads at most `_MAX_JOINS_READ` messages, so a flood
-        of them cannot hold the sender off its events."""
-        joined = False
+    def _read_joins(self, due: dict[bytes, None]) -> None:
+        """Add to `due` the snapshot topics subscribed to, drop those unsubscribed from; reads
+        at most `_MAX_JOINS_READ` messages, so a flood of them cannot hold the sender off its
+        events, and keeps at most `_MAX_JOINS_PENDING` topics."""
         for _ in range(_MAX_JOINS_READ):
             if not self._socket.poll(0):
-                break
-            joined |= self._socket.recv()[:1] == b"\x01"  # \x00: an unsubscription
-        return joined
+                return
+            message = self._socket.recv()
+            topic = message[1:]
+            if not topic.startswith(SNAPSHOT_TOPIC_PREFIX):
+                continue  # the live topic, or anything else: no snapshot asked for
+            if message[:1] == b"\x00":  # an unsubscription: it left before its snapshot
+                due.pop(topic, None)
+            elif len(due) < _MAX_JOINS_PENDING:
+                due[topic] = None
 
-    def _send_snapshot(self) -> None:
+    def _send_snapshot(self, topics: Sequence[bytes]) -> None:
+        """Send the held blocks on each of `topics`, numbered as the last event sent."""
         batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
         if not batches:
             return
         with self._lock:
-            self._published += len(batches)
-        first = self._numbers(len(batches))
-        self._snapshots += 1
-        for i, (tier, hashes) in enumerate(batches):
-            self._send(KVEvent(EventKind.STORED, self.replica, self.epoch, tier, hashes, first + i))
+            self._published += len(batches) * len(topics)
+            seq = max(0, self._seq - 1)
+        self._snapshots += len(topics)
+        for topic in topics:
+            for tier, hashes in batches:
+                event = KVEvent(EventKind.STORED, self.replica, self.epoch, tier, hashes, seq)
+                self._send(event, topic)
 
     def _numbers(self, n: int) -> int:
         """The first of `n` sequence numbers for events sent now, after those dropped."""
@@ -298,9 +323,9 @@ class EventPublisher:
             self._seq, self._skipped = first + n, 0
         return first
 
-    def _send(self, event: KVEvent) -> None:
+    def _send(self, event: KVEvent, topic: bytes = TOPIC) -> None:
         try:
-            self._socket.send_multipart([TOPIC, encode(event)])
+            self._socket.send_multipart([topic, encode(event)])
         except zmq.ZMQError:
             with self._lock:
                 self._dropped += 1
@@ -344,7 +369,10 @@ class EventSubscriber:
             self._socket.curve_publickey = public
             self._socket.curve_secretkey = secret
             self._socket.curve_serverkey = key
+        self._snapshot_topic = SNAPSHOT_TOPIC_PREFIX + new_epoch().encode()
+        """Where the publishers send this subscriber, and it alone, their snapshots."""
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._socket.setsockopt(zmq.SUBSCRIBE, self._snapshot_topic)
         self._endpoints: list[str] = []
         self.malformed = 0
         for endpoint in endpoints:
@@ -401,7 +429,7 @@ class EventSubscriber:
         return events
 
     def _parse(self, frames: list[bytes]) -> KVEvent | None:
-        if len(frames) != 2 or frames[0] != TOPIC:
+        if len(frames) != 2 or frames[0] not in (TOPIC, self._snapshot_topic):
             self.malformed += 1
             return None
         try:
