@@ -313,6 +313,29 @@ def test_close_without_drain_abandons_queued_writes() -> None:
     assert (stats.l2_queued, stats.l2_abandoned, stats.l2_queue_depth) == (4, 3, 0)
 
 
+def test_a_save_racing_close_is_counted_and_leaves_nothing_queued(tmp_path: Path) -> None:
+    """A save that passed the closed check before `close` began offers its L2 write after the
+    writers stopped: it is refused and counted, not left queued forever (depth stuck above
+    zero, `flush` never true again)."""
+    store: TieredStore | None = None
+
+    def close_midway(kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
+        # L1 announces block 1 between save()'s closed check and its L2 offer: the owner's
+        # close lands exactly there.
+        if tier == Tier.L1 and kind == EventKind.STORED and hashes[0] == CHAIN[1]:
+            assert store is not None
+            store.close()
+
+    store = TieredStore(config(tmp_path), IDENTITY, on_event=close_midway)
+    assert store.save(CHAIN[0], meta(0), payload(0))
+    assert store.save(CHAIN[1], meta(1), payload(1))  # admitted: it is in L1
+    assert store.flush(0)
+    stats = store.stats()
+    assert (stats.l2_queued, stats.l2_dropped, stats.l2_queue_depth) == (1, 1, 0)
+    assert stats.l2 is not None and stats.l2.stored == 1
+    assert store.contains(CHAIN[1]) == Tier.L1
+
+
 def test_l2_write_skipped_when_another_replica_already_wrote_it(tmp_path: Path) -> None:
     with TieredStore(config(tmp_path), IDENTITY) as first:
         save_chain(first, 2)

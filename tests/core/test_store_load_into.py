@@ -133,6 +133,20 @@ def test_opened_pieces_stop_at_the_first_miss_and_leave_no_file_open(
         assert len(os.listdir("/proc/self/fd")) == fds  # block 3's file, if opened, closed
 
 
+@pytest.mark.parametrize("pool", [None, OpensAtOnce()])
+def test_read_ahead_asks_l1_once_per_block(tmp_path: Path, pool: Executor | None) -> None:
+    """Blocks waiting for a free staging buffer are not looked up in L1 again: each block of
+    the load counts one L1 miss, whatever the number of buffers."""
+    written(tmp_path, 4)
+    staging = memoryview(bytearray(NBYTES))
+    with TieredStore(settings(tmp_path), IDENTITY) as reader:
+        consume = Consumer(staging)
+        assert reader.load_into(CHAIN, consume, staging=[staging], pool=pool) == 4
+        assert [g[1] for g in consume.got] == [payload(i) for i in range(4)]
+        stats = reader.stats()
+        assert stats.l1 is not None and (stats.l1.hits, stats.l1.misses) == (0, 4)
+
+
 def test_without_staging_l2_hits_are_promoted_as_load_does(tmp_path: Path) -> None:
     written(tmp_path, 2)
     with TieredStore(settings(tmp_path), IDENTITY) as reader:

@@ -80,11 +80,11 @@ def read_ahead(
 
     def fill() -> None:
         nonlocal next_index
-        while next_index < len(hashes):
+        # Only with a buffer free: a block looked up and then left waiting for one would be
+        # looked up again (an L1 miss counted twice).
+        while next_index < len(hashes) and free:
             h = hashes[next_index]
             held = local(h)
-            if held is None and not free:
-                return
             if held is not None:
                 queue.append(_Pending(h, local=held))
             else:

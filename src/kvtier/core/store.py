@@ -103,7 +103,7 @@ class StoreStats:
     l2_queued: int
     """Write-through jobs accepted into the queue."""
     l2_dropped: int
-    """Write-through jobs dropped because the queue was full."""
+    """Write-through jobs dropped because the queue was full (or the store was closing)."""
     l2_abandoned: int
     """Queued jobs discarded by `close(drain=False)` or a drain timeout."""
     l2_write_errors: int

@@ -3,7 +3,8 @@
     offer(h, meta, payload)   caller's thread (the connector's saver): queue one block for L2.
                               Returns at once. Skipped when the block is already queued or a
                               writer confirmed it in L2 within `confirm_ttl_s`; dropped and
-                              counted when the queue is full: a save never waits for L2.
+                              counted when the queue is full or `close` has begun: a save
+                              never waits for L2.
     flush(timeout_s)          owner: wait until nothing is queued or being written.
     close(drain, timeout_s)   owner: finish (drain) or abandon what is queued, stop the writers.
 
@@ -76,6 +77,7 @@ class WriteBehind:
         self._cpu_seconds = 0.0
         self._thread_init = thread_init
         self._abandon = False
+        self._closed = False  # guarded by _lock: offers are refused from close() on
         self._queue: queue.Queue[_Job | None] = queue.Queue(queue_blocks)
         self._threads = [
             threading.Thread(target=self._write_loop, daemon=True, name=f"kvtier-l2-writer-{i}")
@@ -97,20 +99,17 @@ class WriteBehind:
             return self._cpu_seconds
 
     def offer(self, block_hash: BlockHash, meta: BlockMeta, payload: memoryview) -> None:
-        """Queue one block for L2 (see the module docstring)."""
+        """Queue one block for L2 (see the module docstring); after `close` began, the block is
+        dropped and counted, since no writer may be left to take it."""
         with self._lock:
             if block_hash in self._pending or self._recently_confirmed(block_hash):
                 return
-            if self._queue.full():
+            # Checked and queued under the lock: only offers fill the queue until close().
+            if self._closed or self._queue.full():
                 self._counts["dropped"] += 1
                 return
-            self._pending.add(block_hash)
-        try:
             self._queue.put_nowait(_Job(block_hash, meta, payload))
-        except queue.Full:  # another caller took the last slot meanwhile
-            self._finish(block_hash, "dropped")
-            return
-        with self._lock:
+            self._pending.add(block_hash)
             self._counts["queued"] += 1
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -123,6 +122,8 @@ class WriteBehind:
         writers until `timeout_s` (counted from the call) runs out. A write in progress cannot
         be interrupted; the writers are daemons, so a hung mount cannot keep the process alive."""
         deadline = deadline_in(timeout_s)
+        with self._lock:
+            self._closed = True  # every job offered before is in the queue, ahead of the stops
         if not (drain and self.flush(timeout_s)):
             self._abandon = True
             self._discard_queued()
