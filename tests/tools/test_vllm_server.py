@@ -3,15 +3,22 @@ torch.distributed init file) in a directory of its own, removed once it has stop
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port
 from kvtier.tools.vllm_server import (
     SHARED_MACHINE_WAIT,
@@ -121,3 +128,152 @@ def test_an_engine_s_sockets_stay_in_its_own_directory_removed_when_it_stops(
     finally:
         server.stop()
     assert list(system_tmp.iterdir()) == []
+
+
+def script_spec(
+    script: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, drain_s: int = 0
+) -> ServerSpec:
+    """A server whose command is a small Python script in place of vLLM (real processes, fast)."""
+    monkeypatch.setattr(ServerSpec, "command", lambda self: [sys.executable, "-c", script])
+    return ServerSpec(model="/m", port=free_port(), drain_s=drain_s, log_path=tmp_path / "s.log")
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it runs no more)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_a_taken_port_is_named_before_anything_starts(system_tmp: Path, tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server_spec = dataclasses.replace(spec("/m", tmp_path), port=port)
+        with pytest.raises(KvtierError, match=f"port {port} is taken"):
+            ServerProcess(server_spec).kill()  # (without the check: stopped again at once)
+    assert list(system_tmp.iterdir()) == []  # nothing started, no directory left
+
+
+def test_a_server_that_dies_starting_shows_its_log_s_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = "import sys; print('OSError: no model at /m'); sys.exit(3)"
+    died = script_spec(script, tmp_path, monkeypatch)
+    server = ServerProcess(died)
+    with pytest.raises(KvtierError, match="(?s)exited with code 3.*OSError: no model at /m"):
+        server.wait_healthy(timeout_s=30)
+
+
+def test_a_stopped_server_s_group_is_never_signalled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ServerProcess(script_spec("import time; time.sleep(120)", tmp_path, monkeypatch))
+    try:
+        server.kill()  # a failed start
+        assert not server.alive()
+    finally:
+        if server.alive():
+            server.kill()
+    # its pid is free: it may now lead another's process group (a shell's job, another server)
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "killpg", lambda *args: signalled.append(args))
+    server.stop()  # as LocalFleet.stop() then does, once the other replicas have drained
+    server.kill()
+    assert signalled == []
+
+
+# the server ignores SIGTERM; its child (as vLLM's engine core) stays in its process group
+_STUBBORN = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+    "print(child.pid, flush=True); time.sleep(120)"
+)
+
+
+def test_a_second_ctrl_c_during_stop_still_stops_the_whole_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = ServerProcess(script_spec(_STUBBORN, tmp_path, monkeypatch, drain_s=30))
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "s.log").read_text().strip():
+            assert time.monotonic() < deadline, "the test's server did not start"
+            time.sleep(0.05)
+        child = int((tmp_path / "s.log").read_text().split()[0])
+
+        def interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)  # a Ctrl-C while stop() waits
+            with pytest.raises(KeyboardInterrupt):
+                server.stop()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert not server.alive()
+        deadline = time.monotonic() + 10
+        while not gone(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert gone(child)
+    finally:
+        server.kill()
+
+
+# `kvtier serve` or `kvtier up` as the kernel leaves it when killed (SIGKILL, out of memory, its
+# terminal closed): it starts a server, then dies without stopping it
+_DYING_PARENT = """
+import sys, time
+from pathlib import Path
+from kvtier.tools import vllm_server
+vllm_server.STOP_GRACE_S = 1.0
+vllm_server.ServerSpec.command = lambda self: [sys.executable, "-c", sys.argv[1]]
+spec = vllm_server.ServerSpec(model="/m", port=int(sys.argv[2]), log_path=Path(sys.argv[3]))
+print(vllm_server.ServerProcess(spec).pid, flush=True)
+time.sleep(120)
+"""
+# as vLLM's API server: SIGTERM stops its engine core (a child in its process group) and exits
+_ORDERLY = (
+    "import signal, subprocess, sys, time; from kvtier.vllm.launch import stop_with_parent; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+    "signal.signal(signal.SIGTERM, lambda *_: (child.kill(), child.wait(), sys.exit(0))); "
+    "stop_with_parent(); print(child.pid, flush=True); time.sleep(120)"
+)
+# a server stuck in its shutdown: its group is killed after the grace
+_STUCK = _STUBBORN.replace("print(", "import kvtier.vllm.launch as k; k.stop_with_parent(); print(")
+
+
+@pytest.mark.parametrize("server", [_ORDERLY, _STUCK], ids=["orderly", "stuck"])
+def test_a_server_stops_when_the_process_that_started_it_dies(server: str, tmp_path: Path) -> None:
+    log = tmp_path / "s.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _DYING_PARENT, server, str(free_port()), str(log)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        assert parent.stdout is not None
+        pids.append(int(parent.stdout.readline()))  # the server
+        deadline = time.monotonic() + 30
+        while not (log.exists() and log.read_text().strip()):
+            assert time.monotonic() < deadline, "the test's server did not start"
+            time.sleep(0.05)
+        pids.append(int(log.read_text().split()[0]))  # its child
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while not all(map(gone, pids)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [pid for pid in pids if not gone(pid)] == []
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in pids:  # only if still the test's own process (its command names time.sleep)
+            with contextlib.suppress(OSError):
+                if b"time.sleep(120)" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)

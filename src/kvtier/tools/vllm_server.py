@@ -5,7 +5,9 @@ the same way (same thread pinning, offline mode, CPU settings). The owner calls 
 it as a context manager): vLLM's API server alone gets SIGTERM, so it stops its engine in order
 (draining the requests in flight for `ServerSpec.drain_s`); then the process group is killed so
 no engine worker outlives it. A SIGTERM to the whole group would stop the engine's workers under
-it, and vLLM fails the requests in flight instead of draining them.
+it, and vLLM fails the requests in flight instead of draining them. Should the owner die
+without stopping it (SIGKILL, out of memory, its terminal closed), the server stops itself the
+same way (`kvtier.vllm.launch.stop_with_parent`).
 
 Each server gets a temporary directory of its own (`TMPDIR`, and `VLLM_RPC_BASE_PATH` unless the
 user set theirs), removed once it has stopped: vLLM binds its ZMQ IPC sockets (`<uuid4>`, 7
@@ -19,6 +21,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,7 +33,12 @@ from typing import Self
 
 from kvtier.core.errors import KvtierError
 from kvtier.net.readiness import wait_ready
-from kvtier.vllm.launch import MQ_RECHECK_ENV, MQ_SPIN_ENV, installed_vllm
+from kvtier.vllm.launch import (
+    MQ_RECHECK_ENV,
+    MQ_SPIN_ENV,
+    STOP_WITH_PARENT_ENV,
+    installed_vllm,
+)
 from kvtier.vllm.settings import FLUSH_ON_CLOSE_S
 
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
@@ -163,15 +171,30 @@ STOP_GRACE_S = 10.0 + FLUSH_ON_CLOSE_S
 engine's teardown, in which the connector writes out the L2 saves still queued."""
 
 
+LOG_TAIL_LINES = 20
+"""How many of a server's last log lines the error of a failed start quotes."""
+
+
 class ServerProcess:
     """A running vLLM server; `stop()` ends it and its whole process group."""
 
     def __init__(self, spec: ServerSpec) -> None:
+        """Start the server; raises `KvtierError`, starting nothing, if its port is taken (a
+        server already there would answer the health checks in its place)."""
+        if not _port_free(spec.port):
+            raise KvtierError(
+                f"port {spec.port} is taken: another server listens on 127.0.0.1:{spec.port}; "
+                "stop it or choose another port"
+            )
         self.spec = spec
         self.url = f"http://127.0.0.1:{spec.port}"
         self.temp_dir = _temp_dir()
         """The server's own temporary directory, removed once it has stopped."""
+        self._killed = False
         try:
+            env = spec.environment(self.temp_dir)
+            # should this process die without stopping the server (kvtier.vllm.launch)
+            env[STOP_WITH_PARENT_ENV] = f"{os.getpid()} {spec.drain_s + STOP_GRACE_S}"
             with ExitStack() as stack:
                 log = (
                     stack.enter_context(open(spec.log_path, "ab"))
@@ -180,7 +203,7 @@ class ServerProcess:
                 )
                 self._proc = subprocess.Popen(
                     spec.command(),
-                    env=spec.environment(self.temp_dir),
+                    env=env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
@@ -197,6 +220,8 @@ class ServerProcess:
         return self._proc.poll() is None
 
     def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Return once `/health` answers; else kill the server and raise `KvtierError` (as soon
+        as it exits, or after `timeout_s`) quoting its log's last lines."""
         try:
             wait_ready(
                 self.url + "/health",
@@ -205,14 +230,29 @@ class ServerProcess:
                 what=f"vLLM server on port {self.spec.port} (log: {self.spec.log_path})",
                 interval_s=0.5,
             )
-        except KvtierError:
+        except KvtierError as exc:
             self.kill()  # it never served: nothing to drain
-            raise
+            raise KvtierError(f"{exc}{self._log_tail()}") from exc
+
+    def _log_tail(self) -> str:
+        """The log's last `LOG_TAIL_LINES` lines, indented, after a newline ("" without any)."""
+        if self.spec.log_path is None:
+            return ""
+        try:
+            with open(self.spec.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+                lines = log.read().decode(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            return ""
+        return "".join(f"\n  | {line}" for line in lines)
 
     def kill(self) -> None:
-        """Hard-kill the process group (a failed start; tests of failover)."""
-        self._signal(signal.SIGKILL)
-        self._proc.wait()
+        """Hard-kill the process group (a failed start; tests of failover). Signals it once:
+        once killed and reaped, its id is free, and may come to name another process group."""
+        if not self._killed:
+            self._signal(signal.SIGKILL)
+            self._proc.wait()
+            self._killed = True
         self._remove_temp_dir()
 
     def terminate(self) -> None:
@@ -223,15 +263,15 @@ class ServerProcess:
 
     def stop(self) -> None:
         """Stop gracefully (see `terminate`), waiting up to the drain plus `STOP_GRACE_S`, then
-        kill whatever is left of the process group."""
-        self.terminate()
+        kill whatever is left of the process group; interrupted while it waits (a second
+        Ctrl-C), it kills the group at once and re-raises."""
         try:
+            self.terminate()
             self._proc.wait(self.spec.drain_s + STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             pass
-        self._signal(signal.SIGKILL)  # also reaps stray workers of an exited server
-        self._proc.wait()
-        self._remove_temp_dir()
+        finally:
+            self.kill()  # also reaps stray workers of an exited server
 
     def _remove_temp_dir(self) -> None:
         """Remove the server's temporary directory (its group is gone: nothing writes there)."""
@@ -248,6 +288,18 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server can listen on 127.0.0.1:`port` now. Bound with SO_REUSEADDR, as servers
+    bind, so that closed connections lingering on the port do not count."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _temp_dir() -> str:

@@ -15,6 +15,11 @@ reader keeps a core while another replica's engine waits for it: docs/connector.
 sharing a machine"). `tune_message_queue()` sets both waits from the environment before vLLM
 starts its engine processes. vLLM spawns them on CPU, and a spawned process re-imports this
 module as `__mp_main__`, which applies the same environment there.
+
+A server started by `kvtier.tools.vllm_server` runs in a session of its own, out of reach of the
+terminal's signals, and its starter stops it. `stop_with_parent()` stops it too if that starter
+dies first (SIGKILL, out of memory, its terminal closed), which would otherwise leave the server
+and its engine running, holding the port and the memory.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import sys
-from collections.abc import Callable, Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from importlib import metadata
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,9 @@ MQ_SPIN_ENV = "KVTIER_VLLM_MQ_SPIN_S"
 """Seconds a queue reader busy-waits after a message before it sleeps (vLLM: 1; 0: never)."""
 MQ_RECHECK_ENV = "KVTIER_VLLM_MQ_RECHECK_MS"
 """Longest sleep of a queue reader before it rechecks shared memory (vLLM: 5000)."""
+
+STOP_WITH_PARENT_ENV = "KVTIER_STOP_WITH_PARENT"
+"""`PID GRACE_S`: the server stops once its parent, process PID, has exited (`stop_with_parent`)."""
 
 
 def installed_vllm() -> tuple[str, str] | None:
@@ -107,7 +118,43 @@ def _number(name: str, value: str | None, minimum: float) -> float | None:
     return parsed
 
 
+def stop_with_parent(env: MutableMapping[str, str] = os.environ) -> None:
+    """With `KVTIER_STOP_WITH_PARENT="PID GRACE_S"` in `env` (removed from it), watch from a
+    daemon thread for the exit of this process's parent PID: then send this process SIGTERM,
+    which vLLM's API server answers by stopping its engine, and GRACE_S later SIGKILL to this
+    process's group if it leads one (as `ServerProcess` starts it), else to this process. A
+    parent already gone counts at once. Signals nothing but this process and its own group."""
+    value = env.pop(STOP_WITH_PARENT_ENV, None)
+    if value is None:
+        return
+    pid, grace_s = value.split()
+    watch = threading.Thread(
+        target=_stop_when_orphaned,
+        args=(int(pid), float(grace_s)),
+        name="kvtier-stop-with-parent",
+        daemon=True,
+    )
+    watch.start()
+
+
+def _stop_when_orphaned(parent: int, grace_s: float) -> None:
+    while os.getppid() == parent:  # an orphan is adopted: its parent pid changes
+        time.sleep(0.5)
+    # (to stderr, the server's log: vLLM's logging setup silences loggers made before it)
+    print(
+        f"kvtier: the process that started this server (pid {parent}) exited; stopping",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
+    stop_with_parent()
     patch_vllm_cpu()
     tune_message_queue()
     from vllm.entrypoints.cli.main import main as vllm_main

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import threading
 import time
 from pathlib import Path
+from types import FrameType
 
 from kvtier.core.errors import KvtierError
 from kvtier.tools.cluster.spec import load_spec
@@ -18,7 +20,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     if args.replicas is not None:
         spec = spec.replaced(replicas=args.replicas)
     # `kvtier down` sends SIGTERM, which `kvtier.cli.main` raises as a KeyboardInterrupt
-    # (`Terminated`): start-up and serving both unwind through LocalFleet.stop().
+    # (`Terminated`), and so is a hangup (its terminal closed) here, unless under nohup: start-up
+    # and serving both unwind through LocalFleet.stop().
+    hang_up = (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    )
+    previous = signal.signal(signal.SIGHUP, _terminated) if hang_up else None
     try:
         with LocalFleet(spec, monitor=args.monitor) as cluster:
             print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
@@ -34,7 +42,16 @@ def _cmd_up(args: argparse.Namespace) -> int:
                 time.sleep(3600)
     except KeyboardInterrupt:
         print("kvtier: stopped", flush=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGHUP, previous)
     return 0
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    from kvtier.cli import Terminated
+
+    raise Terminated
 
 
 def _cmd_down(args: argparse.Namespace) -> int:

@@ -9,6 +9,7 @@ taken for the owner, and signalled, only while its pid and identity both match.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -18,6 +19,9 @@ from pathlib import Path
 from kvtier.core.errors import KvtierError
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+_NOT_A_PROCESS = {errno.ESRCH, errno.ENOENT, errno.EINVAL}
+"""`pidfd_open` errors of a pid that names no process: none runs, or the pid now names a thread
+of another process (ENOENT; EINVAL before Linux 6.9)."""
 
 
 def process_identity(pid: int) -> str | None:
@@ -54,12 +58,15 @@ def signal_owner(path: Path, sig: signal.Signals) -> int:
     """Send `sig` to the running `kvtier up` that wrote `path` and return its pid.
 
     Signals nothing, raising `KvtierError`, when `path` is missing, unreadable or malformed,
-    names pid 0 or 1, or is stale: its owner is gone (the file is then removed)."""
+    names pid 0 or 1 or no valid pid, or is stale: its owner is gone, its pid names no process
+    or another one, a thread included (the file is then removed)."""
     pid, identity = _read_owner(path)
     try:
         # a pidfd keeps naming the process it was opened on, even if the pid is reused
         pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
+    except OSError as exc:
+        if exc.errno not in _NOT_A_PROCESS:
+            raise
         raise _remove_stale(path, pid) from None
     try:
         if process_identity(pid) != identity:
@@ -86,7 +93,7 @@ def _read_owner(path: Path) -> tuple[int, str]:
         raise KvtierError(f"cannot read {path}: {exc}") from exc
     except (ValueError, LookupError, TypeError) as exc:
         raise _invalid(path, f"malformed: {exc!r}") from exc
-    if type(pid) is not int or pid <= 1 or not isinstance(identity, str):
+    if type(pid) is not int or not 1 < pid < 2**31 or not isinstance(identity, str):
         raise _invalid(path, f"no valid owner (pid {pid!r}, identity {identity!r})")
     return pid, identity
 
@@ -102,6 +109,6 @@ def _remove_stale(path: Path, pid: int) -> KvtierError:
     path.unlink(missing_ok=True)
     return KvtierError(
         f"{path} was stale: the `kvtier up` that wrote it (pid {pid}) no longer runs; removed "
-        "it, signalled nothing. If that `kvtier up` was killed, its replicas and router may "
-        "still run (see its logs/)"
+        "it, signalled nothing. If that `kvtier up` was killed, its router may still run "
+        "(its replicas stop themselves; see its logs/)"
     )
