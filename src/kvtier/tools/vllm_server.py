@@ -17,6 +17,7 @@ directory, and leaves them all behind when it stops.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -291,14 +292,15 @@ class ServerProcess:
 
 
 def _port_free(port: int) -> bool:
-    """Whether a server can listen on 127.0.0.1:`port` now. Bound with SO_REUSEADDR, as servers
-    bind, so that closed connections lingering on the port do not count."""
+    """Whether no server listens on 127.0.0.1:`port` now (another refusal, e.g. a privileged
+    port, is left for vLLM to report). Bound with SO_REUSEADDR, as servers bind, so that closed
+    connections lingering on the port do not count."""
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
+        except OSError as exc:
+            return exc.errno != errno.EADDRINUSE
     return True
 
 
