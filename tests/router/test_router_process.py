@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -150,3 +152,59 @@ def test_a_terminated_router_lets_its_streams_finish_and_takes_no_new_connection
         asyncio.run_coroutine_threadsafe(replica.stop(), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
+
+
+_PARENT = """
+import os, subprocess, sys
+from kvtier.core.parent_watch import STOP_WITH_PARENT_ENV
+router = subprocess.Popen(
+    [sys.executable, "-m", "kvtier.cli", "router", *sys.argv[1:]],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+    start_new_session=True,
+    env={**os.environ, STOP_WITH_PARENT_ENV: f"{os.getpid()} 5"},
+)
+print(router.pid, flush=True)
+router.wait()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_a_router_whose_starter_dies_stops_itself(model_dir: str) -> None:
+    """As `kvtier up` starts it (a session of its own): the starter killed (SIGKILL, out of
+    memory) must not leave the router running, holding its port."""
+    port = free_port()
+    args = [
+        "--port",
+        str(port),
+        "--model",
+        model_dir,
+        "--replica",
+        f"http://127.0.0.1:{free_port()}",
+    ]
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, *args], stdout=subprocess.PIPE, text=True
+    )
+    router = 0
+    try:
+        assert parent.stdout is not None
+        router = int(parent.stdout.readline())
+        wait_ready(f"http://127.0.0.1:{port}/metrics", 120, exited=parent.poll, what="the router")
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while _running(router) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(router)
+    finally:
+        parent.kill()
+        parent.wait(10)
+        if router and _running(router):
+            os.kill(router, signal.SIGKILL)

@@ -238,13 +238,15 @@ time.sleep(120)
 """
 # as vLLM's API server: SIGTERM stops its engine core (a child in its process group) and exits
 _ORDERLY = (
-    "import signal, subprocess, sys, time; from kvtier.vllm.launch import stop_with_parent; "
+    "import signal, subprocess, sys, time; from kvtier.core.parent_watch import stop_with_parent; "
     "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
     "signal.signal(signal.SIGTERM, lambda *_: (child.kill(), child.wait(), sys.exit(0))); "
     "stop_with_parent(); print(child.pid, flush=True); time.sleep(120)"
 )
 # a server stuck in its shutdown: its group is killed after the grace
-_STUCK = _STUBBORN.replace("print(", "import kvtier.vllm.launch as k; k.stop_with_parent(); print(")
+_STUCK = _STUBBORN.replace(
+    "print(", "import kvtier.core.parent_watch as k; k.stop_with_parent(); print("
+)
 
 
 @pytest.mark.parametrize("server", [_ORDERLY, _STUCK], ids=["orderly", "stuck"])

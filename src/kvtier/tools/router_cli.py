@@ -8,6 +8,7 @@ import asyncio
 import logging
 import sys
 
+from kvtier.core.parent_watch import stop_with_parent
 from kvtier.core.settings import add_flags, from_flags
 from kvtier.router.settings import RouterSettings, load_replicas_file
 
@@ -37,6 +38,7 @@ def without_torch() -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    stop_with_parent()  # a router `kvtier up` started stops should `kvtier up` die first
     from kvtier.net.http_server import fast_loop_factory
     from kvtier.router.app import Router, serve  # transformers: only when serving
     from kvtier.tools.embedded_model import resolve_model

@@ -7,7 +7,7 @@ it as a context manager): vLLM's API server alone gets SIGTERM, so it stops its 
 no engine worker outlives it. A SIGTERM to the whole group would stop the engine's workers under
 it, and vLLM fails the requests in flight instead of draining them. Should the owner die
 without stopping it (SIGKILL, out of memory, its terminal closed), the server stops itself the
-same way (`kvtier.vllm.launch.stop_with_parent`).
+same way (`kvtier.core.parent_watch`).
 
 Each server gets a temporary directory of its own (`TMPDIR`, and `VLLM_RPC_BASE_PATH` unless the
 user set theirs), removed once it has stopped: vLLM binds its ZMQ IPC sockets (`<uuid4>`, 7
@@ -33,13 +33,9 @@ from pathlib import Path
 from typing import Self
 
 from kvtier.core.errors import KvtierError
+from kvtier.core.parent_watch import STOP_WITH_PARENT_ENV
 from kvtier.net.readiness import wait_ready
-from kvtier.vllm.launch import (
-    MQ_RECHECK_ENV,
-    MQ_SPIN_ENV,
-    STOP_WITH_PARENT_ENV,
-    installed_vllm,
-)
+from kvtier.vllm.launch import MQ_RECHECK_ENV, MQ_SPIN_ENV, installed_vllm
 from kvtier.vllm.settings import FLUSH_ON_CLOSE_S
 
 RPC_DIR_ENV = "VLLM_RPC_BASE_PATH"

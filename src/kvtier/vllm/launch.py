@@ -17,9 +17,8 @@ starts its engine processes. vLLM spawns them on CPU, and a spawned process re-i
 module as `__mp_main__`, which applies the same environment there.
 
 A server started by `kvtier.tools.vllm_server` runs in a session of its own, out of reach of the
-terminal's signals, and its starter stops it. `stop_with_parent()` stops it too if that starter
-dies first (SIGKILL, out of memory, its terminal closed), which would otherwise leave the server
-and its engine running, holding the port and the memory.
+terminal's signals, and its starter stops it; `main` also has it stop itself if that starter
+dies first (`kvtier.core.parent_watch`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,11 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import signal
 import sys
-import threading
-import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from importlib import metadata
+
+from kvtier.core.parent_watch import stop_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +39,6 @@ MQ_SPIN_ENV = "KVTIER_VLLM_MQ_SPIN_S"
 """Seconds a queue reader busy-waits after a message before it sleeps (vLLM: 1; 0: never)."""
 MQ_RECHECK_ENV = "KVTIER_VLLM_MQ_RECHECK_MS"
 """Longest sleep of a queue reader before it rechecks shared memory (vLLM: 5000)."""
-
-STOP_WITH_PARENT_ENV = "KVTIER_STOP_WITH_PARENT"
-"""`PID GRACE_S`: the server stops once its parent, process PID, has exited (`stop_with_parent`)."""
 
 
 def installed_vllm() -> tuple[str, str] | None:
@@ -116,41 +111,6 @@ def _number(name: str, value: str | None, minimum: float) -> float | None:
     if not parsed >= minimum:
         raise ValueError(f"{name}={value!r}: must be at least {minimum:g}")
     return parsed
-
-
-def stop_with_parent(env: MutableMapping[str, str] = os.environ) -> None:
-    """With `KVTIER_STOP_WITH_PARENT="PID GRACE_S"` in `env` (removed from it), watch from a
-    daemon thread for the exit of this process's parent PID: then send this process SIGTERM,
-    which vLLM's API server answers by stopping its engine, and GRACE_S later SIGKILL to this
-    process's group if it leads one (as `ServerProcess` starts it), else to this process. A
-    parent already gone counts at once. Signals nothing but this process and its own group."""
-    value = env.pop(STOP_WITH_PARENT_ENV, None)
-    if value is None:
-        return
-    pid, grace_s = value.split()
-    watch = threading.Thread(
-        target=_stop_when_orphaned,
-        args=(int(pid), float(grace_s)),
-        name="kvtier-stop-with-parent",
-        daemon=True,
-    )
-    watch.start()
-
-
-def _stop_when_orphaned(parent: int, grace_s: float) -> None:
-    while os.getppid() == parent:  # an orphan is adopted: its parent pid changes
-        time.sleep(0.5)
-    # (to stderr, the server's log: vLLM's logging setup silences loggers made before it)
-    print(
-        f"kvtier: the process that started this server (pid {parent}) exited; stopping",
-        file=sys.stderr,
-        flush=True,
-    )
-    os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(grace_s)
-    if os.getpgrp() == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:

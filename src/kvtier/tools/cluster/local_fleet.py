@@ -22,6 +22,7 @@ from typing import Any, Self
 from tqdm import tqdm
 
 from kvtier.core.errors import KvtierError
+from kvtier.core.parent_watch import STOP_WITH_PARENT_ENV
 from kvtier.core.settings import to_flags
 from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
@@ -293,8 +294,14 @@ class LocalFleet:
             *self._router_replica_args(),
         ]
         with open(self.work_dir / "logs" / "router.log", "ab") as log:
+            # should this process die without stopping it (kvtier.core.parent_watch)
+            grace = f"{os.getpid()} {self.spec.router_drain_s + 10}"
             self.router = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env={**os.environ, STOP_WITH_PARENT_ENV: grace},
             )
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 

@@ -109,6 +109,7 @@ def _remove_stale(path: Path, pid: int) -> KvtierError:
     path.unlink(missing_ok=True)
     return KvtierError(
         f"{path} was stale: the `kvtier up` that wrote it (pid {pid}) no longer runs; removed "
-        "it, signalled nothing. If that `kvtier up` was killed, its router may still run "
-        "(its replicas stop themselves; see its logs/)"
+        "it, signalled nothing. If that `kvtier up` was killed, its replicas and router stop "
+        "themselves; a Valkey server, mounts or Prometheus it started may still run (see its "
+        "logs/)"
     )
