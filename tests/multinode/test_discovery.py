@@ -120,7 +120,7 @@ def test_replicas_join_after_health_drain_and_leave_with_their_events() -> None:
                 assert (url[ADDRESSES[1]], "gone") in forgotten
                 assert index.match([block]) == {}  # purged
 
-                # a failed lookup keeps what is known; an empty answer drains everything
+                # a failed lookup keeps what is known; two empty answers drain everything
                 dns.error = OSError("temporary failure in name resolution")
                 await discovery.sync()
                 assert len(replicas) == 1
@@ -133,6 +133,8 @@ def test_replicas_join_after_health_drain_and_leave_with_their_events() -> None:
                 ]
                 dns.answer = []
                 stuck = replicas.claim(replicas[url[ADDRESSES[2]]], 0)
+                await discovery.sync()
+                assert len(replicas) == 2  # one empty answer alone changes nothing
                 await discovery.sync()
                 assert [r.name for r in replicas] == [url[ADDRESSES[2]]]  # draining
                 clock = 31.0  # past drain_timeout_s: dropped even with a request held
@@ -207,6 +209,8 @@ def test_a_discovered_replicas_vllm_events_feed_l0_under_its_name() -> None:
                         break
                 assert index.match(hashes) == {name: [Tier.L0, Tier.L0]}
                 dns.answer = []
+                await discovery.sync()  # one empty answer alone changes nothing
+                assert len(replicas) == 1
                 await discovery.sync()  # drained, and dropped (no request in flight)
                 assert len(replicas) == 0 and index.match(hashes) == {}
                 engine.send_multipart([b"", (99).to_bytes(8, "big"), batch])

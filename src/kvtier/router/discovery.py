@@ -16,9 +16,13 @@ router's `ReplicaSet` in step with the answer:
   taken back at once.
 
 A failed resolution (timeout, resolver failure) keeps the current set; only an answer, or
-"no such name" (a Service with no ready pod), changes it. Replicas given statically
-(`replicas`) are never touched. A dead replica still listed (its node lost, DNS not yet told)
-is the health checker's: it is excluded from routing after `unhealthy_after` failed checks.
+"no such name" (a Service with no ready pod), changes it. An empty answer (or "no such name")
+that would take out every discovered replica still in rotation is acted on only when the next
+round's answer is empty too: one bad answer (a DNS cache or an EndpointSlice being rewritten)
+never empties the router, and a Service scaled to zero is drained one round later. Replicas
+given statically (`replicas`) are never touched. A dead replica still listed (its node lost,
+DNS not yet told) is the health checker's: it is excluded from routing after `unhealthy_after`
+failed checks.
 
 Several routers, one view: every router discovers the same replicas and follows all their
 events, so their indexes agree; `ConsistentTies` makes the last free choice, the tie-break,
@@ -26,6 +30,9 @@ agree too (in-flight counts and recent-work history stay local to each router).
 
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Resolution uses
 the event loop's `getaddrinfo` (the system resolver: /etc/hosts, then DNS; nothing cached here).
+It runs in a thread that a timeout cannot stop, so a resolution that outlives its round is
+waited for again by the next rounds rather than joined by a new one: a DNS server that hangs
+holds one thread, not one more per round.
 """
 
 from __future__ import annotations
@@ -100,6 +107,10 @@ class Discovery:
         self._mine: dict[str, str | None] = {}
         """Replicas this discovery added -> their events endpoint."""
         self._drain_until: dict[str, float] = {}
+        self._empty_once = False
+        """The last answer was empty and was not acted on (it would have emptied the set)."""
+        self._resolving: asyncio.Future[list[str]] | None = None
+        """The resolution under way (it may outlive the round that started it)."""
 
     @property
     def discovered(self) -> list[str]:
@@ -120,10 +131,18 @@ class Discovery:
         """One round: resolve, join new replicas, drain vanished ones, drop drained ones."""
         try:
             async with asyncio.timeout(max(1.0, self._config.discovery_interval_s)):
-                addresses: list[str] | None = await self._resolve(self.host, self.port)
+                addresses: list[str] | None = await asyncio.shield(self._resolution())
         except (OSError, TimeoutError) as exc:
             log.warning("cannot resolve %s (keeping %d replicas): %s", self.host, len(self), exc)
             addresses = None
+        if addresses is not None:
+            emptying = not addresses and self._mine.keys() - self._drain_until.keys()
+            if emptying and not self._empty_once:
+                log.warning(
+                    "%s resolves to nothing: keeping %d replicas a round", self.host, len(self)
+                )
+                addresses = None
+            self._empty_once = bool(emptying) and addresses is None
         if addresses is not None:
             wanted = {f"http://{_host(a)}:{self.port}": a for a in addresses}
             for name in self._mine.keys() - wanted.keys():
@@ -142,6 +161,14 @@ class Discovery:
 
     def __len__(self) -> int:
         return len(self._mine)
+
+    def _resolution(self) -> asyncio.Future[list[str]]:
+        """The resolution under way, or a new one once the last has ended."""
+        if self._resolving is None or self._resolving.done():
+            self._resolving = asyncio.ensure_future(self._resolve(self.host, self.port))
+            # (its outcome is read by whichever round awaits it, maybe none)
+            self._resolving.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return self._resolving
 
     async def _join(self, name: str, address: str) -> bool:
         if not await self._healthy(name):
@@ -194,11 +221,11 @@ class Discovery:
             del self._drain_until[name]
             endpoint = self._mine.pop(name, None)
             self._replicas.remove(name)
-            self._forget(name, "gone")
-            if endpoint is not None and self._feed is not None:
-                await self._feed.disconnect(endpoint)
-            if self._feed is not None:
+            if self._feed is not None:  # (first: a batch applied meanwhile outlives the purge)
                 await self._feed.disconnect_vllm(name)
+                if endpoint is not None:
+                    await self._feed.disconnect(endpoint)
+            self._forget(name, "gone")
             log.info("replica %s dropped", name)
 
 

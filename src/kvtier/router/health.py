@@ -31,7 +31,8 @@ by `kvtier.router.upstream`) keeps answering /health, so a good check does not b
 Each check sends it the same 1-token probe instead: an answer below 500 means it serves again
 (a wrong guess costs one check interval). A failed check ends the state: the process is going or
 gone, and the checks above take over (a restart comes back through a good check, as any replica
-that was down).
+that was down). A check that is only late does not: a draining vLLM busy with what it holds
+answers /health slowly, and a good check after it must not bring it back.
 
 Lost nodes: a replica out of rotation whose requests have had no byte for a check timeout is
 tested with a fresh TCP connection. A process that hangs or is only slow still has a kernel that
@@ -39,6 +40,11 @@ accepts it, and a closed port refuses it (a replica shutting down finishes what 
 that is gone or cut off answers nothing (a timeout, no route). Then its connections can bring
 nothing back, though they may never be reset: it is unreachable, `on_unreachable(name)`, its
 requests abandoned like a stalled replica's, rather than waiting out `read_timeout_s`.
+
+Replicas that leave the set (discovery drops them): a check or probe of one still under way
+when it leaves reports nothing (`on_down`, `on_stall`, `on_unreachable` are never called for a
+replica no longer in the set, so its metrics series stay dropped), and the next round forgets
+that it was purged.
 
 Owner: the router app; `run()` is one asyncio task, cancelled on shutdown. Every request goes
 through the router's one HTTP client (`kvtier.net.http_client.HttpPool`).
@@ -103,6 +109,7 @@ class HealthChecker:
         """Check every replica. A check that fails unexpectedly (a bug, an absurd answer) is
         logged and skipped: it never stops the other replicas' checks or later rounds."""
         replicas = list(self._replicas)
+        self._purged &= {replica.name for replica in replicas}  # (forget those that left)
         results = await asyncio.gather(*map(self._check, replicas), return_exceptions=True)
         for replica, result in zip(replicas, results, strict=True):
             if isinstance(result, Exception):
@@ -135,8 +142,11 @@ class HealthChecker:
             replica.failed_checks = 0
             replica.healthy = True
             return
+        if not self._member(replica):
+            return
         replica.failed_checks += 1
-        replica.stopping = False  # going or gone: the checks below take over
+        if answer != "late":  # going or gone: the checks below take over
+            replica.stopping = False
         if refused or replica.failed_checks >= self._unhealthy_after:
             replica.healthy = False
         if (
@@ -148,6 +158,10 @@ class HealthChecker:
             self._on_down(replica.name)
         if not refused and replica.failed_checks >= self._unhealthy_after:
             await self._give_up_if_unreachable(replica)
+
+    def _member(self, replica: Replica) -> bool:
+        """Whether `replica` is still in the set (not dropped while checked or probed)."""
+        return self._replicas.replicas.get(replica.name) is replica
 
     async def _health(self, replica: Replica) -> str:
         """The outcome of one /health check: ok (a 200), refused (no process listens), late
@@ -180,7 +194,8 @@ class HealthChecker:
                 silent_s,
                 abandoned,
             )
-            self._on_unreachable(replica.name)
+            if self._member(replica):
+                self._on_unreachable(replica.name)
 
     def _suspect_stall(self, replica: Replica) -> bool:
         """Whether to probe it now: stalled, or holding requests without progress for long."""
@@ -209,7 +224,10 @@ class HealthChecker:
 
     async def _probe(self, replica: Replica) -> None:
         """One 1-token completion: answered, the replica makes progress; not, it stalled."""
-        if await self._answers_probe(replica, self._stall_after_s):
+        answered = await self._answers_probe(replica, self._stall_after_s)
+        if not self._member(replica):
+            return
+        if answered:
             replica.last_progress = time.monotonic()
             if replica.stalled:
                 log.warning("replica %s answers again: back in rotation", replica.name)

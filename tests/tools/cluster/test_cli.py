@@ -38,6 +38,11 @@ def run_up(tmp_path: Path, nohup: bool) -> tuple[subprocess.Popen[str], Path]:
         ["nohup", *command] if nohup else command, stdout=subprocess.PIPE, text=True
     )
     assert up.stdout is not None and up.stdout.readline() == "up\n"
+    # (a signal inside the stand-in's __enter__ would skip its __exit__: the real fleet stops
+    # what it started there itself) wait for `kvtier up`'s last line, its serving loop
+    for _ in range(20):
+        if "stops everything" in up.stdout.readline():
+            break
     return up, stopped
 
 
