@@ -5,7 +5,9 @@ replica going down."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -121,3 +123,40 @@ def test_a_document_of_another_shape_is_an_error_naming_the_url(
         serving.join(5)
     err = capsys.readouterr().err
     assert f"{url}: not a kvtier dashboard document" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b"SSH-2.0-OpenSSH_9.0\r\n", "BadStatusLine: SSH-2.0-OpenSSH_9.0)"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"totals"', "IncompleteRead"),
+    ],
+)
+def test_a_url_that_does_not_answer_in_http_is_an_error_naming_the_url(
+    answer: bytes, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another service on the port (ssh, a database) or a body cut short: a message, exit 2."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                request = b""
+                while b"\r\n\r\n" not in request:  # (closing with it unread would reset)
+                    request += conn.recv(4096) or b"\r\n\r\n"
+                conn.sendall(answer)
+                conn.shutdown(socket.SHUT_WR)
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert status("--url", url) == 2
+    finally:
+        listener.close()
+        serving.join(5)
+    err = capsys.readouterr().err
+    assert f"cannot read {url}/dashboard/data/latest: no well-formed HTTP answer" in err
+    assert why in err and "Traceback" not in err

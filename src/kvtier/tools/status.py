@@ -14,6 +14,7 @@ watermarks, evictions, the janitor's lease holder).
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import math
 import sys
@@ -53,10 +54,17 @@ def router_url(args: argparse.Namespace) -> str:
 
 
 def fetch(url: str, path: str = FEED, timeout_s: float = 10.0) -> dict[str, Any]:
-    """The router's dashboard document (`path`: /dashboard/data for the whole history)."""
+    """The router's dashboard document (`path`: /dashboard/data for the whole history); a
+    `KvtierError` naming the URL when no well-formed HTTP answer with JSON comes back (nothing
+    listening, another service on the port, a body cut short)."""
     try:
         with urllib.request.urlopen(url + path, timeout=timeout_s) as resp:
             doc: dict[str, Any] = json.load(resp)
+    except http.client.HTTPException as exc:
+        raise KvtierError(
+            f"cannot read {url}{path}: no well-formed HTTP answer "
+            f"({type(exc).__name__}: {str(exc).strip()})"
+        ) from exc
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise KvtierError(f"cannot read {url}{path}: {exc}") from exc
     return doc

@@ -9,7 +9,9 @@ Sampling reads the router's counters in place (no text round trip) and GETs each
 /metrics concurrently through the router's one HTTP client, bounded by `timeout_s`; a replica
 that does not answer is shown unscraped, not as zeros. Each sample also becomes one point of
 the history: rates over the interval (prompt tokens served by tier, requests, decisions, L2
-evictions), TTFT p50/p90 of the streamed requests of the last `ttft_window_s`, L2 usage.
+evictions), TTFT p50/p90 of the streamed requests of the last `ttft_window_s`, L2 usage. The
+replicas' rates count only the replicas scraped in both samples, and a replica whose counter
+went down (a restart) from zero: a missed scrape or a restart is neither a spike nor a dip.
 
 Owner: the router app (`start` after its HTTP pool exists, `stop` on shutdown); runs on the
 router's event loop, like everything it reads.
@@ -162,7 +164,9 @@ class FleetSampler:
     # ----- one sample -----
 
     async def _sample(self) -> Snapshot:
-        pages = await asyncio.gather(*(self._scrape(r) for r in self.replicas))
+        # the fleet as the sample begins: discovery may add or remove replicas while it waits
+        fleet = list(self.replicas)
+        pages = await asyncio.gather(*(self._scrape(r) for r in fleet))
         m = self.metrics
         requests: dict[str, int] = {}
         for (endpoint, status), n in list(m.requests.values.items()):
@@ -184,7 +188,7 @@ class FleetSampler:
                 ReplicaState(
                     r.name, r.healthy, r.state, r.in_flight, r.queued_prefill_tokens, figures
                 )
-                for r, figures in zip(self.replicas, pages, strict=True)
+                for r, figures in zip(fleet, pages, strict=True)
             ),
             failovers=int(sum(s.value for s in _samples(m.failovers))),
         )
@@ -222,16 +226,15 @@ class FleetSampler:
         def rate(now: float, before: float) -> float:
             return round(max(0.0, now - before) / dt, 3)
 
-        tokens, before = snap.fleet_tokens(), prev.fleet_tokens()
-        if tokens is not None and before is not None:
-            point["tokens_per_s"] = {t: rate(tokens[t], before[t]) for t in TIERS}
+        tokens = _increases(snap, prev)
+        if tokens is not None:
+            point["tokens_per_s"] = {t: round(tokens[t] / dt, 3) for t in TIERS}
         point["requests_per_s"] = rate(sum(snap.requests.values()), sum(prev.requests.values()))
         point["decisions_per_s"] = {
             reason: rate(n, prev.decisions.get(reason, 0)) for reason, n in snap.decisions.items()
         }
-        prev_l2 = prev.l2()
-        if l2 is not None and prev_l2 is not None:
-            point["l2_evicted_blocks"] = max(0.0, l2["evicted_blocks"] - prev_l2["evicted_blocks"])
+        if l2 is not None and tokens is not None:
+            point["l2_evicted_blocks"] = tokens["l2_evicted_blocks"]
         return point
 
     def ttft_window(self, now: float) -> list[float]:
@@ -313,6 +316,31 @@ class FleetSampler:
             doc["tokens"] = tiers
             doc["hit_ratio"] = {t: _ratio(v, served) for t, v in tiers.items()}
         return doc
+
+
+def _increases(snap: Snapshot, prev: Snapshot) -> dict[str, float] | None:
+    """What the replicas' counters grew by since `prev`: prompt tokens by tier and L2 blocks
+    evicted, summed over the replicas scraped in both samples (None if none was). A counter
+    that went down is a restarted replica counting from zero again: its increase is its value
+    (as Prometheus's `increase` reads a reset), not a negative that cancels the others'."""
+    before = {r.name: r.figures for r in prev.replicas if r.figures is not None}
+    both = [(r.figures, before[r.name]) for r in snap.replicas if r.figures and r.name in before]
+    if not both:
+        return None
+    names = ("prompt_tokens", "l0_tokens", "l1_tokens", "l2_tokens", "l2_evicted_blocks")
+    out = dict.fromkeys((*TIERS, "l2_evicted_blocks"), 0.0)
+    for now, then in both:
+        grew = {}
+        for name in names:
+            value, old = now.get(name, 0.0), then.get(name, 0.0)
+            grew[name] = value - old if value >= old else value
+        cached = 0.0
+        for tier in TIERS[:3]:
+            out[tier] += grew[f"{tier}_tokens"]
+            cached += grew[f"{tier}_tokens"]
+        out["computed"] += max(0.0, grew["prompt_tokens"] - cached)
+        out["l2_evicted_blocks"] += grew["l2_evicted_blocks"]
+    return out
 
 
 def _samples(counter: Any) -> list[Any]:

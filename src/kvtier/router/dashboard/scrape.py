@@ -2,7 +2,10 @@
 
 `parse_samples` reads Prometheus text exposition, keeping only lines whose metric name starts
 with one of the given prefixes (a vLLM page is ~100 KB, almost all of it histograms the
-dashboard does not need). `replica_figures` sums the wanted series over vLLM's engines.
+dashboard does not need). `replica_figures` sums the wanted series over vLLM's engines (one
+per data-parallel rank), except the L2 pool's gauges, which describe the one shared pool
+whichever engine reports them (their max), and the engine cache's occupancy, a fraction of
+each engine's own cache (their mean).
 
 Where each figure comes from (vLLM 0.32's own metrics, the connector's `kvtier_connector_*`,
 the L2 janitor's `kvtier_l2_*`; see docs/metrics.md):
@@ -47,8 +50,22 @@ FIGURES: Mapping[str, tuple[str, Mapping[str, str]]] = {
     "l2_evicted_bytes": ("kvtier_l2_evicted_bytes_total", {}),
     "l2_corrupt_removed": ("kvtier_l2_corrupt_removed_total", {}),
 }
-"""Figure -> (sample name, labels it must carry); the figure sums the matching samples."""
+"""Figure -> (sample name, labels it must carry); the figure sums the matching samples (but
+see `_MAX`, `_MEAN`)."""
 PREFIXES = tuple(sorted({name.encode() for name, _ in FIGURES.values()}))
+_MAX = frozenset(
+    (
+        "l2_used_bytes",
+        "l2_capacity_bytes",
+        "l2_high_bytes",
+        "l2_low_bytes",
+        "l2_blocks",
+        "l2_lease_held",
+    )
+)
+"""Figures of the shared L2 pool: the same pool on every engine, never added up."""
+_MEAN = frozenset(("l0_usage",))
+"""Fractions of each engine's own capacity: their mean."""
 
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -90,6 +107,12 @@ def replica_figures(text: bytes) -> dict[str, float]:
             for labels, value in by_name.get(name, ())
             if all(labels.get(k) == v for k, v in wanted.items())
         ]
-        if matches:
+        if not matches:
+            continue
+        if figure in _MAX:
+            figures[figure] = max(matches)
+        elif figure in _MEAN:
+            figures[figure] = sum(matches) / len(matches)
+        else:
             figures[figure] = sum(matches)
     return figures
