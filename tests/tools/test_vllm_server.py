@@ -233,7 +233,8 @@ from kvtier.tools import vllm_server
 vllm_server.STOP_GRACE_S = 1.0
 vllm_server.ServerSpec.command = lambda self: [sys.executable, "-c", sys.argv[1]]
 spec = vllm_server.ServerSpec(model="/m", port=int(sys.argv[2]), log_path=Path(sys.argv[3]))
-print(vllm_server.ServerProcess(spec).pid, flush=True)
+server = vllm_server.ServerProcess(spec)
+print(server.pid, server.temp_dir, flush=True)
 time.sleep(120)
 """
 # as vLLM's API server: SIGTERM stops its engine core (a child in its process group) and exits
@@ -260,7 +261,8 @@ def test_a_server_stops_when_the_process_that_started_it_dies(server: str, tmp_p
     pids: list[int] = []
     try:
         assert parent.stdout is not None
-        pids.append(int(parent.stdout.readline()))  # the server
+        pid, temp_dir = parent.stdout.readline().split()
+        pids.append(int(pid))  # the server
         deadline = time.monotonic() + 30
         while not (log.exists() and log.read_text().strip()):
             assert time.monotonic() < deadline, "the test's server did not start"
@@ -272,6 +274,7 @@ def test_a_server_stops_when_the_process_that_started_it_dies(server: str, tmp_p
         while not all(map(gone, pids)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [pid for pid in pids if not gone(pid)] == []
+        assert not os.path.exists(temp_dir)  # its starter would have removed it
     finally:
         parent.kill()
         parent.wait()

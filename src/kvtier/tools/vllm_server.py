@@ -191,7 +191,8 @@ class ServerProcess:
         try:
             env = spec.environment(self.temp_dir)
             # should this process die without stopping the server (kvtier.vllm.launch)
-            env[STOP_WITH_PARENT_ENV] = f"{os.getpid()} {spec.drain_s + STOP_GRACE_S}"
+            grace = spec.drain_s + STOP_GRACE_S
+            env[STOP_WITH_PARENT_ENV] = f"{os.getpid()} {grace} {self.temp_dir}"
             with ExitStack() as stack:
                 log = (
                     stack.enter_context(open(spec.log_path, "ab"))
