@@ -261,8 +261,8 @@ def test_a_server_stops_when_the_process_that_started_it_dies(server: str, tmp_p
     pids: list[int] = []
     try:
         assert parent.stdout is not None
-        pid, temp_dir = parent.stdout.readline().split()
-        pids.append(int(pid))  # the server
+        server_pid, temp_dir = parent.stdout.readline().split()
+        pids.append(int(server_pid))  # the server
         deadline = time.monotonic() + 30
         while not (log.exists() and log.read_text().strip()):
             assert time.monotonic() < deadline, "the test's server did not start"

@@ -15,17 +15,6 @@ from kvtier.tools.cluster.state import process_identity, signal_owner
 
 
 @pytest.fixture
-def no_signals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail a test that sends any signal."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError(f"signalled {args}")
-
-    for owner, name in ((os, "kill"), (os, "killpg"), (signal, "pidfd_send_signal")):
-        monkeypatch.setattr(owner, name, refuse)
-
-
-@pytest.fixture
 def thread_id() -> Iterator[int]:
     """The id of a thread of this process (not its main thread): a pid the kernel handed out
     again after the `kvtier up` that had it exited, now naming a thread of another process."""

@@ -3,7 +3,6 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -119,17 +118,6 @@ def config(tmp_path: Path) -> Path:
         f"kvtier: {{workDir: {tmp_path}, replicaDrainSeconds: 0, router: {{drain_s: 0}}}}\n"
     )
     return path
-
-
-@pytest.fixture
-def no_signals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail a test that sends any signal (rather than let it hit init or the test's group)."""
-
-    def refuse(*args: object) -> None:
-        raise AssertionError(f"signalled {args}")
-
-    for owner, name in ((os, "kill"), (os, "killpg"), (signal, "pidfd_send_signal")):
-        monkeypatch.setattr(owner, name, refuse)
 
 
 def down(config: Path) -> int:
