@@ -12,9 +12,8 @@ import importlib
 import signal
 import sys
 import threading
-from typing import Any
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, Terminated, raise_terminated
 
 # Top-level commands, in the order `--help` lists them.
 COMMAND_MODULES = (
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args.own_process = argv is None
     # Signal handlers belong to the main thread (tests call `main` from others).
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
+    previous = signal.signal(signal.SIGTERM, raise_terminated) if in_main else None
     try:
         return int(args.func(args) or 0)
     except Terminated:
@@ -108,15 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the command is so that its `finally` blocks and context managers
-    stop the servers, mounts and namespaces it started (as Ctrl-C does)."""
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise Terminated
 
 
 def _missing(exc: ModuleNotFoundError) -> int:

@@ -8,6 +8,8 @@
     ├── TierError                         an L1/L2 backend failed (treated as a miss, counted)
     └── RoutingError                      the router has no healthy replica for a request
 
+    Terminated (KeyboardInterrupt)        a stop signal, raised where the command is
+
 In the data path a tier fault never reaches the engine: the store turns it into a miss plus a
 metric. These exceptions surface only at configuration time, in CLIs and in tools.
 """
@@ -39,3 +41,13 @@ class TierError(KvtierError):
 
 class RoutingError(KvtierError):
     """No healthy replica is left to take a request (all excluded, failed or unknown)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or a hangup), raised where the command is so that its `finally` blocks and
+    context managers stop the servers, mounts and namespaces it started (as Ctrl-C does)."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A signal handler raising `Terminated`."""
+    raise Terminated

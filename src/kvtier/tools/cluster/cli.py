@@ -7,9 +7,8 @@ import signal
 import threading
 import time
 from pathlib import Path
-from types import FrameType
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, raise_terminated
 from kvtier.tools.cluster.spec import load_spec
 
 
@@ -26,7 +25,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     )
-    previous = signal.signal(signal.SIGHUP, _terminated) if hang_up else None
+    previous = signal.signal(signal.SIGHUP, raise_terminated) if hang_up else None
     try:
         with LocalFleet(spec, monitor=args.monitor) as cluster:
             print(f"kvtier: {spec.replicas} replicas behind the {spec.strategy} router")
@@ -46,12 +45,6 @@ def _cmd_up(args: argparse.Namespace) -> int:
         if previous is not None:
             signal.signal(signal.SIGHUP, previous)
     return 0
-
-
-def _terminated(signum: int, frame: FrameType | None) -> None:
-    from kvtier.cli import Terminated
-
-    raise Terminated
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
