@@ -28,6 +28,14 @@ def connector_settings(args: argparse.Namespace) -> ConnectorSettings:
     return settings
 
 
+def log_path(args: argparse.Namespace) -> Path:
+    """`--log`, else `<KVTIER_CACHE_DIR>/logs/serve-<port>.log`: vLLM's output is always kept,
+    so a server that fails to start is reported with the end of it."""
+    from kvtier.tools.embedded_model import cache_root
+
+    return Path(args.log) if args.log else cache_root() / "logs" / f"serve-{args.port}.log"
+
+
 def _run(args: argparse.Namespace) -> int:
     from kvtier.tools.embedded_model import resolve_model
     from kvtier.tools.vllm_server import ServerSpec, start_server
@@ -37,6 +45,9 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(transfer, indent=2))
         return 0
     extra = [a for a in args.vllm_args if a != "--"]
+    log = log_path(args)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"kvtier: vLLM's output goes to {log}", flush=True)
     spec = ServerSpec(
         model=resolve_model(args.model),
         port=args.port,
@@ -47,7 +58,7 @@ def _run(args: argparse.Namespace) -> int:
         cpu_ids=args.cpu_ids,
         dtype=args.dtype,
         extra_args=extra,
-        log_path=Path(args.log) if args.log else None,
+        log_path=log,
     )
     server = start_server(spec, timeout_s=args.start_timeout)
     print(
@@ -98,7 +109,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action="store_true",
         help="plain vLLM (a baseline with the same launch settings)",
     )
-    p.add_argument("--log", help="write the server's output to this file")
+    p.add_argument(
+        "--log",
+        help="write the server's output to this file "
+        "(default: ~/.cache/kvtier/logs/serve-PORT.log, under $KVTIER_CACHE_DIR if set)",
+    )
     p.add_argument(
         "--start-timeout",
         type=float,
