@@ -364,32 +364,6 @@ class PoisonReplica(FakeReplica):
         return await super()._generate(writer, body)
 
 
-def test_a_request_that_kills_its_replica_reaches_two_replicas_not_the_fleet(
-    tokenizer: Tokenizer,
-) -> None:
-    """A query of death: each replica that gets it resets. After one failure once delivered the
-    request fails over once more (a replica killed under it), then gives up: 502."""
-
-    async def scenario() -> None:
-        replicas = [await PoisonReplica().start() for _ in range(4)]
-        try:
-            async with running_router(tokenizer, replicas) as rr:
-                resp = await rr.client.post(rr.url + "/v1/completions", json=completion("poison"))
-                assert resp.status_code == 502
-                assert resp.json()["error"]["code"] == "upstream_failed"
-                reached = [r for r in replicas if r.received]
-                # (each may see it twice: a kept-alive connection closed before any byte is
-                # retried once on a new one, as a stale keep-alive socket)
-                assert len(reached) == 1 + DELIVERED_FAILOVERS
-                assert all(r.healthy for r in rr.router.replicas)  # the fault is the request's
-                assert in_flight(rr) == {r.url: 0 for r in replicas}
-        finally:
-            for r in replicas:
-                await r.stop()
-
-    run(scenario())
-
-
 class DyingReplica(PoisonReplica):
     """Dies of a request whose prompt is "poison": its connection is reset and it listens no
     more (as a vLLM server whose engine the request killed)."""
@@ -400,20 +374,27 @@ class DyingReplica(PoisonReplica):
         return await super()._generate(writer, body)
 
 
-def test_a_request_that_kills_its_replica_process_reaches_two_replicas_not_the_fleet(
-    tokenizer: Tokenizer,
+@pytest.mark.parametrize("poisoned", [PoisonReplica, DyingReplica], ids=["resets", "dies"])
+def test_a_request_that_kills_its_replica_reaches_two_replicas_not_the_fleet(
+    tokenizer: Tokenizer, poisoned: type[PoisonReplica]
 ) -> None:
-    """As above, with replicas that die: the request arrives on a kept-alive connection (the
-    health checks' own), the client's resend on a new connection is refused, and that refusal
-    must not count the replica as one that never got the request."""
+    """A query of death: each replica that gets it resets (or dies: it listens no more). After
+    one failure once delivered the request fails over once more (a replica killed under it),
+    then gives up: 502. It arrives on a kept-alive connection (the health checks' own); a
+    kept-alive connection closed before any byte is resent once on a new one, as a stale
+    keep-alive socket, and a refused resend still counts the replica as one that got it."""
 
     async def scenario() -> None:
-        replicas = [await DyingReplica().start() for _ in range(4)]
+        replicas = [await poisoned().start() for _ in range(4)]
         try:
             async with running_router(tokenizer, replicas, health_interval_s=30.0) as rr:
                 resp = await rr.client.post(rr.url + "/v1/completions", json=completion("poison"))
                 assert resp.status_code == 502
-                assert len([r for r in replicas if r.received]) == 1 + DELIVERED_FAILOVERS
+                assert resp.json()["error"]["code"] == "upstream_failed"
+                reached = [r for r in replicas if r.received]
+                assert len(reached) == 1 + DELIVERED_FAILOVERS
+                assert all(r.healthy for r in rr.router.replicas)  # the fault is the request's
+                assert in_flight(rr) == {r.url: 0 for r in replicas}
         finally:
             for r in replicas:
                 await r.stop()
