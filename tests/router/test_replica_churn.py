@@ -4,8 +4,10 @@ reports nothing about (and keeps nothing of) a replica discovery dropped."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import AsyncIterator
 from typing import cast
 
 from kvtier.net.http_client import HttpPool
@@ -14,8 +16,18 @@ from kvtier.router.event_feed import EventFeed
 from kvtier.router.health import HealthChecker
 from kvtier.router.replicas import ReplicaSet
 from kvtier.router.settings import ReplicaSettings, RouterSettings
-from kvtier.tools.fake_replica import FakeReplica
 from tests.helpers.aio import run
+from tests.helpers.router import fakes
+
+
+@contextlib.asynccontextmanager
+async def pooled() -> AsyncIterator[HttpPool]:
+    """The router's HTTP client, as the health checks use it; closed on the way out."""
+    pool = HttpPool(1.0, 5.0)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 class Dns:
@@ -30,10 +42,8 @@ class Dns:
 
 def test_one_empty_dns_answer_keeps_the_replicas_and_two_drop_them() -> None:
     async def scenario() -> None:
-        fake = await FakeReplica(model="smol").start()
-        port = int(fake.url.rpartition(":")[2])
-        pool = HttpPool(1.0, 5.0)
-        try:
+        async with fakes("ok") as (fake,), pooled() as pool:
+            port = int(fake.url.rpartition(":")[2])
             replicas = ReplicaSet(())
             forgotten: list[tuple[str, str]] = []
             health = HealthChecker(pool, replicas, 1.0, 1.0, 2, lambda n: None)
@@ -67,19 +77,14 @@ def test_one_empty_dns_answer_keeps_the_replicas_and_two_drop_them() -> None:
             await discovery.sync()  # empty twice in a row: really gone (idle: dropped)
             assert len(replicas) == 0 and discovery.discovered == []
             assert forgotten == [(fake.url, "gone")]
-        finally:
-            pool.close()
-            await fake.stop()
 
     run(scenario(), timeout_s=30)
 
 
 def test_a_probe_of_a_replica_dropped_meanwhile_reports_nothing_and_leaves_nothing() -> None:
     async def scenario() -> None:
-        hung = await FakeReplica(mode="hang").start()  # /health answers, completions never
-        other = await FakeReplica().start()
-        pool = HttpPool(1.0, 5.0)
-        try:
+        # hung: /health answers, completions never
+        async with fakes("hang", "ok") as (hung, other), pooled() as pool:
             replicas = ReplicaSet((ReplicaSettings(url=hung.url), ReplicaSettings(url=other.url)))
             stalls: list[str] = []
             health = HealthChecker(pool, replicas, 1.0, 1.0, 2, lambda n: None, 0.5, stalls.append)
@@ -101,20 +106,14 @@ def test_a_probe_of_a_replica_dropped_meanwhile_reports_nothing_and_leaves_nothi
             replicas.remove(other.url)
             await health.check_all()
             assert health._purged == set() and health._probes == {}
-        finally:
-            pool.close()
-            await hung.stop()
-            await other.stop()
 
     run(scenario(), timeout_s=30)
 
 
 def test_a_stopping_replica_stays_out_after_a_late_check() -> None:
     async def scenario() -> None:
-        draining = await FakeReplica(mode="refuse").start()  # refuses as a draining vLLM
-        other = await FakeReplica().start()
-        pool = HttpPool(1.0, 5.0)
-        try:
+        # draining: refuses as a draining vLLM
+        async with fakes("refuse", "ok") as (draining, other), pooled() as pool:
             replicas = ReplicaSet(
                 (ReplicaSettings(url=draining.url), ReplicaSettings(url=other.url))
             )
@@ -131,10 +130,6 @@ def test_a_stopping_replica_stays_out_after_a_late_check() -> None:
             )
             assert replica.stopping
             assert [r.name for r in replicas.healthy()] == [other.url]
-        finally:
-            pool.close()
-            await draining.stop()
-            await other.stop()
 
     run(scenario(), timeout_s=30)
 
@@ -153,25 +148,24 @@ def test_a_hung_resolver_holds_one_thread_not_one_per_round() -> None:
         pass
 
     async def scenario() -> None:
-        pool = HttpPool(1.0, 5.0)
         config = RouterSettings(replicas_dns="replicas:8000", discovery_interval_s=0.05)
-        discovery = Discovery(
-            config,
-            ReplicaSet(()),
-            pool,
-            nothing,
-            lambda name, cause: None,
-            None,
-            lambda: 0.0,
-            resolve=resolve,
-        )
-        try:
-            for _ in range(3):
-                await discovery.sync()  # each round times out (1 s) and keeps the set
-            assert len(started) == 1
-        finally:
-            gate.set()
-            pool.close()
+        async with pooled() as pool:
+            discovery = Discovery(
+                config,
+                ReplicaSet(()),
+                pool,
+                nothing,
+                lambda name, cause: None,
+                None,
+                lambda: 0.0,
+                resolve=resolve,
+            )
+            try:
+                for _ in range(3):
+                    await discovery.sync()  # each round times out (1 s) and keeps the set
+                assert len(started) == 1
+            finally:
+                gate.set()
 
     run(scenario(), timeout_s=30)
 
@@ -201,10 +195,8 @@ class Feed:
 
 def test_a_dropped_replica_keeps_no_index_entry_from_its_last_events() -> None:
     async def scenario() -> None:
-        fake = await FakeReplica().start()
-        port = int(fake.url.rpartition(":")[2])
-        pool = HttpPool(1.0, 5.0)
-        try:
+        async with fakes("ok") as (fake,), pooled() as pool:
+            port = int(fake.url.rpartition(":")[2])
             replicas = ReplicaSet(())
             stored: dict[str, int] = {}  # the index: entries by replica
 
@@ -237,8 +229,5 @@ def test_a_dropped_replica_keeps_no_index_entry_from_its_last_events() -> None:
             await discovery.sync()  # gone (empty twice) and idle: dropped
             assert len(replicas) == 0
             assert stored == {}  # nothing left under a name a new pod may take again
-        finally:
-            pool.close()
-            await fake.stop()
 
     run(scenario(), timeout_s=30)
