@@ -9,7 +9,6 @@ import contextlib
 import json
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -94,48 +93,9 @@ def test_status_without_a_fleet_says_how_to_get_one(
     assert "cannot read http://127.0.0.1:9/dashboard/data/latest" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(
-    "doc",
-    [b"{}", b"null", b"[1, 2]", b'{"totals": {}, "time": 1, "strategy": "x", "replicas": []}'],
-)
-def test_a_document_of_another_shape_is_an_error_naming_the_url(
-    doc: bytes, capsys: pytest.CaptureFixture[str]
-) -> None:
-    class Answer(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(doc)))
-            self.end_headers()
-            self.wfile.write(doc)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
-    serving = threading.Thread(target=server.serve_forever, daemon=True)
-    serving.start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
-        assert status("--url", url) == 2
-    finally:
-        server.shutdown()
-        server.server_close()
-        serving.join(5)
-    err = capsys.readouterr().err
-    assert f"{url}: not a kvtier dashboard document" in err and "Traceback" not in err
-
-
-@pytest.mark.parametrize(
-    ("answer", "why"),
-    [
-        (b"SSH-2.0-OpenSSH_9.0\r\n", "BadStatusLine: SSH-2.0-OpenSSH_9.0)"),
-        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"totals"', "IncompleteRead"),
-    ],
-)
-def test_a_url_that_does_not_answer_in_http_is_an_error_naming_the_url(
-    answer: bytes, why: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Another service on the port (ssh, a database) or a body cut short: a message, exit 2."""
+def status_against(answer: bytes) -> tuple[int, str]:
+    """`kvtier status --url` against a loopback server that answers its one request with the
+    bytes `answer`, then closes: (the exit status, the URL)."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
 
@@ -153,10 +113,39 @@ def test_a_url_that_does_not_answer_in_http_is_an_error_naming_the_url(
     serving.start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
-        assert status("--url", url) == 2
+        return status("--url", url), url
     finally:
         listener.close()
         serving.join(5)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [b"{}", b"null", b"[1, 2]", b'{"totals": {}, "time": 1, "strategy": "x", "replicas": []}'],
+)
+def test_a_document_of_another_shape_is_an_error_naming_the_url(
+    doc: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(doc)}\r\n\r\n".encode()
+    code, url = status_against(head + doc)
+    assert code == 2
+    err = capsys.readouterr().err
+    assert f"{url}: not a kvtier dashboard document" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("answer", "why"),
+    [
+        (b"SSH-2.0-OpenSSH_9.0\r\n", "BadStatusLine: SSH-2.0-OpenSSH_9.0)"),
+        (b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"totals"', "IncompleteRead"),
+    ],
+)
+def test_a_url_that_does_not_answer_in_http_is_an_error_naming_the_url(
+    answer: bytes, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Another service on the port (ssh, a database) or a body cut short: a message, exit 2."""
+    code, url = status_against(answer)
+    assert code == 2
     err = capsys.readouterr().err
     assert f"cannot read {url}/dashboard/data/latest: no well-formed HTTP answer" in err
     assert why in err and "Traceback" not in err
