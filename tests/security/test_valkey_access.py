@@ -49,14 +49,23 @@ def settings(url: str, **extra: object) -> ValkeyTierSettings:
     return ValkeyTierSettings(url=url, backoff_initial_s=0.01, backoff_max_s=0.01, **extra)
 
 
-def test_without_the_password_every_call_is_a_counted_miss(
-    locked: ValkeyServer, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("password", [None, "wrong-" + PASSWORD])
+def test_without_the_password_every_call_is_a_counted_miss_logged_as_refused(
+    locked: ValkeyServer,
+    password: str | None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    if password is not None:
+        monkeypatch.setenv(PASSWORD_ENV, password)
     with caplog.at_level(logging.WARNING):
         tier = ValkeyTier(settings(locked.url), NAMESPACE)
         assert not roundtrip(tier, "a")
     assert tier.stats().errors >= 1
     tier.close()
+    # the operator is told to check the credentials, not the network
+    assert "refused kvtier's credentials" in caplog.text and PASSWORD_ENV in caplog.text
+    assert "unreachable" not in caplog.text
 
 
 def test_the_password_from_a_file_or_the_environment_authenticates(

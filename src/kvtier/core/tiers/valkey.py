@@ -32,7 +32,9 @@ replies are counted errors, i.e. misses).
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
-`requirepass` or ACL users; a `rediss://` URL speaks TLS, verified against `tls_ca_file`.
+`requirepass` or ACL users; a `rediss://` URL speaks TLS, verified against `tls_ca_file`. A
+server refusing the credentials (none given, or wrong) is paused like an outage, and logged as
+a refusal naming the settings to check, not as unreachable.
 
 Thread-safe: the client's connection pool hands each concurrent call its own connection.
 """
@@ -174,6 +176,14 @@ class _Backoff:
             return recovered
 
 
+def _fault(exc: valkey.exceptions.ConnectionError | valkey.exceptions.TimeoutError) -> str:
+    """What a connection fault says of the server, for the log."""
+    if isinstance(exc, valkey.exceptions.AuthenticationError):
+        settings = f"l2_username, l2_password_file, ${PASSWORD_ENV}"
+        return f"refused kvtier's credentials (check {settings})"
+    return "unreachable"
+
+
 class ValkeyTier:
     """Valkey/Redis L2 tier for one namespace (see the module docstring)."""
 
@@ -252,9 +262,10 @@ class ValkeyTier:
             if delay is None:  # another call's failure already paused (and logged) this fault
                 return None
             log.warning(
-                "kvtier L2 valkey %s: %s unreachable (%s); misses for %.1f s",
+                "kvtier L2 valkey %s: %s %s (%s); misses for %.1f s",
                 op,
                 self._where,
+                _fault(exc),
                 exc,
                 delay,
             )
