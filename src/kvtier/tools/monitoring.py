@@ -192,6 +192,11 @@ class Prometheus:
         self.config = scrape_config(router, replicas, interval_s=interval_s, rules=rules)
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The server's process id (None: not started)."""
+        return None if self._proc is None else self._proc.pid
+
     def start(self, timeout_s: float = 60.0) -> Self:
         binary = require_binary("prometheus")
         self.work_dir.mkdir(parents=True, exist_ok=True)

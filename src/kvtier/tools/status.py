@@ -39,6 +39,7 @@ def router_url(args: argparse.Namespace) -> str:
         return str(args.url).rstrip("/")
     from kvtier.tools.cluster.local_fleet import STATE_FILE
     from kvtier.tools.cluster.spec import load_spec
+    from kvtier.tools.cluster.state import check_serving
 
     state = (
         Path(args.state)
@@ -46,8 +47,10 @@ def router_url(args: argparse.Namespace) -> str:
         else load_spec(Path(args.config) if args.config else None).work_dir / STATE_FILE
     )
     try:
-        return str(json.loads(state.read_text())["router"]).rstrip("/")
-    except (OSError, ValueError, KeyError) as exc:
+        recorded = json.loads(state.read_text())
+        check_serving(state, recorded)  # (a fleet still starting records no URLs yet)
+        return str(recorded["router"]).rstrip("/")
+    except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
         raise KvtierError(
             f"no running fleet recorded in {state} (start one with `kvtier up`, or pass --url)"
         ) from exc

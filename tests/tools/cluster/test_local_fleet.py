@@ -17,7 +17,7 @@ from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.spec import parse_spec
-from kvtier.tools.cluster.state import process_identity
+from kvtier.tools.cluster.state import RUNNING, process_identity
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
 
 
@@ -148,7 +148,7 @@ def test_a_ctrl_c_during_the_drain_kills_and_stops_everything_else(
     f.replicas.append(replica)
     router, l2_closed = f.router, []
     f._stack.callback(l2_closed.append, True)  # stands for stopping Valkey, unmounting
-    f._write_state()
+    f._write_state(RUNNING)
     armed = [True]
 
     def ctrl_c(signum: int, frame: FrameType | None) -> None:

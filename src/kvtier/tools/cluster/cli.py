@@ -90,7 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     down = subparsers.add_parser(
         "down",
         help="stop the fleet started by `kvtier up`",
-        description="Ask the running `kvtier up` to stop and wait.",
+        description="Ask the running `kvtier up`, starting or serving, to stop and wait. After "
+        "a `kvtier up` that was killed, stop the Valkey server, Prometheus and JuiceFS mounts it "
+        "left running.",
     )
     down.add_argument("--config", metavar="FILE", help="the same YAML given to `kvtier up`")
     down.set_defaults(func=_cmd_down)

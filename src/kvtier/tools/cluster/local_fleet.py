@@ -2,8 +2,11 @@
 and with `monitor`, a Prometheus scraping them (`kvtier.tools.monitoring`).
 
 `LocalFleet(spec)` owns every process it starts (and the L2 server or mount when it started one);
-`stop()` ends them all, whatever state start-up reached, even when interrupted. A state file in the
-work directory names the owning `kvtier up` process so `kvtier down` can ask it to stop.
+`stop()` ends them all, whatever state start-up reached, even when interrupted. It holds the work
+directory's lock from start to stop (one fleet per work directory), and keeps a state file there
+from the start of start-up (`kvtier.tools.cluster.state`): it names the owning `kvtier up`
+process, so that `kvtier down` can ask it to stop, and what `kvtier down` cleans up should that
+process be killed.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any, Self
@@ -28,7 +32,15 @@ from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import RouterSettings
 from kvtier.tools.cluster.spec import FleetSpec
-from kvtier.tools.cluster.state import names_this_process, write_state
+from kvtier.tools.cluster.state import (
+    RUNNING,
+    STARTING,
+    Server,
+    WorkDirLock,
+    check_leftovers,
+    names_this_process,
+    write_state,
+)
 from kvtier.tools.embedded_model import resolve_model
 from kvtier.tools.monitoring import Prometheus
 from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
@@ -64,6 +76,10 @@ class LocalFleet:
         self.router: subprocess.Popen[bytes] | None = None
         self.l2_locations: list[str] = []
         self._stack = ExitStack()
+        self._lock = WorkDirLock(self.work_dir)
+        self._servers: list[Server] = []
+        """What would outlive this process, were it killed, recorded in the state file."""
+        self._mounts: list[str] = []
 
     @property
     def url(self) -> str:
@@ -75,9 +91,16 @@ class LocalFleet:
 
     # ----------------------------------------------------------------------------- start-up
     def start(self) -> Self:
-        self._check_ports_free()
+        """Start the fleet. Fails at once, having started nothing and changed nothing of
+        another fleet's, where another `kvtier up` holds the work directory (`WorkDirLock`), a
+        killed one left servers or mounts running there (`check_leftovers`), or a port is
+        taken."""
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self._lock.acquire()
         try:
-            self.work_dir.mkdir(parents=True, exist_ok=True)
+            check_leftovers(self.work_dir / STATE_FILE)
+            self._check_ports_free()
+            self._write_state(STARTING)
             (self.work_dir / "logs").mkdir(exist_ok=True)
             self._start_l2()
             self._start_replicas()
@@ -86,7 +109,8 @@ class LocalFleet:
                 self.prometheus = Prometheus(
                     self.work_dir / "prometheus", self.url, self.replica_urls
                 ).start()
-            self._write_state()
+                self._record_server("prometheus", self.prometheus.pid)
+            self._write_state(RUNNING)
         except BaseException:
             self.stop()
             raise
@@ -135,6 +159,7 @@ class LocalFleet:
                 )
                 (self.work_dir / "valkey").mkdir(exist_ok=True)
                 url = self._stack.enter_context(server).url
+                self._record_server("valkey server", server.pid)
             self.l2_locations = [url] * self.spec.replicas
         else:  # juicefs: each replica mounts the one volume, as separate nodes would
             from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
@@ -142,7 +167,11 @@ class LocalFleet:
             volume = self._stack.enter_context(
                 JuiceFSVolume(JuiceFSVolumeSpec(root=str(self.work_dir / "juicefs")))
             )
-            self.l2_locations = [volume.mount().path for _ in range(self.spec.replicas)]
+            for _ in range(self.spec.replicas):
+                mount = volume.mount()
+                self._mounts.append(mount.path)
+                self._record_server("juicefs mount", mount.process.pid)
+                self.l2_locations.append(mount.path)
 
     @property
     def l2_location(self) -> str | None:
@@ -305,23 +334,39 @@ class LocalFleet:
             )
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
-    def _write_state(self) -> None:
-        fleet = {
-            "router": self.url,
-            "replicas": self.replica_urls,
-            "l2": self.l2_location,
-            "dashboard": self.url + "/dashboard",
-            "prometheus": self.prometheus.url if self.prometheus is not None else None,
+    def _record_server(self, name: str, pid: int | None) -> None:
+        """Record in the state file the server `name` just started (as process `pid`)."""
+        server = None if pid is None else Server.of(name, pid)
+        if server is not None:
+            self._servers.append(server)
+            self._write_state(STARTING)
+
+    def _write_state(self, phase: str) -> None:
+        """Write the state file: its owner, `phase`, what to clean up were this process
+        killed and, once RUNNING, the fleet's URLs."""
+        fleet: dict[str, object] = {
+            "phase": phase,
+            "servers": [asdict(server) for server in self._servers],
+            "mounts": self._mounts,
         }
+        if phase == RUNNING:
+            fleet |= {
+                "router": self.url,
+                "replicas": self.replica_urls,
+                "l2": self.l2_location,
+                "dashboard": self.url + "/dashboard",
+                "prometheus": self.prometheus.url if self.prometheus is not None else None,
+            }
         write_state(self.work_dir / STATE_FILE, fleet)
 
     # ----------------------------------------------------------------------------- shutdown
     def stop(self) -> None:
         """Stop everything this fleet started, whatever state start-up reached: Prometheus; the
         router and every replica, signalled at once, then waited for while they drain; the L2
-        (Valkey server, mounts); the state file, if this process wrote it. Each step runs even
-        when one before it failed or was interrupted: a Ctrl-C during the drain kills the router
-        and the replicas instead. The first exception met is raised once all steps have run."""
+        (Valkey server, mounts); the state file, if this process wrote it; the work directory's
+        lock. Each step runs even when one before it failed or was interrupted: a Ctrl-C during
+        the drain kills the router and the replicas instead. The first exception met is raised
+        once all steps have run."""
         first: BaseException | None = None
         for step in self._stop_steps():
             try:
@@ -345,6 +390,7 @@ class LocalFleet:
             *kills,  # what did not drain (a no-op for what did)
             self._stack.close,
             self._remove_state,
+            self._lock.release,
         ]
 
     def _stop_prometheus(self) -> None:
