@@ -178,7 +178,7 @@ def test_a_watched_publisher_reports_events_drops_and_snapshots() -> None:
     assert first is not None
     assert first.data["event_snapshots"] == 1 == pub.snapshots
     assert first.data["events_dropped"] == pub.dropped > 0
-    assert first.data["events_published"] == pub.published == 1 + 1 + 200
+    assert first.data["events_published"] == pub.published == 1 + 2 + 200  # snapshot: 2 events
     metrics, registry = prom()
     metrics.observe(first.data)
     assert samples(registry)["kvtier_connector_event_snapshots_total"] == 1

@@ -83,14 +83,15 @@ def test_subscriber_receives_publisher_events_in_order_with_sequence_numbers() -
     with EventPublisher(endpoint, "replica-a") as pub, EventSubscriber([endpoint]) as sub:
         # PUB/SUB drops messages until the subscription has propagated: probe until one arrives.
         probe = None
+        first_seq = 0  # after the probes' numbers (snapshot events take none)
         for _ in range(50):
             pub.publish(EventKind.CLEARED, Tier.L1, ())
+            first_seq += 1
             probe = sub.recv(timeout_s=0.1)
             if probe is not None:
                 break
         assert probe is not None
         sub.drain(timeout_s=0.2)  # probes still in flight
-        first_seq = pub.published
         pub.publish(EventKind.STORED, Tier.L1, hashes[:1])
         pub.publish(EventKind.STORED, Tier.L2, hashes)
         pub.publish(EventKind.REMOVED, Tier.L1, hashes[:1])
@@ -167,16 +168,17 @@ def test_a_subscriber_that_joins_late_hears_what_the_replica_still_holds() -> No
         pub.publish(EventKind.REMOVED, Tier.L1, hashes[1:2])
         time.sleep(0.3)  # sent to nobody: no subscriber yet
         with EventSubscriber([endpoint]) as sub:
-            got = _collect(sub, 2)
+            got = _collect(sub, 3)
             assert pub.snapshots == 1
             assert sub.drain(timeout_s=0.3) == []  # one snapshot, nothing else
-    held = {(e.kind, e.tier, e.hashes) for e in got}
-    assert held == {
+    assert [(e.kind, e.tier, e.hashes) for e in got] == [
+        (EventKind.CLEARED, Tier.L1, ()),  # L1 is the replica's own: the listing replaces it
         (EventKind.STORED, Tier.L1, (hashes[0], hashes[2])),
-        (EventKind.STORED, Tier.L2, hashes),
-    }
+        (EventKind.STORED, Tier.L2, hashes),  # the pool is every replica's: no cleared-event
+    ]
     assert {e.epoch for e in got} == {pub.epoch}
     assert {e.seq for e in got} == {2}  # the last number sent: no jump for anyone
+    assert all(e.snapshot for e in got)
 
 
 def test_a_second_subscriber_gets_its_own_snapshot_and_the_first_hears_nothing_of_it() -> None:
@@ -188,9 +190,9 @@ def test_a_second_subscriber_gets_its_own_snapshot_and_the_first_hears_nothing_o
         pub.publish(EventKind.STORED, Tier.L1, hashes)
         time.sleep(0.3)  # sent to nobody: each subscriber hears it only in its snapshot
         with EventSubscriber([endpoint]) as first:
-            assert [e.hashes for e in _collect(first, 1)] == [hashes]
+            assert [e.hashes for e in _collect(first, 2)] == [(), hashes]
             with EventSubscriber([endpoint]) as second:
-                assert [e.hashes for e in _collect(second, 1)] == [hashes]
+                assert [e.hashes for e in _collect(second, 2)] == [(), hashes]
                 assert pub.snapshots == 2
                 assert first.drain(timeout_s=SNAPSHOT_MIN_INTERVAL_S) == []
 
@@ -249,3 +251,58 @@ def test_a_snapshot_sent_amid_queued_events_keeps_their_numbers_in_order() -> No
     assert all(b - a in (0, 1) for a, b in zip(seqs, seqs[1:], strict=False))  # no jump
     live = [e.seq for e in events if len(e.hashes) == 1 and e.hashes[0] in fresh]
     assert live == sorted(set(live)) and len(live) == 100
+
+
+def test_a_resync_gets_a_fresh_snapshot_on_a_new_topic_and_the_others_hear_nothing() -> None:
+    endpoint = _free_endpoint()
+    hashes = _hashes(2)
+    with EventPublisher(endpoint, "replica-a") as pub:
+        pub.publish(EventKind.STORED, Tier.L1, hashes)
+        time.sleep(0.3)  # sent to nobody: each subscriber hears it only in a snapshot
+        with (
+            EventSubscriber([endpoint]) as other,
+            EventSubscriber([endpoint], resync_interval_s=0.0) as sub,
+        ):
+            _collect(other, 2)
+            first = _collect(sub, 2)
+            old_topic = sub._snapshot_topic
+            assert sub.resync()
+            again = _collect(sub, 2)
+            assert sub._snapshot_topic != old_topic
+            assert other.drain(timeout_s=SNAPSHOT_MIN_INTERVAL_S) == []
+            assert sub.malformed == 0
+        assert pub.snapshots == 3
+    assert [(e.kind, e.hashes, e.snapshot) for e in again] == [
+        (EventKind.CLEARED, (), True),
+        (EventKind.STORED, hashes, True),
+    ]
+    assert again == first
+
+
+def test_resyncs_are_one_an_interval_the_join_included() -> None:
+    with EventSubscriber(resync_interval_s=0.3) as sub:
+        assert not any(sub.resync() for _ in range(100))  # the join was the last request
+        time.sleep(0.35)
+        assert [sub.resync() for _ in range(100)].count(True) == 1
+
+
+def test_a_resync_lists_what_the_publishers_full_queue_dropped_and_numbers_past_it() -> None:
+    endpoint = _free_endpoint()
+    hashes = _hashes(400)
+    with (
+        EventPublisher(endpoint, "replica-a", max_queue=1) as pub,
+        EventSubscriber([endpoint], resync_interval_s=0.0) as sub,
+    ):
+        pub.publish(EventKind.STORED, Tier.L1, hashes[:1])
+        assert _collect(sub, 2)  # the join's snapshot: the subscription is up
+        for h in hashes[1:]:  # faster than the sender drains a queue of one
+            pub.publish(EventKind.STORED, Tier.L1, (h,))
+        assert pub.dropped > 0
+        sub.drain(timeout_s=0.5)  # the live events that got through
+        assert sub.resync()
+        snapshot = [e for e in _collect(sub, 2) if e.snapshot]
+        pub.publish(EventKind.STORED, Tier.L1, hashes[:1])
+        after = _collect(sub, 1)
+    listed = {h for e in snapshot for h in e.hashes}
+    assert listed == set(hashes)  # dropped or sent, every stored block is listed
+    assert [e.seq for e in after] == [snapshot[-1].seq + 1]  # numbers go on: no jump

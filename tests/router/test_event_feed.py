@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from kvtier.core.events import EventKind, KVEvent
-from kvtier.core.keys import block_hashes, extra_key
+from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import EventPublisher
 from kvtier.router.event_feed import EventFeed, KvtierApplier, VllmRehasher
@@ -232,7 +232,8 @@ def test_a_router_started_after_the_stores_learns_them_without_new_events() -> N
                         break
             finally:
                 await feed.close()
-            assert pub.snapshots == 1 and pub.published == 4  # 2 stores, 1 snapshot event a tier
+            assert pub.snapshots == 1
+            assert pub.published == 5  # 2 stores; L1's cleared-event, 1 stored-event a tier
         assert index.match(HASHES, replicas=["r2"]) == {"r1": [Tier.L1] * 4, "r2": [Tier.L2] * 2}
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
@@ -247,6 +248,21 @@ def test_a_jump_in_a_replicas_sequence_is_counted_as_a_gap_and_a_restart_is_not(
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], replica="r2", seq=40), now=0.0)
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], epoch="e2", seq=0), now=0.0)
     assert counted == [("kvtier", "gap"), ("kvtier", "restart")]
+
+
+def test_a_snapshot_past_lost_events_is_no_gap_and_a_gap_asks_for_one() -> None:
+    """A snapshot's events carry the number of the last event sent: they stand for everything
+    up to it, so those lost before them leave nothing to repair."""
+    index = PrefixIndex()
+    counts, gaps = Counts(), Counts()
+    applier = KvtierApplier(index, count=counts, on_gap=lambda replica: gaps("gap", replica))
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=5), now=0.0)
+    snapshot = KVEvent(EventKind.STORED, "r1", "e1", Tier.L1, HASHES, 9, snapshot=True)
+    applier.apply(snapshot, now=0.0)  # 6 to 8 lost, but the snapshot says what they did
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=10), now=0.0)
+    assert counts.calls == [] and gaps.calls == []
+    applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=12), now=0.0)  # 11 lost
+    assert counts.calls == [("kvtier", "gap")] and gaps.calls == [("gap", "r1")]
 
 
 def test_a_jump_in_vllms_sequence_is_counted_as_a_gap_and_leaves_descendants_unnamed() -> None:
@@ -394,3 +410,119 @@ def test_a_replay_endpoint_that_does_not_answer_is_counted_and_the_gap_stays(
     assert index.match(HASHES) == {"r1": [Tier.L0]}
     assert counts.calls.count(("vllm", "replay_failed")) == 1
     assert counts.calls.count(("vllm", "gap")) == 1  # block 4 applied after the timeout
+
+
+# --- gaps in kvtier's events over real sockets: a router too slow to read them all
+
+FLOOD = 20_000
+"""Stored-events published while the router cannot read: far more than the ZMQ queues between
+a publisher and a subscriber over ipc hold (about a thousand messages each side)."""
+
+
+def _block(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(16, "big"))
+
+
+def _held(index: PrefixIndex, blocks: list[BlockHash]) -> int:
+    """How many of `blocks` the index says replica r1 holds in L1."""
+    return sum(index.match([h]).get("r1") == [Tier.L1] for h in blocks)
+
+
+def _flood_a_stalled_router(
+    pub: EventPublisher, blocks: list[BlockHash], removed: list[BlockHash]
+) -> None:
+    """Publish a stored-event per block, then the removal of `removed`, while the router's
+    event loop is held (it takes in no more events, so the queues fill and the publisher's
+    socket drops the rest: the removal last of all)."""
+    for block in blocks:
+        pub.publish(EventKind.STORED, Tier.L1, [block])
+    pub.publish(EventKind.REMOVED, Tier.L1, removed)
+    time.sleep(1.0)  # holds the loop: the sender pushes what fits, the rest is lost
+
+
+def _lose_in_a_flood(
+    tmp_path: Path, stale: list[BlockHash]
+) -> tuple[PrefixIndex, Counts, list[BlockHash]]:
+    """A feed follows a publisher over ipc (resyncs 0.5 s apart at most); the `stale` blocks
+    are stored in L1 and L2 and seen; a flood of `FLOOD` stored blocks, then the removal of
+    `stale` from L1, reaches a stalled router, which loses some of them (asserted); one more
+    event shows the gap. Returns the index and counts once the index holds every flooded
+    block (at most 10 s), and those blocks."""
+    blocks = [_block(i) for i in range(FLOOD)]
+    index, counts = PrefixIndex(), Counts()
+
+    async def scenario() -> None:
+        endpoint = f"ipc://{tmp_path}/kv"
+        with EventPublisher(endpoint, "r1", max_queue=2 * FLOOD) as pub:
+            feed = EventFeed(
+                index, [endpoint], {}, counts, time.monotonic, 1000, resync_interval_s=0.5
+            )
+            feed.start()
+            try:
+                probe = [*stale, _block(FLOOD)]
+                await _until(
+                    lambda: _held(index, probe) == len(probe),
+                    lambda: pub.publish(EventKind.STORED, Tier.L1, probe),
+                )
+                pub.publish(EventKind.STORED, Tier.L2, stale)
+                await asyncio.sleep(0.3)  # the router learns of it
+                _flood_a_stalled_router(pub, blocks, stale)
+                await asyncio.sleep(1.0)  # the router reads what reached it
+                assert _held(index, blocks) < FLOOD  # events really lost
+                pub.publish(EventKind.STORED, Tier.L1, probe[-1:])  # its number jumps: a gap
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    if _held(index, blocks) == FLOOD:
+                        break
+            finally:
+                await feed.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+    return index, counts, blocks
+
+
+def test_blocks_whose_stored_events_a_slow_router_lost_come_back_with_a_resync(
+    tmp_path: Path,
+) -> None:
+    index, counts, blocks = _lose_in_a_flood(tmp_path, [])
+    assert _held(index, blocks) == FLOOD
+    assert ("kvtier", "gap") in counts.calls
+    assert counts.calls.count(("kvtier", "resync")) == 1
+
+
+def test_an_entry_whose_removal_a_slow_router_lost_goes_with_the_resync(tmp_path: Path) -> None:
+    stale = [_block(FLOOD + 1)]
+    index, _, blocks = _lose_in_a_flood(tmp_path, stale)
+    assert _held(index, blocks) == FLOOD
+    assert index.match(stale) == {"r1": [Tier.L2]}  # its L1 entry gone; the pool's copy stays
+
+
+def test_a_burst_of_gaps_gets_at_most_one_resync_an_interval(tmp_path: Path) -> None:
+    """A publisher whose one-event queue drops most of a steady stream: a gap every few events,
+    for about two intervals."""
+    interval = 1.0
+    counts = Counts()
+
+    async def scenario() -> float:
+        endpoint = f"ipc://{tmp_path}/kv"
+        index = PrefixIndex()
+        with EventPublisher(endpoint, "r1", max_queue=1) as pub:
+            started = time.monotonic()  # the join, the first request, comes after it
+            feed = EventFeed(
+                index, [endpoint], {}, counts, time.monotonic, 1000, resync_interval_s=interval
+            )
+            feed.start()
+            try:
+                for i in range(200):  # 2 s
+                    for j in range(20):
+                        pub.publish(EventKind.STORED, Tier.L1, [_block(20 * i + j)])
+                    await asyncio.sleep(0.01)
+            finally:
+                await feed.close()
+            return time.monotonic() - started
+
+    elapsed = asyncio.run(asyncio.wait_for(scenario(), 30))
+    gaps = counts.calls.count(("kvtier", "gap"))
+    resyncs = counts.calls.count(("kvtier", "resync"))
+    assert gaps > 10 * (1 + elapsed / interval)
+    assert 1 <= resyncs <= elapsed / interval  # the join counts as the first request

@@ -33,3 +33,6 @@ class KVEvent:
     hashes: tuple[BlockHash, ...]
     seq: int
     """Per-publisher sequence number; a gap means events were lost."""
+    snapshot: bool = False
+    """True for an event of a snapshot (the publisher's holdings as of `seq`, re-announced),
+    False for a live one. Not encoded: the topic it arrives on says (`kvtier.net.kv_events`)."""

@@ -19,9 +19,29 @@ id); on each such subscription (a router started, restarted or reconnected) the 
 sends what its own events left stored (`kvtier.net.holdings`, bounded) as stored-events on
 that topic alone, so the new router learns the replica's L1 and L2 blocks without waiting for
 new stores, and the routers already listening hear nothing of it. Snapshot events take no
-sequence number of their own: they carry the number of the last event sent, so neither the
-new subscriber nor any other sees a jump. Joins within `SNAPSHOT_MIN_INTERVAL_S` of a snapshot
-wait for the next round, which serves at most `SNAPSHOTS_PER_ROUND` of them.
+sequence number of their own: they carry the number of the last event sent (or dropped), so
+neither the new subscriber nor any other sees a jump. Joins within `SNAPSHOT_MIN_INTERVAL_S` of
+a snapshot wait for the next round, which serves at most `SNAPSHOTS_PER_ROUND` of them.
+
+A snapshot starts with a cleared-event for each tier the replica's events announced for it
+alone (not L2: the pool is every replica's), unless that tier's listing is cut at
+`max_held_blocks`; its stored-events follow. Applied in order, the subscriber then holds the
+replica's tier exactly as listed: entries a lost removal left stale go. Until the tier's last
+stored-event is applied the subscriber knows less of it (a colder routing choice at worst). A
+cleared-event is a kind every reader knows; older routers apply it the same way.
+
+Resync: a subscriber that sees a jump in a replica's numbers (it read too slowly: its socket's
+queue, or the publisher socket's queue for it, overflowed) asks for a fresh snapshot
+(`EventSubscriber.resync`): it subscribes to a new snapshot topic and leaves the old one. A
+subscription reaches every publisher, so every replica sends it a snapshot. Resyncs are at most
+one per `RESYNC_MIN_INTERVAL_S` per subscriber, the join included. A resync costs at most, per
+replica, `max_held_blocks` hashes per tier (35 bytes each on the wire) in `SNAPSHOT_CHUNK`
+frames; a slow subscriber is sent no more than that per interval. The old topic's frames still
+on their way are dropped by the SUB socket once it leaves the topic (never counted malformed),
+and the new snapshot lists what they would have. A jump that comes from the publisher's own
+event queue (`max_queue`, full) is repaired the same way: the publisher records each event in
+its holdings as it is published, sent or dropped, so its snapshots list what the dropped events
+announced.
 
 What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
 the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
@@ -50,6 +70,7 @@ import re
 import secrets
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Self
@@ -60,10 +81,11 @@ from kvtier.core.clock import deadline_in, seconds_left
 from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import HASH_BYTES, BlockHash
-from kvtier.core.tiers.base import Tier
+from kvtier.core.tiers.base import TIER_ORDER, Tier
 from kvtier.net.holdings import Holdings
 
 __all__ = [
+    "RESYNC_MIN_INTERVAL_S",
     "SNAPSHOT_TOPIC_PREFIX",
     "TOPIC",
     "WIRE_VERSION",
@@ -91,6 +113,10 @@ client that subscribes over and over cannot make a replica send its holdings ove
 SNAPSHOTS_PER_ROUND = 8
 """Snapshot topics served per round; the others wait for the next round (a client joining
 under many topics gets at most this many snapshots sent a second)."""
+RESYNC_MIN_INTERVAL_S = 5.0
+"""At most one resync per interval per subscriber: each makes every replica send that
+subscriber its holdings, and the subscriber that lost events is the slow one; the gaps seen
+within the interval wait for the next resync, which repairs them all at once."""
 _MAX_JOINS_PENDING = 1024
 """Snapshot topics waiting at most; later joins are ignored until the queue shrinks."""
 _MAX_JOINS_READ = 1000
@@ -105,6 +131,11 @@ _TIERS = {t.value: t for t in Tier}
 def new_epoch() -> str:
     """A random id for one process lifetime of a replica."""
     return secrets.token_hex(8)
+
+
+def _new_snapshot_topic() -> bytes:
+    """A snapshot topic no other subscriber, nor this one before, has used."""
+    return SNAPSHOT_TOPIC_PREFIX + new_epoch().encode()
 
 
 def encode(event: KVEvent) -> bytes:
@@ -182,7 +213,7 @@ class EventPublisher:
     numbers each event as it sends it (so a snapshot sent between queued events never puts
     numbers out of order), skipping one number per event the full queue dropped, and sends a
     snapshot of the held blocks to each new subscriber alone (at most `max_held_blocks` per
-    tier);
+    tier; each tier of its own listed whole starts with a cleared-event);
     `close()` sends what is queued (up to `linger_s`) and stops it.
     """
 
@@ -217,7 +248,10 @@ class EventPublisher:
         """Events dropped since the last one sent: numbers the next one skips."""
         self._published = 0
         self._dropped = 0
-        self._holdings = Holdings(max_held_blocks)  # the sender thread's alone
+        self._holdings = Holdings(max_held_blocks)
+        """What every event published left stored, sent or dropped (under `_lock`)."""
+        self._own_tiers: set[Tier] = set()
+        """The tiers this replica's events announced for it alone (under `_lock`)."""
         self._snapshots = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.XPUB)
@@ -250,14 +284,18 @@ class EventPublisher:
 
     @property
     def snapshots(self) -> int:
-        """Snapshots sent (one per subscriber's join seen while something was held)."""
+        """Snapshots sent (one per subscriber's join seen once events announced a tier)."""
         return self._snapshots
 
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
-        """Enqueue one event; never blocks (a full queue drops it, leaving a `seq` gap)."""
+        """Record one event in the holdings and enqueue it; never blocks (a full queue drops
+        it, leaving a `seq` gap that the next snapshot covers)."""
         event = KVEvent(kind, self.replica, self.epoch, tier, tuple(hashes), seq=0)
         with self._lock:
             self._published += 1
+            self._holdings.apply(event)
+            if tier is not Tier.L2:
+                self._own_tiers.add(tier)
             try:
                 self._queue.put_nowait(event)
             except queue.Full:
@@ -265,7 +303,7 @@ class EventPublisher:
                 self._skipped += 1
 
     def _send_loop(self) -> None:
-        # Only this thread touches the socket (and the holdings) after construction.
+        # Only this thread touches the socket after construction.
         due: dict[bytes, None] = {}  # snapshot topics waiting, in join order
         last_snapshot = -SNAPSHOT_MIN_INTERVAL_S
         while True:
@@ -282,7 +320,6 @@ class EventPublisher:
                 continue
             if event is None:
                 break
-            self._holdings.apply(event)
             self._send(replace(event, seq=self._numbers(1)))
         self._socket.close()
 
@@ -303,18 +340,36 @@ class EventPublisher:
                 due[topic] = None
 
     def _send_snapshot(self, topics: Sequence[bytes]) -> None:
-        """Send the held blocks on each of `topics`, numbered as the last event sent."""
-        batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
-        if not batches:
+        """Send the snapshot on each of `topics` (nothing before events announced a tier)."""
+        events = self._snapshot_events()
+        if not events:
             return
         with self._lock:
-            self._published += len(batches) * len(topics)
-            seq = max(0, self._seq - 1)
+            self._published += len(events) * len(topics)
         self._snapshots += len(topics)
         for topic in topics:
-            for tier, hashes in batches:
-                event = KVEvent(EventKind.STORED, self.replica, self.epoch, tier, hashes, seq)
+            for event in events:
                 self._send(event, topic)
+
+    def _snapshot_events(self) -> list[KVEvent]:
+        """A cleared-event per tier of this replica's own listed whole, then the held blocks as
+        stored-events; all numbered as the last event sent or dropped."""
+        with self._lock:
+            batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
+            whole = [t for t in TIER_ORDER if t in self._own_tiers]
+            # the number of the last event sent or dropped: the holdings cover both
+            seq = max(0, self._seq + self._skipped - 1)
+        listed: Counter[Tier] = Counter()
+        for tier, hashes in batches:
+            listed[tier] += len(hashes)
+        cleared = [t for t in whole if listed[t] < self._holdings.max_blocks]
+
+        def event(kind: EventKind, tier: Tier, hashes: tuple[BlockHash, ...]) -> KVEvent:
+            return KVEvent(kind, self.replica, self.epoch, tier, hashes, seq)
+
+        return [event(EventKind.CLEARED, t, ()) for t in cleared] + [
+            event(EventKind.STORED, tier, hashes) for tier, hashes in batches
+        ]
 
     def _numbers(self, n: int) -> int:
         """The first of `n` sequence numbers for events sent now, after those dropped."""
@@ -347,14 +402,19 @@ class EventSubscriber:
     """Receives KV events from the publishers at `endpoints` (connects to each).
 
     Malformed frames are skipped and counted in `malformed`. ZMQ reconnects on its own when a
-    replica restarts at the same endpoint.
+    replica restarts at the same endpoint. Events of a snapshot come with `snapshot` set.
     """
 
     def __init__(
-        self, endpoints: Sequence[str] = (), *, curve_server_key: bytes | str | None = None
+        self,
+        endpoints: Sequence[str] = (),
+        *,
+        curve_server_key: bytes | str | None = None,
+        resync_interval_s: float = RESYNC_MIN_INTERVAL_S,
     ) -> None:
         """`curve_server_key`: the publishers' Z85 CURVE public key (only publishers holding
-        its secret half are heard, encrypted); None: plain events."""
+        its secret half are heard, encrypted); None: plain events. `resync_interval_s`: the
+        least time between two snapshot requests (`resync`), the join included."""
         self._lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.SUB)
@@ -369,10 +429,12 @@ class EventSubscriber:
             self._socket.curve_publickey = public
             self._socket.curve_secretkey = secret
             self._socket.curve_serverkey = key
-        self._snapshot_topic = SNAPSHOT_TOPIC_PREFIX + new_epoch().encode()
+        self._snapshot_topic = _new_snapshot_topic()
         """Where the publishers send this subscriber, and it alone, their snapshots."""
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._socket.setsockopt(zmq.SUBSCRIBE, self._snapshot_topic)
+        self._resync_interval_s = resync_interval_s
+        self._last_request = time.monotonic()
         self._endpoints: list[str] = []
         self.malformed = 0
         for endpoint in endpoints:
@@ -397,17 +459,30 @@ class EventSubscriber:
                 self._socket.disconnect(endpoint)
                 self._endpoints.remove(endpoint)
 
+    def resync(self) -> bool:
+        """Ask every publisher for a fresh snapshot (this subscriber missed events): subscribe
+        to a new snapshot topic, leave the old one. False, asking nothing, within
+        `resync_interval_s` of the last request."""
+        topic = _new_snapshot_topic()
+        with self._lock:
+            if time.monotonic() - self._last_request < self._resync_interval_s:
+                return False
+            self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+            self._socket.setsockopt(zmq.UNSUBSCRIBE, self._snapshot_topic)
+            self._snapshot_topic = topic
+            self._last_request = time.monotonic()
+        return True
+
     def recv(self, timeout_s: float | None = None) -> KVEvent | None:
         """The next event, or None when none arrives within `timeout_s` (None: wait forever)."""
         deadline = deadline_in(timeout_s)
         while True:
             remaining = seconds_left(deadline)
-            with self._lock:
+            with self._lock:  # parsed under it: `resync` may not switch topics in between
                 timeout_ms = None if remaining is None else int(remaining * 1000)
                 if not self._socket.poll(timeout_ms):
                     return None
-                frames = self._socket.recv_multipart()
-            event = self._parse(frames)
+                event = self._parse(self._socket.recv_multipart())
             if event is not None:
                 return event
             if deadline is not None and time.monotonic() >= deadline:
@@ -433,10 +508,11 @@ class EventSubscriber:
             self.malformed += 1
             return None
         try:
-            return decode(frames[1])
+            event = decode(frames[1])
         except CodecError:
             self.malformed += 1
             return None
+        return event if frames[0] == TOPIC else replace(event, snapshot=True)
 
     def close(self) -> None:
         with self._lock:

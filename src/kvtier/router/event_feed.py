@@ -5,8 +5,14 @@ Two sources:
   A new `epoch` for a replica means it restarted: the tiers its connector announced for it (L1)
   are purged first; the shared pool's L2 entries stay (they outlive the replica).
   A jump in a replica's `seq` means events were lost (its publisher's queue was full, or this
-  subscriber was slow): counted as a `gap`. The index keeps what it has; an entry left stale
-  by a lost removal costs a routing miss, never wrong output, until the LRU or a purge drops it.
+  subscriber was slow): counted as a `gap`, and repaired by a resync (`EventSubscriber.resync`,
+  `count("kvtier", "resync")`): every replica sends a fresh snapshot, whose cleared-events drop
+  the entries of the replica's own tiers that lost removals left stale and whose stored-events
+  restore what lost stores left out. One resync at most per `RESYNC_MIN_INTERVAL_S`: a gap seen
+  within it is repaired by the next one. A snapshot's events are no gap, whatever their `seq`
+  (they stand for everything up to it). Until then, and for what a resync cannot repair (L2
+  entries another replica's janitor removed), a stale entry costs a routing miss, never wrong
+  output.
   L2 blocks are stored under the pseudo-replica `SHARED` (they count for every replica).
 - vLLM's `--kv-events-config` publisher (msgpack `KVEventBatch` over ZMQ, frames topic, seq,
   payload). Its block hashes are seeded per process, so `VllmRehasher` re-hashes each stored
@@ -54,7 +60,7 @@ import zmq.asyncio
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import BlockHash, chain_hash, extra_key, root_hash
 from kvtier.core.tiers.base import Tier
-from kvtier.net.kv_events import EventSubscriber
+from kvtier.net.kv_events import RESYNC_MIN_INTERVAL_S, EventSubscriber
 from kvtier.router.index import SHARED, PrefixIndex
 
 __all__ = ["REPLAY_MAX_BATCHES", "REPLAY_TIMEOUT_S", "EventFeed", "KvtierApplier", "VllmRehasher"]
@@ -71,18 +77,21 @@ class KvtierApplier:
 
     `known(replica)` is the allow-list: an event naming a replica the router does not serve
     (a stray or forged publisher) is ignored, so it can neither fill the index nor purge a
-    real replica's entries. `count("kvtier", "gap")` is called for each jump in a replica's
-    `seq` (events lost before this one)."""
+    real replica's entries. `count("kvtier", "gap")` and then `on_gap(replica)` are called for
+    each jump in a replica's `seq` (events lost before this one); a snapshot's event is no jump:
+    it re-announces the replica's holdings as of its `seq`."""
 
     def __init__(
         self,
         index: PrefixIndex,
         known: Callable[[str], bool] | None = None,
         count: Count = lambda source, kind: None,
+        on_gap: Callable[[str], None] = lambda replica: None,
     ) -> None:
         self._index = index
         self._known = known
         self._count = count
+        self._on_gap = on_gap
         self._epochs: dict[str, str] = {}
         self._next_seq: dict[str, int] = {}
         self._tiers: dict[str, set[Tier]] = {}
@@ -97,8 +106,9 @@ class KvtierApplier:
             for tier in self._tiers.get(event.replica, ()):
                 self._index.remove_tier(event.replica, tier)
             self._count("kvtier", "restart")
-        elif event.seq > self._next_seq.get(event.replica, event.seq):
+        elif not event.snapshot and event.seq > self._next_seq.get(event.replica, event.seq):
             self._count("kvtier", "gap")
+            self._on_gap(event.replica)
         self._epochs[event.replica] = event.epoch
         self._next_seq[event.replica] = event.seq + 1
         holder = SHARED if event.tier is Tier.L2 else event.replica
@@ -282,19 +292,26 @@ class EventFeed:
         vllm_replay: Mapping[str, str] | None = None,
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
         max_replay: int = REPLAY_MAX_BATCHES,
+        resync_interval_s: float = RESYNC_MIN_INTERVAL_S,
     ) -> None:
         """`dynamic`: endpoints may join later (`connect`), even with none at start. `known`:
         the replicas whose kvtier events are accepted (None: any); `curve_server_key`: the
         publishers' CURVE public key (`kvtier.net.kv_events`); `adapter_path(replica, name)`:
         the path of a replica's LoRA adapter (`VllmRehasher`). `vllm_replay`: replica -> the
         replay endpoint of its vLLM publisher, asked for the batches of a gap (at most
-        `max_replay` of them, within `replay_timeout_s`)."""
+        `max_replay` of them, within `replay_timeout_s`). `resync_interval_s`: the least time
+        between two snapshot requests on kvtier gaps (`EventSubscriber.resync`)."""
         self._index = index
         self._clock = clock
         self._count = count
-        self._kvtier = KvtierApplier(index, known, count)
+        self._kvtier = KvtierApplier(index, known, count, self._gap_seen)
+        self._resync_due = False
         self._subscriber = (
-            EventSubscriber(kvtier_endpoints, curve_server_key=curve_server_key)
+            EventSubscriber(
+                kvtier_endpoints,
+                curve_server_key=curve_server_key,
+                resync_interval_s=resync_interval_s,
+            )
             if kvtier_endpoints or dynamic
             else None
         )
@@ -366,6 +383,17 @@ class EventFeed:
             for event in events:
                 applied = self._kvtier.apply(event, self._clock())
                 self._count("kvtier", event.kind.value if applied else "foreign")
+            self._resync(subscriber)
+
+    def _gap_seen(self, replica: str) -> None:
+        self._resync_due = True
+
+    def _resync(self, subscriber: EventSubscriber) -> None:
+        """After a gap, ask for fresh snapshots as soon as the subscriber's rate limit allows
+        (`count("kvtier", "resync")` each time)."""
+        if self._resync_due and subscriber.resync():
+            self._resync_due = False
+            self._count("kvtier", "resync")
 
     async def _vllm_loop(self, source: _VllmSource) -> None:
         """Apply the live batches in order; a gap before one is first repaired by replay (the
