@@ -106,3 +106,34 @@ def test_repeats_note_gives_median_and_spread_of_each_repeats_figures() -> None:
     assert lines[4] == "| rr | 400.0 (300.0-900.0) | 1.00x (1.00x-1.00x) | 0.500 (0.400-0.600) |"
     assert lines[5] == "| kv | 150.0 (100.0-200.0) | 4.00x (1.50x-6.00x) | 0.900 (0.800-1.000) |"
     assert repeats_note([{"config": "rr", "ttft_p50_ms": 1.0}]) == ""
+
+
+def test_paired_note_gives_a_dash_for_a_config_with_no_paired_request() -> None:
+    ok = Run("S2", "base", (record(0, 100.0, 10, 0, 0), record(1, 120.0, 10, 0, 0)), {})
+    failed = Run("S2", "broken", tuple(record(i, 0.0, 10, 0, 0, "boom") for i in range(2)), {})
+    assert "| broken | 0 | - | - |" in paired_note([ok, failed])
+
+
+def test_markdown_table_takes_the_speed_up_within_each_repeat() -> None:
+    rows = [
+        {"config": "base#1", "ttft_p50_ms": 100.0},
+        {"config": "fast#1", "ttft_p50_ms": 50.0},
+        {"config": "base#2", "ttft_p50_ms": 200.0},
+        {"config": "fast#2", "ttft_p50_ms": 100.0},
+    ]
+    lines = markdown_table(rows, baseline="base").splitlines()[2:]
+    assert [line.rsplit("|", 2)[1].strip() for line in lines] == ["1.00x", "2.00x"] * 2
+
+
+def test_a_config_with_no_successful_request_is_null_in_json_and_a_dash_in_the_table(
+    tmp_path: Path,
+) -> None:
+    row = summarize(Run("S2", "down", (record(0, 0.0, 10, 0, 0, "boom"),), {}))
+    assert "| down | 0 | - | - | - | - |" in markdown_table([row])
+    write_json([{**row, "nan": float("nan"), "nested": [{"inf": float("inf")}]}], tmp_path / "r")
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    (doc,) = json.loads((tmp_path / "r").read_text(), parse_constant=strict)
+    assert doc["ttft_p50_ms"] is None and doc["nan"] is None and doc["nested"] == [{"inf": None}]

@@ -6,12 +6,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import pytest
+
+from kvtier.net.ports import free_port
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.bench.corpus import Corpus
-from kvtier.tools.bench.router import measure_overhead
+from kvtier.tools.bench.router import measure_overhead, run_workload
 from kvtier.tools.bench.router_peers import (
     PASSTHROUGH,
     ROUTERS,
@@ -20,7 +26,7 @@ from kvtier.tools.bench.router_peers import (
     router_command,
     start_fake_replica,
 )
-from kvtier.tools.bench.router_workload import build_workload, ideal_hit_tokens
+from kvtier.tools.bench.router_workload import Workload, build_workload, ideal_hit_tokens
 
 BLOCK = 128
 
@@ -135,3 +141,39 @@ def test_passthrough_reference_forwards_and_is_measured(tmp_path: Path) -> None:
     assert set(streaks) == {PASSTHROUGH, "direct"}
     assert set(streaks["direct"]) == {"overhead_cold_p50_ms", "overhead_cold_p99_ms"}
     assert streaks["direct"]["overhead_cold_p50_ms"] < row["overhead_p50_ms"]  # no hop at all
+
+
+class _Metrics(BaseHTTPRequestHandler):
+    """A replica's `/metrics` with the two vLLM counters the workload reads, both at zero."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server hook
+        body = b"vllm:prefix_cache_hits_total 0.0\nvllm:request_success_total 0.0\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def metrics_replica() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_router_that_answers_no_request_has_no_ttft(metrics_replica: str) -> None:
+    router = f"http://127.0.0.1:{free_port()}"  # nothing listens: every request fails
+    row = asyncio.run(
+        run_workload(router, [metrics_replica], "m", Workload(("a", "b"), 0), concurrency=2)
+    )
+    assert row["failed"] == 2 and "error" in row
+    assert row["ttft_p50_ms"] is None  # JSON null, not NaN

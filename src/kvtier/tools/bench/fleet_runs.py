@@ -176,29 +176,43 @@ def _cmd(args: argparse.Namespace) -> int:
         prepare_output(Path(args.json), "--json")
     runs = run_scenario(args)
     rows = [summarize(r) for r in runs]
+    _write_results(args, runs, rows)
+    report = _write_report(args, runs, rows)
+    print(f"\nreport: {report}")
+    return 0
+
+
+def _write_results(args: argparse.Namespace, runs: list[Run], rows: list[dict[str, Any]]) -> None:
+    """The measurements: the JSON rows (`--json`) and the dashboard series, written before
+    anything is built from them, so that no fault in the report can lose them."""
+    if args.json:
+        write_json(rows, Path(args.json))
+    series = {r.config: r.series for r in runs if r.series}
+    if series:
+        out = Path(args.report_dir) / f"{args.scenario_name.lower()}_series.json"
+        out.write_text(json.dumps(series) + "\n")
+
+
+def _write_report(args: argparse.Namespace, runs: list[Run], rows: list[dict[str, Any]]) -> Path:
+    """The Markdown report and its plots, under `--report-dir`; prints its tables. The p50
+    speed-up is against the first configuration of the same repeat."""
     out = Path(args.report_dir)
     images = plot(runs, out, args.scenario_name) + plot_tier_series(runs, out, args.scenario_name)
-    table = markdown_table(rows, baseline=rows[0]["config"] if rows else None)
-    report = out / f"{args.scenario_name.lower()}_report.md"
+    baseline = str(rows[0]["config"]).partition("#")[0] if rows else None
+    table = markdown_table(rows, baseline=baseline)
+    notes = repeats_note(rows) + errors_note(rows) + paired_note(runs)
     shots = sorted(out.glob(f"{args.scenario_name.lower()}_dashboard_*.png"))
+    report = out / f"{args.scenario_name.lower()}_report.md"
     report.write_text(
         f"# {args.scenario_name} — {args.help_title}\n\n{table}\n\n"
-        + repeats_note(rows)
-        + errors_note(rows)
-        + paired_note(runs)
+        + notes
         + _dashboard_note(runs)
         + "\n".join(f"![{p.stem}]({p.name})" for p in [*images, *shots])
         + "\n"
     )
-    series = {r.config: r.series for r in runs if r.series}
-    if series:
-        (out / f"{args.scenario_name.lower()}_series.json").write_text(json.dumps(series) + "\n")
-    if args.json:
-        write_json(rows, Path(args.json))
     print(table)
-    print(repeats_note(rows) + errors_note(rows) + paired_note(runs), end="")
-    print(f"\nreport: {report}")
-    return 0
+    print(notes, end="")
+    return report
 
 
 def _dashboard_note(runs: list[Run]) -> str:

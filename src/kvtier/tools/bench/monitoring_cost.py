@@ -79,8 +79,12 @@ def scrape_cost(url: str, idle_s: float, scrapes: int) -> str:
 
 
 def quartiles(values: list[float]) -> str:
+    """The median of at least one value and, of two or more, the quartiles."""
+    median = f"median {statistics.median(values):.3f}"
+    if len(values) < 2:
+        return f"{median}, no quartiles of one round"
     q = statistics.quantiles(values, n=4)
-    return f"median {statistics.median(values):.3f}, quartiles {q[0]:.3f}-{q[2]:.3f}"
+    return f"{median}, quartiles {q[0]:.3f}-{q[2]:.3f}"
 
 
 async def ttft_rounds(
@@ -130,6 +134,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="TTFT rounds (0: none)")
     parser.add_argument("--tokens", type=int, default=1024, help="tokens of each document")
     args = parser.parse_args()
+    if args.rounds < 0:
+        parser.error("--rounds: must be 0 or more")
     state = json.loads(args.state.read_text())
     if not state.get("prometheus"):
         raise SystemExit("the fleet runs without Prometheus: start it with `kvtier up --monitor`")

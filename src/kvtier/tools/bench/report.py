@@ -102,17 +102,35 @@ _COLUMNS = (
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], baseline: str | None = None) -> str:
-    """A table of rows; with `baseline`, a column of p50 speed-up against that config."""
+    """A table of rows, "-" for a figure that is None (no successful request); with
+    `baseline` (a configuration name without its `#k`), a column of p50 speed-up against that
+    configuration in the same repeat (labels `name#k` with `--repeat`)."""
     head = [title for _, title in _COLUMNS] + (["p50 speed-up"] if baseline else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    base = next((r["ttft_p50_ms"] for r in rows if r["config"] == baseline), None)
+    bases = _baseline_p50s(rows, baseline) if baseline else {}
     for row in rows:
-        cells = [str(row.get(key, "")) for key, _ in _COLUMNS]
+        cells = [_cell(row.get(key, "")) for key, _ in _COLUMNS]
         if baseline:
+            base = bases.get(str(row["config"]).partition("#")[2])
             p50 = row.get("ttft_p50_ms")
             cells.append(f"{base / p50:.2f}x" if base and p50 else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _baseline_p50s(rows: Sequence[Mapping[str, Any]], baseline: str) -> dict[str, float]:
+    """Per repeat (the `k` of a label `name#k`; "" without `--repeat`), the TTFT p50 of
+    configuration `baseline` in that repeat."""
+    p50s: dict[str, float] = {}
+    for row in rows:
+        name, _, repeat = str(row["config"]).partition("#")
+        if name == baseline and row.get("ttft_p50_ms"):
+            p50s[repeat] = row["ttft_p50_ms"]
+    return p50s
 
 
 def paired_ratios(run: Run, base: Run) -> list[float]:
@@ -145,9 +163,17 @@ def paired_note(runs: Sequence[Run]) -> str:
         "|---|---|---|---|",
     ]
     for name, ratios in pooled.items():
-        q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        lines.append(f"| {name} | {len(ratios)} | {q2:.3f} | {q1:.3f}-{q3:.3f} |")
+        lines.append(f"| {name} | {len(ratios)} | {_ratio_quartiles(ratios)} |")
     return "\n".join(lines) + "\n\n"
+
+
+def _ratio_quartiles(ratios: list[float]) -> str:
+    """Median and quartiles as two table cells: "median | q1-q3"; "-" for no ratios (a
+    configuration with no request that succeeded under it and under the baseline)."""
+    if not ratios:
+        return "- | -"
+    q1, q2, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+    return f"{q2:.3f} | {q1:.3f}-{q3:.3f}"
 
 
 def repeats_note(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -293,5 +319,17 @@ def plot_tier_series(runs: Sequence[Run], out_dir: Path, scenario: str) -> list[
 
 
 def write_json(rows: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """`rows` as strict JSON: a float that is NaN or infinite (a figure of no values) is null."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(list(rows), indent=2) + "\n")
+    path.write_text(json.dumps(_finite(list(rows)), indent=2, allow_nan=False) + "\n")
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float in it, however deeply nested, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value

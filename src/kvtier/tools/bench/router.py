@@ -13,7 +13,8 @@ gets fresh prompts, so none profits from another's warm cache. Per router (one r
   most they could have (each request hitting every full block it shares with any earlier
   request): the fraction of reusable prefill that landed where it was cached;
 - load_max_min: most over fewest requests finished per replica (`vllm:request_success`);
-- ttft_p50_ms: median time to first token through the router;
+- ttft_p50_ms: nearest-rank p50 of the time to first token through the router (of an even
+  number of requests, the lower of the two middle ones); null if no request succeeded;
 - overhead_p50_ms / overhead_p99_ms: the router's added latency, measured in front of two fast
   fake replicas (separate process) as the paired difference router - direct over sequential
   requests with the same prompts: pure routing cost, free of engine noise. Every router runs
@@ -131,7 +132,7 @@ async def run_workload(
         else None,
         "load_max_min": round(max(load) / min(load), 3) if min(load) > 0 else None,
         "load": load,
-        "ttft_p50_ms": round(percentile(ttfts, 50), 2),
+        "ttft_p50_ms": round(percentile(ttfts, 50), 2) if ttfts else None,
         "requests": len(workload.prompts),
         "failed": len(errors),
     }
@@ -149,7 +150,7 @@ async def measure_overhead(
     prefix: str = "overhead",
 ) -> dict[str, dict[str, float]]:
     """Per router, paired (router - direct) latency of sequential non-streaming requests, as
-    `{prefix}_p50_ms` and `{prefix}_p99_ms`.
+    `{prefix}_p50_ms` and `{prefix}_p99_ms` (nearest rank).
 
     The routers take turns, `streak` pairs each (a pair: direct, then through the router), so
     the machine's drifting background load weighs on every router alike. With a streak of 1 a
