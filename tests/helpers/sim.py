@@ -42,10 +42,13 @@ def write_trace(path: Path, rows: Iterable[tuple[float, int, int, Sequence[int]]
 
 
 def reference_lru_hits(requests: Iterable[Sequence[int]], capacity: float) -> int:
-    """Prefix-cache hits of one LRU cache of `capacity` blocks, computed independently.
+    """Prefix-cache hits of one tail-first LRU cache of `capacity` blocks, computed
+    independently, block by block as kvtier's L1 (`kvtier.core.tiers.memory`) stores a chain.
 
-    Per request: count the leading blocks present, then access every block in order (move it
-    to the most recent end, or insert it and evict the least recent beyond capacity).
+    Per request: count the leading blocks present, then write the blocks in order: each one,
+    then its ancestors, become most recent (root last), after evicting the least recent blocks
+    to make room; a block that does not fit with its ancestors is refused, and so is the rest
+    of the chain (nothing left to hang it on).
     """
     cache: OrderedDict[int, None] = OrderedDict()
     hits = 0
@@ -54,11 +57,16 @@ def reference_lru_hits(requests: Iterable[Sequence[int]], capacity: float) -> in
             if block not in cache:
                 break
             hits += 1
-        for block in blocks:
-            cache[block] = None
-            cache.move_to_end(block)
-            if len(cache) > capacity:
+        for i in range(len(blocks)):
+            if i + 1 > capacity:
+                break
+            chain = blocks[i::-1]
+            for block in chain:
+                cache.pop(block, None)
+            while len(cache) + len(chain) > capacity:
                 cache.popitem(last=False)
+            for block in chain:
+                cache[block] = None
     return hits
 
 

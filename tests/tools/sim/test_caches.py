@@ -20,6 +20,19 @@ def test_lru_evicts_least_recently_used_and_a_touch_refreshes() -> None:
     assert sorted(b for b in (1, 2, 3, 4, 5) if b in cache) == [3, 4, 5]
 
 
+def test_lru_evicts_chains_tail_first_and_keeps_the_root_of_a_long_chain() -> None:
+    """As kvtier's L1 orders a chain (`MemoryTier._touch_chain`): root most recent."""
+    cache = make_cache("lru", 4)
+    assert cache.put_chain([1, 2]) == []
+    assert cache.put_chain([10, 11, 12]) == [2]  # the other chain's leaf, not its root
+    cache.touch_chain([1])
+    assert cache.put_chain([20]) == [12]
+    assert cache.put_chain([30, 31, 32, 33, 34, 35]) == [11, 10, 1, 20, 35, 34]
+    assert [b for b in range(40) if b in cache] == [30, 31, 32, 33]
+    cache.touch_chain([30, 31])
+    assert cache.put_chain([40]) == [33]
+
+
 def test_fifo_ignores_hits_and_evicts_first_admitted() -> None:
     cache = make_cache("fifo", 2)
     cache.put(1)

@@ -14,7 +14,7 @@ from kvtier.core.tiers.base import Tier
 from kvtier.router.index import PrefixIndex
 from kvtier.tools.sim.cost_model import load_costs
 from kvtier.tools.sim.simulator import FleetConfig, _Fleet, simulate
-from kvtier.tools.sim.trace import Trace, load_trace
+from kvtier.tools.sim.trace import Trace, block_hash, load_trace
 from tests.helpers.sim import MOONCAKE, make_costs, reference_lru_hits, write_trace
 
 INF = math.inf
@@ -43,8 +43,8 @@ def test_a_queued_request_waits_then_prefills_only_its_uncached_tail(tmp_path: P
 
 
 def test_an_l1_hit_costs_its_read_time(tmp_path: Path) -> None:
-    # L0 keeps one block: after A it holds block 2, L1 holds 1 and 2. B reads block 1 from L1
-    # (0.25 s), block 2 from L0 (free), prefills block 3 (0.5 s).
+    # L0 keeps one block: after A it holds block 1 (the root: tail-first), L1 holds 1 and 2.
+    # B reads block 1 from L0 (free), block 2 from L1 (0.25 s), prefills block 3 (0.5 s).
     trace = load_trace(
         write_trace(tmp_path / "t.jsonl", [(0, 1024, 4, [1, 2]), (2000, 1536, 4, [1, 2, 3])])
     )
@@ -107,6 +107,38 @@ def test_a_single_lru_tier_matches_a_reference_lru_and_grows_with_capacity(
         rates.append(result.hit_rate)
     assert rates == sorted(rates) and rates[0] == 0.0 < rates[2]
     assert rates[-1] == subset.ideal_hit_rate()
+
+
+def test_a_chain_longer_than_l0_keeps_its_root_blocks(tmp_path: Path) -> None:
+    # L0 holds 3 blocks; A writes 1..5: the root 1,2,3 stay (tail-first, as vLLM and kvtier's
+    # L1 evict), so B, extending A, hits them.
+    rows = [(0, 5 * 512, 1, [1, 2, 3, 4, 5]), (10_000, 6 * 512, 1, [1, 2, 3, 4, 5, 6])]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    config = FleetConfig(l0_blocks=3, strategy="roundrobin")
+    fleet = _Fleet(trace, config, make_costs())
+    fleet.run(progress=False)
+    ((_, l0),) = fleet.replicas[0].tiers
+    assert sorted(b for b in range(1, 7) if b in l0) == [1, 2, 3]
+    assert fleet.hit_blocks[Tier.L0] == 3
+
+
+@pytest.mark.parametrize("eviction", ["lru", "fifo"])
+def test_the_index_keeps_blocks_stored_and_evicted_in_one_step(
+    tmp_path: Path, eviction: str
+) -> None:
+    """A chain longer than L0 evicts blocks it (re-)admits in the same step: the index gets
+    the net effect, so it names exactly the blocks L0 holds."""
+    rows = [(0, 4 * 512, 1, [1, 2, 3, 4]), (10_000, 5 * 512, 1, [1, 2, 3, 4, 5])]
+    trace = load_trace(write_trace(tmp_path / "t.jsonl", rows))
+    config = FleetConfig(l0_blocks=3, l0_eviction=eviction, strategy="kvaware")
+    fleet = _Fleet(trace, config, make_costs())
+    fleet.run(progress=False)
+    index = fleet.index
+    assert isinstance(index, PrefixIndex)
+    replica = fleet.replicas[0]
+    ((_, l0),) = replica.tiers
+    indexed = {b for b in range(1, 6) if index.match([block_hash(b)]).get(replica.name)}
+    assert indexed == {b for b in range(1, 6) if b in l0} and len(indexed) == 3
 
 
 # ----- routing through kvtier.router.policies -----

@@ -48,6 +48,10 @@ def test_limit_and_time_scale(tmp_path: Path) -> None:
             '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [-4]}',
             "hash id outside",
         ),
+        (
+            '{"timestamp": 0, "input_length": 1536, "output_length": 1, "hash_ids": [7, 7, 7]}',
+            "hash id 7 repeats at block 1",
+        ),
     ],
 )
 def test_malformed_lines_name_file_and_line(tmp_path: Path, line: str, message: str) -> None:

@@ -26,8 +26,8 @@ Block ids follow the Mooncake rule: one id per 512-token block, equal ids exactl
 prefixes up to that block are equal. A turn's partial last block gets a fresh id; the next turn
 fills it with other tokens, so it gets another id there.
 
-With the defaults (96 sessions) a trace holds ~4,000 requests, mean prompt ~110k tokens, and an
-ideal block hit rate (one infinite cache) of ~94%.
+docs/sim.md ("kvaware against prefixaware, by trace shape") gives the size, mean prompt and
+ideal block hit rate of the defaults (96 sessions) for seeds 1-3.
 """
 
 from __future__ import annotations

@@ -2,7 +2,11 @@
 
 Each cache is a small class with a `name`, looked up in `EVICTION`:
 
-- `lru`: least recently used goes first; a hit or a re-admission refreshes the block.
+- `lru`: least recently used goes first; a hit or a re-admission refreshes the block. Chains
+  are evicted tail-first, as kvtier's L1 (`kvtier.core.tiers.memory`) and vLLM's prefix cache
+  evict them: a request's blocks are refreshed leaf first, root last, so a prefix is always more
+  recent than its extensions, and a chain longer than the cache keeps its head (the blocks past
+  the capacity are refused, never evicting their own prefix).
 - `fifo`: first admitted goes first; hits do not refresh (cheap, scan-resistant-ish baseline).
 - `janitor`: kvtier's shared L2 directory under its capacity janitor
   (`kvtier.core.tiers.janitor`): recency is set when a block is first written and refreshed by
@@ -17,6 +21,9 @@ Operations (called by the fleet simulator only, one thread):
   `janitor` reads it);
 - `put(block, now)`: admit or refresh the block; returns the blocks evicted to make room
   (possibly the block itself when the capacity is 0), so the caller can publish removal events;
+- `touch_chain(blocks, now)` / `put_chain(blocks, now)`: the same for a request's blocks, root
+  first (a prefix chain); `put_chain` returns every block evicted, which may include blocks of
+  the chain itself (never admitted for good);
 - `discard(block)`: drop it if present.
 
 Capacities count blocks of the trace; `math.inf` means unbounded. Keys are the trace's int ids
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
 from kvtier.core.errors import ConfigError
@@ -51,6 +59,8 @@ class BlockCache(Protocol):
     def __len__(self) -> int: ...
     def touch(self, block: int, now: float = 0.0) -> None: ...
     def put(self, block: int, now: float = 0.0) -> list[int]: ...
+    def touch_chain(self, blocks: Sequence[int], now: float = 0.0) -> None: ...
+    def put_chain(self, blocks: Sequence[int], now: float = 0.0) -> list[int]: ...
     def discard(self, block: int) -> None: ...
 
 
@@ -92,10 +102,26 @@ class _OrderedCache:
                 self.touch(block, now)
             return []
         self._blocks[block] = now
+        return self._evict()
+
+    def _evict(self) -> list[int]:
+        """Make room per `evict_above`/`evict_to`, from the first key; returns the victims."""
         evicted: list[int] = []
         if len(self._blocks) > self.capacity * self.evict_above:
             while len(self._blocks) > self.capacity * self.evict_to:
                 evicted.append(self._blocks.popitem(last=False)[0])
+        return evicted
+
+    def touch_chain(self, blocks: Sequence[int], now: float = 0.0) -> None:
+        """`touch` each block, in chain order (root first)."""
+        for block in blocks:
+            self.touch(block, now)
+
+    def put_chain(self, blocks: Sequence[int], now: float = 0.0) -> list[int]:
+        """`put` each block, in chain order (root first); returns all the evictions."""
+        evicted: list[int] = []
+        for block in blocks:
+            evicted += self.put(block, now)
         return evicted
 
     def discard(self, block: int) -> None:
@@ -103,8 +129,28 @@ class _OrderedCache:
 
 
 class LRUCache(_OrderedCache):
+    """Tail-first LRU over chains (see the module docstring)."""
+
     name = "lru"
     refresh_on_hit = True
+
+    def touch_chain(self, blocks: Sequence[int], now: float = 0.0) -> None:
+        """Refresh the held blocks leaf first, so the root ends most recent."""
+        held = self._blocks
+        for block in reversed(blocks):
+            if block in held:
+                held.move_to_end(block)
+                held[block] = now
+
+    def put_chain(self, blocks: Sequence[int], now: float = 0.0) -> list[int]:
+        """Admit or refresh the whole chain leaf first (root most recent), then evict the least
+        recent: other chains' tails before this chain's, and this chain's leaves before its
+        root. Returns the evicted blocks, this chain's refused leaves included."""
+        held = self._blocks
+        for block in reversed(blocks):
+            held[block] = now
+            held.move_to_end(block)
+        return self._evict()
 
 
 class FIFOCache(_OrderedCache):

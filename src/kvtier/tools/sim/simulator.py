@@ -16,13 +16,17 @@ Model (every choice here is a stated assumption, see docs/sim.md):
   prefill (`model.CostModel`).
 - At first token every tier sees every block of the request (an inclusive, write-through
   hierarchy: the engine keeps them in L0, the connector writes them to L1 and L2, and re-writing
-  refreshes a block's recency); evictions follow each tier's policy (`caches`). Decode then
-  keeps the request in flight for `output_tokens / decode_tokens_per_s`.
-- Each cache change is published to the kvaware index as the connector's KV events would be:
-  `insert`/`remove` for the replica and tier, L2 under the pseudo-replica `SHARED`.
+  refreshes a block's recency); evictions follow each tier's policy (`caches`; `lru` evicts
+  chains tail-first, as kvtier's L1 and vLLM's prefix cache do). Decode then keeps the request
+  in flight for `output_tokens / decode_tokens_per_s`.
+- Each cache change is published to the kvaware index as the connector's KV events would be,
+  net of the step: `remove` of the blocks evicted and not held any more, `insert` of the blocks
+  new to the tier and still held, for the replica and tier, L2 under the pseudo-replica
+  `SHARED`.
 
 One replica with one infinite tier therefore hits exactly the blocks seen before (the trace's
-ideal hit rate), and one finite LRU tier equals a plain LRU over the requests in trace order.
+ideal hit rate), and one finite LRU tier equals a tail-first LRU over the requests in trace
+order.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from dataclasses import asdict, dataclass, field
 from tqdm import tqdm
 
 from kvtier.core.errors import ConfigError
-from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.base import Tier
 from kvtier.router.index import SHARED, PrefixIndex
 from kvtier.router.policies import ReplicaView, RouteRequest, work_tokens
@@ -225,15 +228,19 @@ class _Fleet:
         request = job.request
         counts = self.trace.block_token_counts(request)
         loaded = {Tier.L1: 0, Tier.L2: 0}
+        served: dict[Tier, list[int]] = {tier: [] for tier, _ in replica.tiers}
         cached = 0
         for block, tokens in zip(request.blocks, counts, strict=True):
-            tier = self._holder(replica, block, now)
+            tier = self._holder(replica, block)
             if tier is None or not self.loadable[tier]:
                 break
+            served[tier].append(block)
             self.hit_blocks[tier] += 1
             cached += tokens
             if tier is not Tier.L0:
                 loaded[tier] += tokens
+        for tier, cache in replica.tiers:
+            cache.touch_chain(served[tier], now)
         self.hit_tokens += cached
         computed = request.input_tokens - cached
         l2_end = now
@@ -247,11 +254,11 @@ class _Fleet:
         replica.prefill_tokens += computed
         self._schedule(done, _PREFILL_DONE, replica, job)
 
-    def _holder(self, replica: _Replica, block: int, now: float) -> Tier | None:
-        """Best tier holding `block` for this replica, touching it there (a read)."""
+    @staticmethod
+    def _holder(replica: _Replica, block: int) -> Tier | None:
+        """Best tier holding `block` for this replica (no side effect)."""
         for tier, cache in replica.tiers:
             if block in cache:
-                cache.touch(block, now)
                 return tier
         return None
 
@@ -262,13 +269,9 @@ class _Fleet:
         self.queue_s.append(job.started_s - request.arrival_s)
         replica.queued_prefill_tokens -= job.expected_uncached
         for tier, cache in replica.tiers:
-            stored: list[BlockHash] = []
-            evicted: list[int] = []
-            for block, h in zip(request.blocks, request.hashes, strict=True):
-                if block not in cache:
-                    stored.append(h)
-                evicted += cache.put(block, now)
-            self._publish(replica, tier, stored, evicted, now)
+            new = [block for block in request.blocks if block not in cache]
+            evicted = cache.put_chain(request.blocks, now)
+            self._publish(replica, tier, cache, new, evicted, now)
         self._schedule(now + self.costs.decode_s(request.output_tokens), _DECODE_DONE, replica, job)
         replica.busy = False
         if replica.queue:
@@ -278,19 +281,26 @@ class _Fleet:
         self,
         replica: _Replica,
         tier: Tier,
-        stored: list[BlockHash],
+        cache: BlockCache,
+        new: list[int],
         evicted: list[int],
         now: float,
     ) -> None:
-        """KV events of one tier after a request, as the engine and the connector emit them:
-        the blocks new to the tier stored, then the evictions."""
+        """KV events of one tier after a request, net of the step: the blocks `new` to the
+        tier that it still holds are stored, the `evicted` ones it no longer holds removed.
+
+        A block can be both new and evicted within one step (a chain longer than the tier, or
+        a held block evicted before the chain re-admits it); publishing the raw lists in
+        either order would leave the index disagreeing with the cache."""
         if self.index is None:
             return
         holder = SHARED if tier is Tier.L2 else replica.name
+        gone = [block_hash(b) for b in evicted if b not in cache]
+        stored = [block_hash(b) for b in new if b in cache]
+        if gone:
+            self.index.remove(holder, gone, tier)
         if stored:
             self.index.insert(holder, stored, tier, now)
-        if evicted:
-            self.index.remove(holder, [block_hash(b) for b in evicted], tier)
 
     # ----- results -----
 

@@ -5,6 +5,10 @@ One JSON object per line: `timestamp` (ms from the start), `input_length` and `o
 two requests share their first k ids exactly when their first k blocks are identical; the last
 id may cover a partial block). Ids are opaque ints: `block_hash` turns one into the `BlockHash`
 bytes the router's index and policies take, deterministically.
+
+An id names a whole prefix, so one prompt never holds the same id twice (a real prompt's blocks
+at two positions have prefixes of different lengths): a line repeating an id is malformed and
+rejected, rather than replayed with an ideal hit rate no cache could reach.
 """
 
 from __future__ import annotations
@@ -151,6 +155,7 @@ def _parse(line: str, where: str, time_scale: float, block_tokens: int) -> Trace
         )
     if any(not 0 <= b < _ID_LIMIT for b in blocks):
         raise ConfigError(f"trace: {where}: hash id outside [0, 2**128)")
+    _check_distinct(blocks, where)
     return TraceRequest(
         arrival_s=arrival_ms / 1000.0 * time_scale,
         input_tokens=input_tokens,
@@ -158,3 +163,17 @@ def _parse(line: str, where: str, time_scale: float, block_tokens: int) -> Trace
         blocks=blocks,
         hashes=tuple(block_hash(b) for b in blocks),
     )
+
+
+def _check_distinct(blocks: tuple[int, ...], where: str) -> None:
+    """Reject a prompt naming one block id twice (ids are chained: see the module docstring)."""
+    if len(set(blocks)) == len(blocks):
+        return
+    seen: set[int] = set()
+    for position, block in enumerate(blocks):
+        if block in seen:
+            raise ConfigError(
+                f"trace: {where}: hash id {block} repeats at block {position}; chained ids "
+                f"never repeat within one prompt"
+            )
+        seen.add(block)
