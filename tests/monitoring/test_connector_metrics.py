@@ -107,8 +107,8 @@ def test_watched_stores_report_tiers_l1_occupancy_and_the_janitor(tmp_path: Path
         counters.watch([store, store], source="worker")
         ConnectorCounters().watch([store], source="scheduler")  # already reported: ignored
         counters.watch([again], source="scheduler")  # another process's store, say
-        for i in range(12):
-            h, meta, payload = make_block(7, i, BLOCK)
+        for i in range(12):  # twelve chains of one block: L1 keeps the last six
+            h, meta, payload = make_block(100 + i, 0, BLOCK)
             assert store.save(h, meta, payload)
         assert store.flush(timeout_s=30)
         evicted = poll(

@@ -164,3 +164,14 @@ def test_budget_is_never_exceeded_under_random_workload() -> None:
         assert set(tier.order()) == set(live)
     stats = tier.stats()
     assert stats.used_bytes <= capacity and stats.objects == len(live)
+
+
+def test_a_chain_longer_than_the_budget_keeps_its_head_block_after_block() -> None:
+    """Saved in order, the blocks past the budget are refused one after the other: the block
+    after a refused one does not evict the head as if it started a chain of its own."""
+    tier = MemoryTier(300)
+    chain = [f"b{i}" for i in range(10)]
+    for parent, name in zip([None, *chain], chain, strict=False):
+        put(tier, name, parent=parent)
+    assert sorted(names(tier, *chain)) == ["b0", "b1", "b2"]
+    assert tier.stats().rejected == 7 and tier.stats().evicted == 0

@@ -12,7 +12,10 @@ extensions and chains are evicted from their tails: a leaf without its root is u
 without its leaves is not. Plain LRU would evict a conversation's root first, since it was
 saved first. For the same reason a block is refused (not inserted, nothing evicted) when it and
 its ancestors together exceed the budget: a chain longer than L1 keeps its head in L1, and its
-tail lives in L2 only.
+tail lives in L2 only. The tier remembers the blocks it refused (the last `REFUSED_KEPT`), and
+refuses a block whose parent it refused and does not hold: without that, the block after a
+refused one found no ancestor here, was taken for a new chain and evicted the chain's own head,
+block after block.
 
 Budget: the sum of the sizes of the buffers held never exceeds `capacity_bytes` at any moment;
 room is made before a block is inserted, and a block larger than the whole budget is refused.
@@ -36,10 +39,15 @@ import numpy as np
 from kvtier.core.codec import BlockMeta, byte_view
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash
+from kvtier.core.lru import Lru
 from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
+
+REFUSED_KEPT = 65_536
+"""Refused blocks remembered (least recently refused forgotten first), so that their
+descendants are refused too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +85,8 @@ class MemoryTier:
         self._lock = threading.Lock()
         self._entries: OrderedDict[BlockHash, _Entry] = OrderedDict()  # LRU first, MRU last
         self._used = 0
+        self._refused: Lru[BlockHash, bool] = Lru(REFUSED_KEPT)
+        """Blocks refused and not held since: the parents whose children are refused."""
         self._counters = TierCounters()
 
     @property
@@ -138,9 +148,9 @@ class MemoryTier:
             self._counters.add(already_present=1)
             return PutResult(stored=False)
         view = byte_view(payload)
-        if view.nbytes > self._capacity:
-            self._counters.add(rejected=1)
-            return PutResult(stored=False)
+        if view.nbytes > self._capacity or self._in_refused_tail(meta.parent):
+            with self._lock:  # (before the copy: a refused block costs no copy)
+                return self._refuse(block_hash)
         copy = _private_copy(view)  # outside the lock: it is the expensive part
         return self._insert(block_hash, StoredBlock(meta, copy), copy.nbytes)
 
@@ -159,9 +169,9 @@ class MemoryTier:
             # The block's ancestors become the most recent entries; if they and the block do
             # not fit together, the block is refused rather than evicting its own prefix.
             ancestors = self._touch_chain(block.meta.parent)
-            if ancestors + charge > self._capacity:
-                self._counters.add(rejected=1)
-                return PutResult(stored=False)
+            if ancestors + charge > self._capacity or self._in_refused_tail(block.meta.parent):
+                return self._refuse(block_hash)
+            self._refused.pop(block_hash)
             while self._used + charge > self._capacity:  # never reaches the ancestors
                 old_hash, old = self._entries.popitem(last=False)
                 self._used -= old.charge
@@ -171,6 +181,17 @@ class MemoryTier:
             self._touch_chain(block.meta.parent)
         self._counters.add(stored=1, bytes_written=block.payload.nbytes, evicted=len(evicted))
         return PutResult(stored=True, evicted=tuple(evicted))
+
+    def _in_refused_tail(self, parent: BlockHash) -> bool:
+        """Whether a block of parent `parent` extends a chain past a block refused here."""
+        return parent in self._refused and parent not in self._entries
+
+    def _refuse(self, block_hash: BlockHash) -> PutResult:
+        """Refuse the block (counted in `rejected`), remembering it for its descendants (lock
+        held)."""
+        self._refused.put(block_hash, True)
+        self._counters.add(rejected=1)
+        return PutResult(stored=False)
 
     def remove(self, block_hash: BlockHash) -> bool:
         with self._lock:
