@@ -11,14 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.tools.sim.cost_model import CostModel
+from kvtier.tools.sim.trace import BUNDLED_TRACE
 
-MOONCAKE = (
-    Path(__file__).resolve().parents[3]
-    / "shared"
-    / "data"
-    / "traces"
-    / "mooncake_conversation_trace.jsonl"
-)
+MOONCAKE = BUNDLED_TRACE
 """The Mooncake conversation trace (12,031 requests); ideal block hit rate 36.6%."""
 
 

@@ -72,6 +72,12 @@ def test_sim_writes_the_documented_json(tmp_path: Path, capsys: pytest.CaptureFi
     assert "hit rate" in capsys.readouterr().out
 
 
+def test_sim_without_a_trace_replays_the_bundled_one(tmp_path: Path) -> None:
+    out = tmp_path / "run.json"
+    assert main(["sim", "--limit", "20", "--json", str(out), "--quiet"]) == 0
+    assert json.loads(out.read_text())["requests"] == 20
+
+
 def test_sim_sweep_writes_points_and_a_png_beside_the_json(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     code = main(

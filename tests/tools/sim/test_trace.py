@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,25 @@ def test_a_directory_or_a_trace_without_requests_is_a_config_error(tmp_path: Pat
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="empty.jsonl holds no requests"):
         load_trace(tmp_path / "empty.jsonl")
+
+
+def test_a_gzipped_trace_loads_as_the_plain_one_and_a_truncated_one_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    plain = write_trace(tmp_path / "t.jsonl", [(0, 600, 5, [0, 7]), (1000, 512, 9, [0])])
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert load_trace(packed) == load_trace(plain)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(packed.read_bytes()[:-12])
+    with pytest.raises(ConfigError, match="cut.jsonl.gz as JSONL text"):
+        load_trace(cut)
+
+
+def test_the_bundled_trace_is_a_file_of_the_package() -> None:
+    import kvtier
+
+    assert MOONCAKE.is_relative_to(Path(kvtier.__file__).parent) and MOONCAKE.is_file()
 
 
 def test_mooncake_ideal_hit_rate_is_36_6_percent() -> None:

@@ -44,6 +44,7 @@ from kvtier.tools.bench.report import (
 from kvtier.tools.bench.scenarios import ChatShape, RagShape, TraceShape
 from kvtier.tools.cluster.spec import CacheSpec, FleetSpec, LocalSpec, RoutingSpec
 from kvtier.tools.sim.report import prepare_output
+from kvtier.tools.sim.trace import BUNDLED_TRACE
 
 CONFIGS: dict[str, tuple[CacheSpec, RoutingSpec]] = {
     "roundrobin-l0": (CacheSpec(l1_enabled=False, l2_enabled=False), RoutingSpec(enabled=False)),
@@ -53,9 +54,6 @@ CONFIGS: dict[str, tuple[CacheSpec, RoutingSpec]] = {
     "kvtier-l1l2-kvaware": (CacheSpec(), RoutingSpec(strategy="kvaware")),
 }
 DEFAULT_CONFIGS = "roundrobin-l0,kvtier-l1,kvtier-l1l2-kvaware"
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[5] / "shared/data/traces/mooncake_conversation_trace.jsonl"
-)
 
 
 MONITOR = "+monitor"
@@ -333,7 +331,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "per prompt, half speed).",
     )
     _common(trace)
-    trace.add_argument("--trace", default=str(DEFAULT_TRACE), help="Mooncake JSONL trace")
+    trace.add_argument(
+        "--trace",
+        default=str(BUNDLED_TRACE),
+        help="Mooncake JSONL trace, gzipped if its name ends in .gz (default: the bundled "
+        "Mooncake conversation trace)",
+    )
     trace.add_argument(
         "--requests",
         type=int,

@@ -13,6 +13,7 @@ Arrivals are Poisson (seeded), so every run of a scenario sends the same request
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from pathlib import Path
 from kvtier.core.errors import ConfigError
 from kvtier.tools.bench.corpus import Corpus, paragraphs
 from kvtier.tools.bench.workload import Session, Turn
+from kvtier.tools.sim.trace import open_trace
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +117,13 @@ class TraceShape:
 
 
 def trace_sessions(corpus: Corpus, path: Path, shape: TraceShape) -> list[Session]:
-    """The first `shape.requests` requests of a Mooncake-format JSONL trace."""
+    """The first `shape.requests` requests of a Mooncake-format JSONL trace (gzipped if its
+    name ends in .gz)."""
     try:
-        lines = path.read_text().splitlines()[: shape.requests]
+        with open_trace(path) as text:
+            lines = list(itertools.islice(text, shape.requests))
         rows = [json.loads(line) for line in lines if line.strip()]
-    except (OSError, ValueError) as exc:
+    except (OSError, EOFError, ValueError) as exc:
         raise ConfigError(f"{path}: not a readable Mooncake JSONL trace ({exc})") from exc
     stream = corpus.encode("\n\n".join(paragraphs()))
     span = len(stream) - shape.tokens_per_block

@@ -17,14 +17,14 @@ from kvtier.tools.sim.report import prepare_output, write_output
 from kvtier.tools.sim.routing import parse_option, strategy_names
 from kvtier.tools.sim.simulator import FleetConfig
 from kvtier.tools.sim.sweep import SWEEPABLE, parse_capacity
-from kvtier.tools.sim.trace import Trace, load_trace
+from kvtier.tools.sim.trace import BUNDLED_TRACE, Trace, load_trace
 
 __all__ = ["register"]
 
 _TRACE_HELP = (
     "request trace in the Mooncake JSONL format (timestamp ms, input_length, "
-    "output_length, hash_ids of 512-token blocks), e.g. "
-    "../shared/data/traces/mooncake_conversation_trace.jsonl"
+    "output_length, hash_ids of 512-token blocks), gzipped if its name ends in .gz "
+    "(default: the bundled Mooncake conversation trace, 12,031 requests)"
 )
 
 
@@ -105,7 +105,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", type=Path, required=True, metavar="FILE", help=_TRACE_HELP)
+    parser.add_argument(
+        "--trace", type=Path, default=BUNDLED_TRACE, metavar="FILE", help=_TRACE_HELP
+    )
     parser.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
     parser.add_argument(
         "--time-scale",

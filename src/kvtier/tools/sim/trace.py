@@ -9,20 +9,36 @@ bytes the router's index and policies take, deterministically.
 An id names a whole prefix, so one prompt never holds the same id twice (a real prompt's blocks
 at two positions have prefixes of different lengths): a line repeating an id is malformed and
 rejected, rather than replayed with an ideal hit rate no cache could reach.
+
+A file whose name ends in `.gz` is read through gzip. `BUNDLED_TRACE` is the Mooncake
+conversation trace shipped with kvtier (`data/README.md`: its origin and licence).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import HASH_BYTES, BlockHash
 
-__all__ = ["MOONCAKE_BLOCK_TOKENS", "Trace", "TraceRequest", "block_hash", "load_trace"]
+__all__ = [
+    "BUNDLED_TRACE",
+    "MOONCAKE_BLOCK_TOKENS",
+    "Trace",
+    "TraceRequest",
+    "block_hash",
+    "load_trace",
+    "open_trace",
+]
+
+BUNDLED_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_trace.jsonl.gz"
+"""The Mooncake conversation trace (12,031 requests), the default of the trace commands."""
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in the Mooncake traces."""
@@ -119,13 +135,13 @@ def load_trace(
         raise ConfigError(f"trace: no such file: {path}")
     requests: list[TraceRequest] = []
     try:
-        with path.open(encoding="utf-8") as lines:
+        with open_trace(path) as lines:
             for lineno, line in enumerate(lines, 1):
                 if limit is not None and len(requests) >= limit:
                     break
                 if line.strip():
                     requests.append(_parse(line, f"{path}:{lineno}", time_scale, block_tokens))
-    except (OSError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:  # (EOFError: a truncated .gz)
         raise ConfigError(f"trace: cannot read {path} as JSONL text ({exc})") from None
     if not requests:
         raise ConfigError(f"trace: {path} holds no requests")
@@ -177,3 +193,10 @@ def _check_distinct(blocks: tuple[int, ...], where: str) -> None:
                 f"never repeat within one prompt"
             )
         seen.add(block)
+
+
+def open_trace(path: Path) -> TextIO:
+    """`path` opened as UTF-8 text, through gzip when its name ends in `.gz`."""
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
