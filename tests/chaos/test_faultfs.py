@@ -17,8 +17,9 @@ from kvtier.core.store import TieredStore
 from kvtier.core.tiers import posix
 from kvtier.core.tiers.noreplace import RENAME_NOREPLACE, rename_noreplace
 from kvtier.tools.chaos.faultfs import FaultFS, _Control, _fuse_class, _operations
-from kvtier.tools.l2ops.juicefs import fuse_available
-from tests.helpers.l2 import IDENTITY, make_block
+from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
+from tests.helpers.l2 import IDENTITY, make_block, needs_fuse
+from tests.helpers.procs import running
 
 
 @pytest.fixture
@@ -121,3 +122,29 @@ def test_closing_a_store_returns_within_its_timeout_while_its_l2_mount_hangs(
     finally:
         faultfs.process.send_signal(signal.SIGCONT)
         closer.join(10)
+
+
+@needs_fuse
+def test_a_mount_interrupted_while_it_waits_leaves_no_mount_and_no_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs = FaultFS(str(tmp_path), str(tmp_path / "mnt"), str(tmp_path / "faultfs.log"))
+    daemons: list[int] = []
+    real = FaultFS.mounted
+
+    def interrupted_once(self: FaultFS) -> bool:
+        if not daemons:
+            assert self.process is not None
+            daemons.append(self.process.pid)
+            raise KeyboardInterrupt  # a Ctrl-C while mount() waits for the daemon
+        return real(self)
+
+    monkeypatch.setattr(FaultFS, "mounted", interrupted_once)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fs.mount()
+        time.sleep(1.0)  # long enough for a daemon left running to mount
+        assert daemons and not running(daemons[0])
+        assert not mounted_under(str(tmp_path))
+    finally:
+        fs.unmount()

@@ -67,3 +67,20 @@ def test_the_corruption_fault_leaves_no_rewritten_block_behind(tmp_path: Path) -
     fault.restore(fleet)  # type: ignore[arg-type]
     assert {f.name for f in fleet.block_files()} == {f.name for f in files} - touched
     assert fault.failed_part(fleet, {f.name for f in files}) == touched  # type: ignore[arg-type]
+
+
+def test_the_corruption_stops_by_itself_when_it_is_never_recovered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run interrupted during the hold never calls `recover`: the corrupting thread still
+    ends, `CORRUPT_OVERRUN_S` after the hold."""
+    from kvtier.tools.chaos import faults
+
+    monkeypatch.setattr(faults, "CORRUPT_OVERRUN_S", 0.5, raising=False)
+    fleet = SimpleNamespace(block_files=lambda: sorted(tmp_path.glob("*.kvt")))
+    fault = faults.Corrupt("l2-corrupt", "juicefs", "test", 0.5)
+    fault.inject(fleet)  # type: ignore[arg-type]
+    fault._thread.join(5)
+    alive = fault._thread.is_alive()
+    fault.recover(fleet)  # type: ignore[arg-type]
+    assert not alive

@@ -31,10 +31,13 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import IO, Any, Self, TypeVar
 
 import pytest
+
+from kvtier.core.errors import run_every
 
 T = TypeVar("T")
 SUBNET = "10.231.0"
@@ -91,6 +94,14 @@ class Network:
         self.nodes: list[Node] = []
         self._closed = False
         atexit.register(self.close)
+        try:
+            self._switch()
+        except BaseException:
+            self.close()  # the caller gets no network to close: a later one reuses the names
+            raise
+
+    def _switch(self) -> None:
+        """The switch namespace and its bridge."""
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "set", "lo", "up")
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -153,12 +164,18 @@ class Network:
         return proc
 
     def close(self) -> None:
+        """Stop every process the nodes run, then remove the namespaces and hosts files, each
+        even when a step before it failed or was interrupted; the first exception met is
+        raised once all have run (close is once: a second call does nothing)."""
         if self._closed:
             return
         self._closed = True
-        for node in self.nodes:
-            for proc in node.processes:
-                stop(proc)
+        procs = [proc for node in self.nodes for proc in node.processes]
+        run_every([*(partial(stop, proc) for proc in procs), self._remove_namespaces])
+
+    def _remove_namespaces(self) -> None:
+        """Delete the nodes' and the switch's namespaces (their veths go with them) and hosts
+        files; a namespace never made is skipped."""
         for name in [n.name for n in self.nodes] + [self.switch]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)

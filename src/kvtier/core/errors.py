@@ -14,6 +14,10 @@ In the data path a tier fault never reaches the engine: the store turns it into 
 metric. These exceptions surface only at configuration time, in CLIs and in tools.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
 
 class KvtierError(Exception):
     """Base of every error kvtier raises on purpose."""
@@ -51,3 +55,17 @@ class Terminated(KeyboardInterrupt):
 def raise_terminated(signum: int, frame: object) -> None:
     """A signal handler raising `Terminated`."""
     raise Terminated
+
+
+def run_every(steps: Iterable[Callable[[], object]]) -> None:
+    """Call each of `steps` in order, each even when one before it raised (an interrupt
+    included), then raise the first exception met: a stop that fails or is interrupted halfway
+    still stops everything after it."""
+    first: BaseException | None = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise first

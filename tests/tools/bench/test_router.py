@@ -3,19 +3,25 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
+import subprocess
 import threading
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port
 from kvtier.router.tokenizer import Tokenizer
+from kvtier.tools.bench import router as bench_router
+from kvtier.tools.bench import router_peers
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.bench.router import measure_overhead, run_workload
 from kvtier.tools.bench.router_peers import (
@@ -25,8 +31,10 @@ from kvtier.tools.bench.router_peers import (
     RouterProcess,
     router_command,
     start_fake_replica,
+    stop_fake_replica,
 )
 from kvtier.tools.bench.router_workload import Workload, build_workload, ideal_hit_tokens
+from tests.helpers.procs import running
 
 BLOCK = 128
 
@@ -177,3 +185,54 @@ def test_a_router_that_answers_no_request_has_no_ttft(metrics_replica: str) -> N
     )
     assert row["failed"] == 2 and "error" in row
     assert row["ttft_p50_ms"] is None  # JSON null, not NaN
+
+
+def test_a_fake_replica_that_does_not_come_up_is_killed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def never_ready(url: str, timeout_s: float, *, exited: Any, what: str) -> None:
+        started.append(exited.__self__)  # the fake's Popen (`exited` is its poll)
+        raise KvtierError(f"{what} did not answer")
+
+    monkeypatch.setattr(router_peers, "wait_ready", never_ready)
+    try:
+        with pytest.raises(KvtierError):
+            start_fake_replica(tmp_path)
+        assert started and not running(started[0].pid)
+    finally:
+        for proc in started:
+            stop_fake_replica(proc)
+
+
+def test_the_bench_kills_its_fakes_when_the_replicas_fail_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    from kvtier.tools import embedded_model
+    from kvtier.tools.bench import corpus
+
+    fakes: list[subprocess.Popen[bytes]] = []
+
+    def fake(work_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+        fakes.append(start_fake_replica(work_dir)[0])
+        return fakes[-1], "http://127.0.0.1:1"
+
+    def no_replicas(*_args: object) -> None:
+        raise KvtierError("vLLM server did not start")
+
+    monkeypatch.setattr(embedded_model, "resolve_model", lambda _model: str(tmp_path / "m"))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda _dir: None)
+    monkeypatch.setattr(corpus, "Corpus", lambda _tokenizer: None)
+    monkeypatch.setattr(bench_router, "start_fake_replica", fake)
+    monkeypatch.setattr(bench_router, "start_replicas", no_replicas)
+    args = argparse.Namespace(model=None, work_dir=str(tmp_path), engine_blocks=None)
+    try:
+        with pytest.raises(KvtierError, match="did not start"):
+            bench_router._cmd(args)
+        assert len(fakes) == 2 and not any(running(p.pid) for p in fakes)
+    finally:
+        for proc in fakes:
+            stop_fake_replica(proc)

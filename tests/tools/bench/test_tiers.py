@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvtier.cli import main
 from kvtier.core.errors import KvtierError
-from kvtier.tools.bench.tiers import PLAIN, Row, copy_blocks, paired_ratios, parse_variant
+from kvtier.tools.bench.tiers import (
+    PLAIN,
+    Bench,
+    Row,
+    copy_blocks,
+    paired_ratios,
+    parse_variant,
+)
 from kvtier.tools.bench.tiers_breakdown import (
     PHASES,
     Breakdown,
@@ -21,6 +31,7 @@ from kvtier.tools.bench.tiers_breakdown import (
     write_chart,
 )
 from kvtier.tools.bench.tiers_chart import paired_breakdowns
+from tests.helpers.procs import running
 
 METRICS = """\
 # HELP kvtier_connector_hit_phase_seconds_total Seconds cache hits spent per phase.
@@ -160,3 +171,36 @@ def test_the_chart_refuses_runs_without_breakdowns_or_in_common(tmp_path: Path) 
         paired_breakdowns(one, other)
     with pytest.raises(KvtierError, match="not a readable"):
         paired_breakdowns(str(tmp_path / "missing.json"), one)
+
+
+class Frozen:
+    """A server as `Bench` holds one: a process group of its own, frozen (SIGSTOP) while
+    another server is measured; its stop may be interrupted (a second Ctrl-C)."""
+
+    def __init__(self, interrupted: bool) -> None:
+        self.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        self.pid = self.proc.pid
+        self.interrupted = interrupted
+        os.killpg(self.pid, signal.SIGSTOP)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        if self.interrupted:
+            raise KeyboardInterrupt
+
+
+def test_closing_the_bench_thaws_and_stops_every_server_though_one_stop_is_interrupted() -> None:
+    bench = object.__new__(Bench)  # its servers alone: no model, no engines
+    bench.servers = {"a": Frozen(interrupted=True), "b": Frozen(interrupted=False)}
+    bench.frozen = {"a", "b"}
+    servers = list(bench.servers.values())
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench.close()
+        assert not any(running(server.pid) for server in servers)
+        assert bench.servers == {} and bench.frozen == set()
+    finally:
+        for server in servers:
+            server.proc.kill()
+            server.proc.wait()

@@ -16,6 +16,7 @@ from kvtier.tools.l2ops.juicefs import (
     fd_comm_socket,
 )
 from tests.helpers.l2 import needs_fuse
+from tests.helpers.procs import running
 
 pytestmark = [pytest.mark.juicefs, needs_fuse]
 
@@ -51,3 +52,23 @@ def test_a_killed_mount_leaves_no_socket_in_tmp(tmp_path: Path) -> None:
         with pytest.raises(OSError):
             os.statvfs(mount.path)  # attached, dead, until unmounted
     assert not mount.mounted()
+
+
+def test_a_close_whose_first_unmount_fails_still_unmounts_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    volume = JuiceFSVolume(JuiceFSVolumeSpec(root=str(tmp_path)))
+    older, newer = volume.mount(), volume.mount()
+    try:
+        monkeypatch.setattr(newer, "unmount", failing_unmount)
+        with pytest.raises(KeyboardInterrupt):
+            volume.close()  # newest first: its unmount is interrupted
+        assert not older.mounted() and not running(older.process.pid)
+    finally:
+        monkeypatch.undo()
+        for mount in (older, newer):
+            mount.unmount()
+
+
+def failing_unmount() -> None:
+    raise KeyboardInterrupt  # a Ctrl-C while the mount is being unmounted

@@ -38,9 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
-import signal
+import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,6 +54,7 @@ from kvtier.tools.bench.router_peers import (
     Replica,
     RouterProcess,
     start_fake_replica,
+    stop_fake_replica,
 )
 from kvtier.tools.bench.router_workload import Workload, build_workload
 
@@ -305,10 +305,13 @@ def _cmd(args: argparse.Namespace) -> int:
     work_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     corpus = Corpus(tokenizer)
-    fake_procs = [start_fake_replica(work_dir) for _ in range(2)]
-    servers = start_replicas(model_dir, work_dir, args.engine_blocks)
+    fake_procs: list[tuple[subprocess.Popen[bytes], str]] = []
+    servers: list[tuple[Any, str]] = []
     rows = []
     try:
+        for _ in range(2):
+            fake_procs.append(start_fake_replica(work_dir))
+        servers = start_replicas(model_dir, work_dir, args.engine_blocks)
         replicas = [Replica(s.url, events) for s, events in servers]
         fakes = [Replica(url) for _, url in fake_procs]
         block_tokens = engine_block_tokens(call(replicas[0].url, "/metrics")[1])
@@ -341,11 +344,10 @@ def _cmd(args: argparse.Namespace) -> int:
         rows.append({"router": PASSTHROUGH, **overheads[PASSTHROUGH]})
         print(json.dumps(rows[-1]), flush=True)
     finally:
+        for proc, _ in fake_procs:  # first: a second Ctrl-C may cut the replicas' stop short
+            stop_fake_replica(proc)
         for server, _ in servers:
             server.stop()
-        for proc, _ in fake_procs:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     write_json(rows, Path(args.json))
     return 0
 

@@ -11,6 +11,7 @@ fake replicas the hop is measured against are `kvtier.tools.fake_replica` proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -31,6 +32,7 @@ __all__ = [
     "RouterProcess",
     "router_command",
     "start_fake_replica",
+    "stop_fake_replica",
 ]
 
 ROUTERS = (
@@ -216,6 +218,9 @@ def _passthrough_main(port: int, upstream: str) -> None:
 def start_fake_replica(
     log_dir: Path, cpus: set[int] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """Start a fake replica (`kvtier.tools.fake_replica`) in a process group of its own, on
+    `cpus` when given, and wait until it answers; returns it and its URL. Failing or
+    interrupted while it waits, it kills the fake first (see `stop_fake_replica`)."""
     port = free_port()
     with open(log_dir / f"fake-{port}.log", "wb") as log:
         proc = subprocess.Popen(
@@ -226,8 +231,19 @@ def start_fake_replica(
             preexec_fn=pinned_to(cpus),
         )
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url + "/health", 60, exited=proc.poll, what="the fake replica")
+    try:
+        wait_ready(url + "/health", 60, exited=proc.poll, what="the fake replica")
+    except BaseException:
+        stop_fake_replica(proc)
+        raise
     return proc, url
+
+
+def stop_fake_replica(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a fake replica's process group and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, run_every
 from kvtier.net.ports import free_port
 from kvtier.router.health import engine_block_tokens
 from kvtier.tools.bench.client import call
@@ -353,11 +353,13 @@ class Bench:
                 self.rows[system, length, s] = Row(system, length, s, error=reason)
 
     def close(self) -> None:
-        for label, server in self.servers.items():
-            self._signal(label, signal.SIGCONT)  # a stopped process would not act on SIGTERM
-            server.stop()
-        self.servers = {}
-        self.frozen = set()
+        """Thaw every server (a stopped process acts on no signal, nor on its owner's death),
+        then stop each, even when stopping one before it failed or was interrupted; the first
+        exception met is raised once all were stopped."""
+        for label in self.servers:
+            self._signal(label, signal.SIGCONT)
+        servers, self.servers, self.frozen = self.servers, {}, set()
+        run_every(server.stop for server in servers.values())
 
 
 def _transfer(bench: Bench, l2: Path, **settings: Any) -> dict[str, Any]:

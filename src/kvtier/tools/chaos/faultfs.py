@@ -200,6 +200,9 @@ class FaultFS:
         time.sleep(2 * _CONTROL_CHECK_S)
 
     def mount(self, timeout_s: float = 20.0) -> Self:
+        """Start the daemon and wait until it serves the mount point; raises `TierError` if it
+        does not within `timeout_s`. Failing or interrupted, it unmounts and stops the daemon
+        first (its owner never got the object that would)."""
         Path(self.mountpoint).mkdir(parents=True, exist_ok=True)
         if not os.path.exists(self.control):
             self.set_mode("ok")
@@ -208,14 +211,23 @@ class FaultFS:
             self.process = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
             )
+        try:
+            self._await_mounted(self.process, timeout_s)
+        except BaseException:
+            self.unmount()
+            raise
+        return self
+
+    def _await_mounted(self, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+        """Return once the daemon `process` serves the mount point; raise `TierError` if it
+        exits first or does not within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.mounted():
-                return self
-            if self.process.poll() is not None:
+                return
+            if process.poll() is not None:
                 break
             time.sleep(0.05)
-        self.unmount()
         raise TierError(f"faultfs at {self.mountpoint} did not mount (log: {self.log_path})")
 
     def mounted(self) -> bool:
@@ -227,9 +239,15 @@ class FaultFS:
         self._reap()
 
     def unmount(self) -> None:
+        """Unmount and stop the daemon; never leaves the mount point attached, also where the
+        daemon mounted only while it was being stopped (then killed, its mount left dead)."""
         if self.mounted():
             force_unmount(self.mountpoint, binary="/bin/false")
+        elif self.process is not None:
+            self.process.terminate()  # not mounted (yet): no unmount will make it exit
         self._reap()
+        if self.mounted():
+            force_unmount(self.mountpoint, binary="/bin/false")
 
     def _reap(self) -> None:
         if self.process is None:

@@ -162,19 +162,26 @@ class MetaKill(Fault):
         fleet.meta.start()
 
 
+CORRUPT_OVERRUN_S = 30.0
+"""How long past its hold the corruption goes on when `recover` is never called (a run
+interrupted or failed during the hold): its thread then stops by itself."""
+
+
 class Corrupt(Fault):
     """Rewrites block files while replicas read them: flipped bytes, truncation, or another
-    model's block (a valid one, under another namespace) in its place."""
+    model's block (a valid one, under another namespace) in its place, every 0.3 s until
+    `recover`, for at most `hold_s` + `CORRUPT_OVERRUN_S`."""
 
     def inject(self, fleet: ChaosFleet) -> None:
         self._stop = threading.Event()
         self._touched: set[str] = set()
-        self._thread = threading.Thread(target=self._loop, args=(fleet,), daemon=True)
+        deadline = time.monotonic() + self.hold_s + CORRUPT_OVERRUN_S
+        self._thread = threading.Thread(target=self._loop, args=(fleet, deadline), daemon=True)
         self._thread.start()
 
-    def _loop(self, fleet: ChaosFleet) -> None:
+    def _loop(self, fleet: ChaosFleet, deadline: float) -> None:
         rng = random.Random(0)
-        while not self._stop.wait(0.3):
+        while not self._stop.wait(0.3) and time.monotonic() < deadline:
             files = fleet.block_files()
             if not files:
                 continue

@@ -8,7 +8,8 @@ the kind a phase needs, with handles for every fault.
     valkey    a Valkey server as the L2
 
 `ChaosFleet` wraps `kvtier.tools.cluster.local_fleet.LocalFleet` (replicas and router) and owns
-the L2 pieces it starts; `stop()` ends everything, whatever state a fault left it in.
+the L2 pieces it starts; `stop()` ends everything, whatever state a fault or a failed start
+left it in.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, Self, cast
 
 import psutil
 
-from kvtier.core.errors import KvtierError, TierError
+from kvtier.core.errors import KvtierError, TierError, run_every
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import Strategy
@@ -47,6 +47,8 @@ __all__ = ["ChaosFleet", "FleetOptions", "PhaseName"]
 PhaseName = Literal["juicefs", "faultfs", "valkey"]
 TMPFS_BYTES = 400 * 1024 * 1024
 """Size of the faultfs phase's tmpfs: ~65 blocks of the embedded model (the load stores ~30)."""
+TMPFS_UNMOUNTS: Final = 5
+"""Most `umount -l` calls `stop()` makes to detach the tmpfs (one per mount stacked there)."""
 
 ENGINE_DTYPE: Final = "float32"
 """Every answer is compared with one reference, but how much of a prompt comes from a cache (L0
@@ -83,7 +85,6 @@ class ChaosFleet:
         self.tmpfs: Path | None = None
         self.valkey: ValkeyServer | None = None
         self.l2_path: str | None = None
-        self._stack = ExitStack()
 
     # ----- start and stop -----
 
@@ -128,7 +129,8 @@ class ChaosFleet:
                     maxmemory_bytes=1 << 30,
                     appendfsync=PERSISTENT_L2_APPENDFSYNC,
                 )
-            ).start()
+            )
+            self.valkey.start()
             return L2Spec(backend="valkey", url=self.valkey.url)
         if self.phase == "juicefs":
             self.meta = ValkeyServer(
@@ -155,30 +157,57 @@ class ChaosFleet:
             )
             self.faultfs = FaultFS(
                 str(self.tmpfs), str(self.work_dir / "l2"), str(self.work_dir / "faultfs.log")
-            ).mount()
+            )
+            self.faultfs.set_mode("ok")  # not the fault an interrupted run left in force
+            self.faultfs.mount()
             self.l2_path = self.faultfs.mountpoint
         return L2Spec(backend="posix", path=self.l2_path)
 
     def stop(self) -> None:
-        if self.fleet is not None:
-            for server in self.fleet.replicas:
-                _signal_group(server.pid, signal.SIGCONT)  # a frozen replica cannot stop
-            if self.fleet.router is not None:
-                _signal_group(self.fleet.router.pid, signal.SIGCONT)
-            self.fleet.stop()
-            self.fleet = None
+        """Stop everything this fleet started, whatever state a fault or a failed start left
+        it in: the replicas and the router (thawed first), then the L2 pieces, the FUSE layers
+        before what they stand on. Each step runs even when one before it failed or was
+        interrupted (a second Ctrl-C during the drain); the first exception met is raised once
+        all steps have run."""
+        run_every(self._stop_steps())
+
+    def _stop_steps(self) -> list[Callable[[], None]]:
+        """`stop`'s steps, in order (each a no-op for what was not started)."""
+        steps: list[Callable[[], None]] = [self._stop_fleet]
         if self.volume is not None:
-            self.volume.close()
+            steps.append(self.volume.close)
         if self.meta is not None:
-            self.meta.stop()
+            steps.append(self.meta.stop)
         if self.faultfs is not None:
-            self.faultfs.unmount()
+            steps.append(self.faultfs.unmount)
         if self.tmpfs is not None:
-            while os.path.ismount(self.tmpfs):
-                subprocess.run(["umount", "-l", str(self.tmpfs)], check=False)
+            steps.append(self._unmount_tmpfs)
         if self.valkey is not None:
-            self.valkey.stop()
-        self._stack.close()
+            steps.append(self.valkey.stop)
+        return steps
+
+    def _stop_fleet(self) -> None:
+        """Thaw and stop the replicas and the router (`LocalFleet.stop`), once."""
+        fleet, self.fleet = self.fleet, None
+        if fleet is None:
+            return
+        for server in fleet.replicas:
+            _signal_group(server.pid, signal.SIGCONT)  # a frozen replica cannot stop
+        if fleet.router is not None:
+            _signal_group(fleet.router.pid, signal.SIGCONT)
+        fleet.stop()
+
+    def _unmount_tmpfs(self) -> None:
+        """Detach the faultfs phase's tmpfs lazily (a replica may still hold a file there),
+        every mount stacked on it; raises `TierError` if it is still mounted after
+        `TMPFS_UNMOUNTS` tries."""
+        assert self.tmpfs is not None
+        for _ in range(TMPFS_UNMOUNTS):
+            if not os.path.ismount(self.tmpfs):
+                return
+            subprocess.run(["umount", "-l", str(self.tmpfs)], check=False, timeout=30)
+        if os.path.ismount(self.tmpfs):
+            raise TierError(f"could not unmount the tmpfs at {self.tmpfs}")
 
     def __enter__(self) -> Self:
         return self

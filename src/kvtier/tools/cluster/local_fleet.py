@@ -25,7 +25,7 @@ from typing import Any, Self
 
 from tqdm import tqdm
 
-from kvtier.core.errors import KvtierError
+from kvtier.core.errors import KvtierError, run_every
 from kvtier.core.parent_watch import STOP_WITH_PARENT_ENV
 from kvtier.core.settings import to_flags
 from kvtier.net.ports import free_port
@@ -367,16 +367,11 @@ class LocalFleet:
         lock. Each step runs even when one before it failed or was interrupted: a Ctrl-C during
         the drain kills the router and the replicas instead. The first exception met is raised
         once all steps have run."""
-        first: BaseException | None = None
-        for step in self._stop_steps():
-            try:
-                step()
-            except BaseException as exc:
-                first = first or exc
-        self.prometheus, self.router = None, None
-        self.replicas.clear()
-        if first is not None:
-            raise first
+        try:
+            run_every(self._stop_steps())
+        finally:
+            self.prometheus, self.router = None, None
+            self.replicas.clear()
 
     def _stop_steps(self) -> list[Callable[[], None]]:
         """`stop`'s steps, in order."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from kvtier.core.errors import ConfigError, TierError
+from kvtier.core.errors import ConfigError, TierError, run_every
 from kvtier.core.tiers.posix import mount_table
 from kvtier.net.ports import free_port
 
@@ -336,9 +336,10 @@ class JuiceFSVolume:
         raise TierError(f"juicefs mount at {mountpoint} did not become ready:\n{tail}")
 
     def close(self) -> None:
-        """Unmount every mount of this volume (newest first)."""
-        while self.mounts:
-            self.mounts.pop().unmount()
+        """Unmount every mount of this volume (newest first), each even when one before it
+        failed or was interrupted; the first exception met is raised once all were tried."""
+        mounts, self.mounts = self.mounts[::-1], []
+        run_every(mount.unmount for mount in mounts)
 
     def __enter__(self) -> Self:
         return self

@@ -145,7 +145,9 @@ class ValkeyServer:
 
     def start(self) -> ValkeyServer:
         """Start (or start again, on the same port) and wait until it answers PING (a server
-        still loading its append-only file answers LOADING: it is waited for too)."""
+        still loading its append-only file answers LOADING: it is waited for too). Raises
+        `TierError` if it does not answer; failing or interrupted (Ctrl-C, a signal turned into
+        an exception), it kills the process it started first."""
         if self.running():
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -156,18 +158,26 @@ class ValkeyServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        try:
+            self._await_ping(self._proc)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _await_ping(self, proc: subprocess.Popen[bytes]) -> None:
+        """Return once the server `proc` answers PING (see `start`); raise `TierError` if it
+        exits first or does not answer in time."""
         started = time.monotonic()
         deadline = started + self.spec.start_timeout_s
         client = valkey.Valkey(
             host="127.0.0.1", port=self.port, socket_timeout=1.0, socket_connect_timeout=1.0
         )
         try:
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    break
+            while time.monotonic() < deadline and proc.poll() is None:
                 try:
                     if client.ping():
-                        return self
+                        return
                 except (valkey.exceptions.BusyLoadingError, valkey.exceptions.TimeoutError):
                     # alive but loading its append-only file (too busy to answer, or LOADING)
                     deadline = started + self.spec.load_timeout_s
@@ -176,7 +186,6 @@ class ValkeyServer:
                     time.sleep(0.05)
         finally:
             client.close()  # type: ignore[no-untyped-call]
-        self.kill()
         raise TierError(
             f"valkey server on port {self.port} did not start; see {self.data_dir / 'server.log'}"
         )
@@ -205,7 +214,12 @@ class ValkeyServer:
         self._proc = None
 
     def __enter__(self) -> Self:
-        self.start()
+        """Start the server; on failure stop it (its temporary data dir removed) and raise."""
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -213,5 +227,6 @@ class ValkeyServer:
 
 
 def start_valkey(spec: ValkeyServerSpec | None = None) -> ValkeyServer:
-    """Start a server from `spec` (defaults: free port, 256 MiB, allkeys-lru)."""
-    return ValkeyServer(spec or ValkeyServerSpec()).start()
+    """Start a server from `spec` (defaults: free port, 256 MiB, allkeys-lru); a start that
+    fails leaves nothing behind (see `ValkeyServer.__enter__`)."""
+    return ValkeyServer(spec or ValkeyServerSpec()).__enter__()
