@@ -25,7 +25,7 @@ AGENTS = ["sim-trace", "agents", "--sessions", "2", "--out"]
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([*SIM, "{tmp}/ok.jsonl.gz"], "trace: cannot read {tmp}/ok.jsonl.gz"),
+        ([*SIM, "{tmp}/cut.jsonl.gz"], "trace: cannot read {tmp}/cut.jsonl.gz"),
         ([*SIM, "{tmp}/nan.jsonl"], "nan.jsonl:1: timestamp nan is not a finite number"),
         ([*SIM, "{tmp}/inf.jsonl"], "inf.jsonl:1: timestamp inf is not a finite number"),
         ([*SIM, "{tmp}/ids.jsonl"], "hash_ids: expected a list, got '12'"),
@@ -48,7 +48,8 @@ def test_bad_input_is_an_error_naming_it(
 ) -> None:
     for name, line in TRACES.items():
         (tmp_path / name).write_text(line + "\n")
-    (tmp_path / "ok.jsonl.gz").write_bytes(gzip.compress(TRACES["ok.jsonl"].encode()))
+    cut = gzip.compress(TRACES["ok.jsonl"].encode())[:-12]  # a gzipped trace, truncated
+    (tmp_path / "cut.jsonl.gz").write_bytes(cut)
     code: int | str | None
     try:
         code = main([a.format(tmp=tmp_path) for a in argv])
