@@ -50,3 +50,17 @@ def test_the_bound_drops_the_least_recently_stored_first() -> None:
 def test_a_bound_that_holds_nothing_is_refused() -> None:
     with pytest.raises(ConfigError, match="max_held_blocks"):
         Holdings(max_blocks=0)
+
+
+def test_a_tier_that_dropped_a_hash_for_room_is_incomplete_until_cleared() -> None:
+    held = Holdings(max_blocks=3)
+    held.apply(ev(EventKind.STORED, Tier.L1, H[:3]))
+    held.apply(ev(EventKind.STORED, Tier.L1, H[1:2]))  # stored again: nothing dropped
+    assert held.complete(Tier.L1)
+    held.apply(ev(EventKind.STORED, Tier.L1, H[3:4]))  # H[0] dropped for room
+    held.apply(ev(EventKind.REMOVED, Tier.L1, H[3:4]))  # under the bound again, still cut
+    assert not held.complete(Tier.L1) and held.complete(Tier.L2)
+    held.apply(ev(EventKind.CLEARED, Tier.L1))
+    assert held.complete(Tier.L1)
+    held.mark_incomplete()
+    assert not held.complete(Tier.L1) and not held.complete(Tier.L2)

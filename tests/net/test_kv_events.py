@@ -15,7 +15,6 @@ from kvtier.core.keys import BlockHash, block_hashes
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import (
     SNAPSHOT_MIN_INTERVAL_S,
-    TOPIC,
     EventPublisher,
     EventSubscriber,
     decode,
@@ -207,8 +206,8 @@ class _HeldSender(EventPublisher):
         self.join = threading.Event()
         super().__init__(endpoint, "r1")
 
-    def _send(self, event: KVEvent, topic: bytes = TOPIC) -> None:
-        super()._send(event, topic)
+    def _send(self, event: KVEvent) -> None:
+        super()._send(event)
         if self.hold.is_set():
             self.hold.clear()
             self.release.wait(10)
@@ -311,3 +310,35 @@ def test_a_resync_lists_what_the_publishers_full_queue_dropped_and_numbers_past_
     listed = {h for e in snapshot for h in e.hashes}
     assert listed == set(hashes)  # dropped or sent, every stored block is listed
     assert [e.seq for e in after] == [snapshot[-1].seq + 1]  # numbers go on: no jump
+
+
+def test_a_snapshot_whose_listing_was_cut_does_not_clear_the_tier() -> None:
+    """Held blocks dropped for room, then one removed: the listing is under the bound but no
+    longer whole, so a cleared-event would wipe blocks the replica still holds."""
+    endpoint = _free_endpoint()
+    hashes = _hashes(4)
+    with EventPublisher(endpoint, "replica-a", max_held_blocks=3) as pub:
+        for h in hashes:
+            pub.publish(EventKind.STORED, Tier.L1, (h,))
+        pub.publish(EventKind.REMOVED, Tier.L1, hashes[3:])
+        time.sleep(0.3)  # sent to nobody
+        with EventSubscriber([endpoint]) as sub:
+            got = _collect(sub, 1)
+            assert sub.drain(timeout_s=0.3) == []
+    assert [(e.kind, e.hashes) for e in got] == [(EventKind.STORED, hashes[1:3])]
+
+
+def test_resyncs_back_off_while_gaps_go_on_and_come_back_after_a_quiet_spell() -> None:
+    with EventSubscriber(resync_interval_s=0.2) as sub:
+        time.sleep(0.25)
+        assert sub.resync()  # right as the interval allows: the interval doubles to 0.4
+        time.sleep(0.25)
+        assert not sub.resync()
+        time.sleep(0.2)
+        assert sub.resync()  # 0.45 s on, within twice 0.4: doubles to 0.8
+        time.sleep(0.45)
+        assert not sub.resync()
+        time.sleep(1.8)  # more than twice 0.8 since the last: back to 0.2
+        assert sub.resync()
+        time.sleep(0.25)
+        assert sub.resync()

@@ -6,8 +6,10 @@ them only if the replica tells it again. `Holdings` follows the events one publi
 
 Bounded: at most `max_blocks` hashes per tier, the least recently stored dropped first (the
 router's index is a hint; a block missing from it costs a colder routing choice, never a wrong
-answer). L2 holdings are the blocks this replica stored in the shared pool; another replica's
-janitor may since have removed some, which the router then finds missing when it looks.
+answer). A tier that dropped a hash so is `complete` no more until its next cleared-event: its
+listing no longer names everything the replica holds there. L2 holdings are the blocks this
+replica stored in the shared pool; another replica's janitor may since have removed some, which
+the router then finds missing when it looks.
 
 Pure (no I/O, no locks): the publisher's sender thread owns it.
 """
@@ -31,6 +33,8 @@ class Holdings:
             raise ConfigError(f"max_held_blocks: must be positive, got {max_blocks}")
         self.max_blocks = max_blocks
         self._tiers: dict[Tier, Lru[BlockHash, bool]] = {}
+        self._cut: set[Tier] = set()
+        """Tiers that dropped a hash for room since their last cleared-event."""
 
     def apply(self, event: KVEvent) -> None:
         held = self._tiers.get(event.tier)
@@ -38,12 +42,24 @@ class Holdings:
             held = self._tiers[event.tier] = Lru(self.max_blocks)
         if event.kind is EventKind.STORED:
             for h in event.hashes:
+                if h not in held and len(held) >= self.max_blocks:
+                    self._cut.add(event.tier)
                 held.put(h, True)
         elif event.kind is EventKind.REMOVED:
             for h in event.hashes:
                 held.pop(h)
         else:
             held.clear()
+            self._cut.discard(event.tier)
+
+    def complete(self, tier: Tier) -> bool:
+        """Whether the listing of `tier` names every hash its events left stored (none was
+        dropped for room since its last cleared-event)."""
+        return tier not in self._cut
+
+    def mark_incomplete(self) -> None:
+        """Take every tier's listing as incomplete (events went unrecorded)."""
+        self._cut |= set(TIER_ORDER)
 
     def __len__(self) -> int:
         return sum(len(held) for held in self._tiers.values())

@@ -24,8 +24,9 @@ neither the new subscriber nor any other sees a jump. Joins within `SNAPSHOT_MIN
 a snapshot wait for the next round, which serves at most `SNAPSHOTS_PER_ROUND` of them.
 
 A snapshot starts with a cleared-event for each tier the replica's events announced for it
-alone (not L2: the pool is every replica's), unless that tier's listing is cut at
-`max_held_blocks`; its stored-events follow. Applied in order, the subscriber then holds the
+alone (not L2: the pool is every replica's), unless that tier's listing is incomplete (it
+dropped a hash at `max_held_blocks` since the tier was last cleared: `Holdings.complete`); its
+stored-events follow. Applied in order, the subscriber then holds the
 replica's tier exactly as listed: entries a lost removal left stale go. Until the tier's last
 stored-event is applied the subscriber knows less of it (a colder routing choice at worst). A
 cleared-event is a kind every reader knows; older routers apply it the same way.
@@ -36,12 +37,17 @@ queue, or the publisher socket's queue for it, overflowed) asks for a fresh snap
 subscription reaches every publisher, so every replica sends it a snapshot. Resyncs are at most
 one per `RESYNC_MIN_INTERVAL_S` per subscriber, the join included. A resync costs at most, per
 replica, `max_held_blocks` hashes per tier (35 bytes each on the wire) in `SNAPSHOT_CHUNK`
-frames; a slow subscriber is sent no more than that per interval. The old topic's frames still
+frames, and the interval doubles (up to `RESYNC_MAX_INTERVAL_S`) while each resync is followed
+by new gaps, so a subscriber that keeps losing events is not sent holdings over and over. The
+old topic's frames still
 on their way are dropped by the SUB socket once it leaves the topic (never counted malformed),
 and the new snapshot lists what they would have. A jump that comes from the publisher's own
-event queue (`max_queue`, full) is repaired the same way: the publisher records each event in
-its holdings as it is published, sent or dropped, so its snapshots list what the dropped events
-announced.
+event queue (`max_queue`, full) is repaired the same way: each event published, sent or
+dropped, goes to a journal (`publish` only appends to it, under the lock), which the sender
+thread records in its holdings before each snapshot, so snapshots list what dropped events
+announced; building a snapshot never holds the lock `publish` takes. Not detected: a snapshot
+cut short by the socket's high-water mark for a subscriber so slow its queue is full (its
+events carry no numbers of their own); the next gap's resync repairs it.
 
 What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
 the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
@@ -70,7 +76,6 @@ import re
 import secrets
 import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, Self
@@ -117,6 +122,12 @@ RESYNC_MIN_INTERVAL_S = 5.0
 """At most one resync per interval per subscriber: each makes every replica send that
 subscriber its holdings, and the subscriber that lost events is the slow one; the gaps seen
 within the interval wait for the next resync, which repairs them all at once."""
+RESYNC_MAX_INTERVAL_S = 60.0
+"""The interval doubles, up to this, each time a resync comes as soon as the interval allows
+(gaps go on); it is back to its least once a resync comes later than twice the interval."""
+_JOURNAL_MAX = 50_000
+"""Events the journal holds at most: the sender empties it on every pass, so only a sender
+stalled for that many events overflows it (the holdings are then taken as incomplete)."""
 _MAX_JOINS_PENDING = 1024
 """Snapshot topics waiting at most; later joins are ignored until the queue shrinks."""
 _MAX_JOINS_READ = 1000
@@ -248,10 +259,15 @@ class EventPublisher:
         """Events dropped since the last one sent: numbers the next one skips."""
         self._published = 0
         self._dropped = 0
-        self._holdings = Holdings(max_held_blocks)
-        """What every event published left stored, sent or dropped (under `_lock`)."""
+        self._journal: list[KVEvent] = []
+        """Events published, sent or dropped, not yet in the holdings (under `_lock`)."""
+        self._journal_lost = False
+        """Whether the journal overflowed since the sender last emptied it (under `_lock`)."""
+        self._holdings = Holdings(max_held_blocks)  # the sender thread's alone
+        self._held_seq = 0
+        """The number of the last event, sent or dropped, the holdings include."""
         self._own_tiers: set[Tier] = set()
-        """The tiers this replica's events announced for it alone (under `_lock`)."""
+        """The tiers this replica's events announced for it alone (the sender thread's)."""
         self._snapshots = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.XPUB)
@@ -288,14 +304,15 @@ class EventPublisher:
         return self._snapshots
 
     def publish(self, kind: EventKind, tier: Tier, hashes: Sequence[BlockHash]) -> None:
-        """Record one event in the holdings and enqueue it; never blocks (a full queue drops
-        it, leaving a `seq` gap that the next snapshot covers)."""
+        """Journal one event and enqueue it; never blocks (a full queue drops it, leaving a
+        `seq` gap that the next snapshot covers)."""
         event = KVEvent(kind, self.replica, self.epoch, tier, tuple(hashes), seq=0)
         with self._lock:
             self._published += 1
-            self._holdings.apply(event)
-            if tier is not Tier.L2:
-                self._own_tiers.add(tier)
+            if len(self._journal) < _JOURNAL_MAX:
+                self._journal.append(event)
+            else:
+                self._journal_lost = True
             try:
                 self._queue.put_nowait(event)
             except queue.Full:
@@ -303,10 +320,11 @@ class EventPublisher:
                 self._skipped += 1
 
     def _send_loop(self) -> None:
-        # Only this thread touches the socket after construction.
+        # Only this thread touches the socket and the holdings after construction.
         due: dict[bytes, None] = {}  # snapshot topics waiting, in join order
         last_snapshot = -SNAPSHOT_MIN_INTERVAL_S
         while True:
+            self._record_journal()
             self._read_joins(due)
             if due and time.monotonic() - last_snapshot >= SNAPSHOT_MIN_INTERVAL_S:
                 topics = list(due)[:SNAPSHOTS_PER_ROUND]
@@ -347,22 +365,19 @@ class EventPublisher:
         with self._lock:
             self._published += len(events) * len(topics)
         self._snapshots += len(topics)
+        frames = [encode(event) for event in events]  # once, whatever the number of topics
         for topic in topics:
-            for event in events:
-                self._send(event, topic)
+            for frame in frames:
+                self._send_frame(topic, frame)
 
     def _snapshot_events(self) -> list[KVEvent]:
         """A cleared-event per tier of this replica's own listed whole, then the held blocks as
-        stored-events; all numbered as the last event sent or dropped."""
-        with self._lock:
-            batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
-            whole = [t for t in TIER_ORDER if t in self._own_tiers]
-            # the number of the last event sent or dropped: the holdings cover both
-            seq = max(0, self._seq + self._skipped - 1)
-        listed: Counter[Tier] = Counter()
-        for tier, hashes in batches:
-            listed[tier] += len(hashes)
-        cleared = [t for t in whole if listed[t] < self._holdings.max_blocks]
+        stored-events; all numbered as the last event, sent or dropped, the holdings include."""
+        self._record_journal()
+        batches = self._holdings.snapshot(SNAPSHOT_CHUNK)
+        own = [t for t in TIER_ORDER if t in self._own_tiers]
+        cleared = [t for t in own if self._holdings.complete(t)]
+        seq = self._held_seq
 
         def event(kind: EventKind, tier: Tier, hashes: tuple[BlockHash, ...]) -> KVEvent:
             return KVEvent(kind, self.replica, self.epoch, tier, hashes, seq)
@@ -371,6 +386,20 @@ class EventPublisher:
             event(EventKind.STORED, tier, hashes) for tier, hashes in batches
         ]
 
+    def _record_journal(self) -> None:
+        """Move the journal into the holdings (the sender thread's): the lock is held only to
+        take the journal and the number of the last event it includes."""
+        with self._lock:
+            journal, self._journal = self._journal, []
+            lost, self._journal_lost = self._journal_lost, False
+            self._held_seq = max(0, self._seq + self._skipped - 1)
+        for event in journal:
+            self._holdings.apply(event)
+            if event.tier is not Tier.L2:
+                self._own_tiers.add(event.tier)
+        if lost:
+            self._holdings.mark_incomplete()
+
     def _numbers(self, n: int) -> int:
         """The first of `n` sequence numbers for events sent now, after those dropped."""
         with self._lock:
@@ -378,9 +407,12 @@ class EventPublisher:
             self._seq, self._skipped = first + n, 0
         return first
 
-    def _send(self, event: KVEvent, topic: bytes = TOPIC) -> None:
+    def _send(self, event: KVEvent) -> None:
+        self._send_frame(TOPIC, encode(event))
+
+    def _send_frame(self, topic: bytes, frame: bytes) -> None:
         try:
-            self._socket.send_multipart([topic, encode(event)])
+            self._socket.send_multipart([topic, frame])
         except zmq.ZMQError:
             with self._lock:
                 self._dropped += 1
@@ -414,7 +446,8 @@ class EventSubscriber:
     ) -> None:
         """`curve_server_key`: the publishers' Z85 CURVE public key (only publishers holding
         its secret half are heard, encrypted); None: plain events. `resync_interval_s`: the
-        least time between two snapshot requests (`resync`), the join included."""
+        least time between two snapshot requests (`resync`), the join included; it doubles up
+        to `RESYNC_MAX_INTERVAL_S` while resyncs follow each other as soon as it allows."""
         self._lock = threading.Lock()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.SUB)
@@ -433,7 +466,8 @@ class EventSubscriber:
         """Where the publishers send this subscriber, and it alone, their snapshots."""
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._socket.setsockopt(zmq.SUBSCRIBE, self._snapshot_topic)
-        self._resync_interval_s = resync_interval_s
+        self._least_interval_s = resync_interval_s
+        self._interval_s = resync_interval_s
         self._last_request = time.monotonic()
         self._endpoints: list[str] = []
         self.malformed = 0
@@ -461,12 +495,17 @@ class EventSubscriber:
 
     def resync(self) -> bool:
         """Ask every publisher for a fresh snapshot (this subscriber missed events): subscribe
-        to a new snapshot topic, leave the old one. False, asking nothing, within
-        `resync_interval_s` of the last request."""
+        to a new snapshot topic, leave the old one. False, asking nothing, within the current
+        interval of the last request; the interval doubles when this one comes within twice
+        it (gaps go on), and is back to its least otherwise."""
         topic = _new_snapshot_topic()
         with self._lock:
-            if time.monotonic() - self._last_request < self._resync_interval_s:
+            since = time.monotonic() - self._last_request
+            if since < self._interval_s:
                 return False
+            gaps_go_on = since < 2 * self._interval_s
+            doubled = min(RESYNC_MAX_INTERVAL_S, 2 * self._interval_s)
+            self._interval_s = doubled if gaps_go_on else self._least_interval_s
             self._socket.setsockopt(zmq.SUBSCRIBE, topic)
             self._socket.setsockopt(zmq.UNSUBSCRIBE, self._snapshot_topic)
             self._snapshot_topic = topic
