@@ -17,7 +17,7 @@ from kvtier.core.errors import KvtierError
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.spec import parse_spec
-from kvtier.tools.cluster.state import RUNNING, process_identity
+from kvtier.tools.cluster.state import RUNNING, check_leftovers, process_identity, read_state
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, ServerProcess, ServerSpec
 
 
@@ -130,6 +130,34 @@ def test_stop_leaves_the_state_file_of_another_kvtier_up(tmp_path: Path) -> None
         other.kill()
         other.wait()
     assert state.exists()
+
+
+def test_stop_keeps_the_state_file_while_a_server_it_records_runs(tmp_path: Path) -> None:
+    """A server that did not stop (a Valkey server stuck, a mount daemon): the state file stays,
+    for `kvtier down` to find and stop it."""
+    fleet = LocalFleet(parse_spec({"kvtier": {"workDir": str(tmp_path)}}), progress=False)
+    left = subprocess.Popen(["sleep", "60"])
+    try:
+        fleet._record_server("valkey server", left.pid)
+        fleet.stop()
+        assert [s.pid for s in read_state(tmp_path / STATE_FILE).servers] == [left.pid]
+    finally:
+        left.kill()
+        left.wait()
+
+
+def test_a_running_kvtier_up_that_takes_no_lock_is_not_overwritten(tmp_path: Path) -> None:
+    """A `kvtier up` of an older version runs on the work directory without its lock: a new
+    one must not take the directory over."""
+    state = tmp_path / STATE_FILE
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        state.write_text(json.dumps({"pid": other.pid, "identity": process_identity(other.pid)}))
+        with pytest.raises(KvtierError, match=f"runs still \\(pid {other.pid}\\)"):
+            check_leftovers(state)
+    finally:
+        other.kill()
+        other.wait()
 
 
 DRAINS_FOREVER = ["sh", "-c", "trap '' TERM; echo up; exec sleep 120"]

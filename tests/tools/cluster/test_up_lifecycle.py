@@ -26,6 +26,7 @@ from kvtier.net.ports import free_port, free_port_range
 from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.state import process_identity
 from tests.helpers.l2 import needs_fuse
+from tests.helpers.procs import running
 
 # `kvtier up --config FILE [FLAGS]` whose replicas start at once (argv[2] "running") or never
 # ("starting": start-up stays under way), and which starts no router
@@ -99,12 +100,10 @@ def recorded(work_dir: Path) -> dict[str, object]:
     return state
 
 
-def running(server: dict[str, object]) -> bool:
+def recorded_running(server: dict[str, object]) -> bool:
     """Whether the recorded server runs still (not gone, nor a zombie)."""
-    pid = server["pid"]
-    if process_identity(int(str(pid))) != server["identity"]:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    pid = int(str(server["pid"]))
+    return process_identity(pid) == server["identity"] and running(pid)
 
 
 def mounted(point: str) -> bool:
@@ -163,12 +162,13 @@ def test_down_stops_a_kvtier_up_still_starting(
         state = recorded(tmp_path / "work")
         assert state["phase"] == "starting" and state["pid"] == up.pid and "router" not in state
         leftovers += state["servers"]  # type: ignore[arg-type]
-        assert [s["name"] for s in leftovers] == ["valkey server"] and running(leftovers[0])
+        assert [s["name"] for s in leftovers] == ["valkey server"]
+        assert recorded_running(leftovers[0])
         assert main(["status", "--config", str(config)]) == 2
         assert f"is starting (`kvtier up`, pid {up.pid})" in capsys.readouterr().err
         assert main(["down", "--config", str(config)]) == 0
         assert up.wait(UP_TIMEOUT_S) == 0
-        assert not running(leftovers[0]) and not (tmp_path / "work" / STATE_FILE).exists()
+        assert not recorded_running(leftovers[0]) and not (tmp_path / "work" / STATE_FILE).exists()
 
 
 def dead_owner() -> tuple[int, str | None]:
@@ -217,14 +217,14 @@ def test_down_after_a_killed_kvtier_up_stops_what_it_left_running(
         up.kill()
         up.wait()
     leftovers += recorded(tmp_path / "work")["servers"]  # type: ignore[arg-type]
-    assert [s["name"] for s in leftovers] == [name] and running(leftovers[0])
+    assert [s["name"] for s in leftovers] == [name] and recorded_running(leftovers[0])
     assert up_again(config, monkeypatch) == 2
     err = capsys.readouterr().err
     assert f"`kvtier up` (pid {up.pid}) that was killed" in err and "Run `kvtier down`" in err
     assert main(["down", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert f"(pid {up.pid}) no longer runs; stopped {name} (pid {leftovers[0]['pid']})" in err
-    assert not running(leftovers[0]) and not (tmp_path / "work" / STATE_FILE).exists()
+    assert not recorded_running(leftovers[0]) and not (tmp_path / "work" / STATE_FILE).exists()
 
 
 @pytest.mark.juicefs
@@ -243,10 +243,10 @@ def test_down_after_a_killed_kvtier_up_unmounts_its_juicefs_mounts(
     mounts = state["mounts"]
     assert isinstance(mounts, list) and len(mounts) == 2 and all(map(mounted, mounts))
     assert [s["name"] for s in leftovers] == ["juicefs mount"] * 2
-    assert all(map(running, leftovers))
+    assert all(map(recorded_running, leftovers))
     assert main(["down", "--config", str(config)]) == 2
     assert f"no longer runs; unmounted {', '.join(mounts)}" in capsys.readouterr().err
-    assert not any(map(mounted, mounts)) and not any(map(running, leftovers))
+    assert not any(map(mounted, mounts)) and not any(map(recorded_running, leftovers))
     assert not any(Path(fd_comm_socket(int(str(s["pid"])))).exists() for s in leftovers)
 
 

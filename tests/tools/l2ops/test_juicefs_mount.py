@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.core.errors import TierError
+from kvtier.tools.l2ops import juicefs
 from kvtier.tools.l2ops.juicefs import (
     JuiceFSMount,
     JuiceFSVolume,
@@ -72,3 +74,18 @@ def test_a_close_whose_first_unmount_fails_still_unmounts_the_others(
 
 def failing_unmount() -> None:
     raise KeyboardInterrupt  # a Ctrl-C while the mount is being unmounted
+
+
+def test_force_unmount_without_a_juicefs_binary_detaches_with_the_generic_tools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As `kvtier down` cleaning after a killed `kvtier up` from an environment without juicefs."""
+    with JuiceFSVolume(JuiceFSVolumeSpec(root=str(tmp_path))) as volume:
+        mount = volume.mount()
+
+        def no_binary() -> str:
+            raise TierError("no juicefs binary")
+
+        monkeypatch.setattr(juicefs, "find_juicefs_binary", no_binary)
+        assert juicefs.force_unmount(mount.path) and not mount.mounted()
+        monkeypatch.undo()

@@ -148,8 +148,8 @@ class MemoryTier:
             self._counters.add(already_present=1)
             return PutResult(stored=False)
         view = byte_view(payload)
-        if view.nbytes > self._capacity or self._in_refused_tail(meta.parent):
-            with self._lock:  # (before the copy: a refused block costs no copy)
+        with self._lock:  # (before the copy: a refused block costs no copy)
+            if view.nbytes > self._capacity or self._in_refused_tail(meta.parent):
                 return self._refuse(block_hash)
         copy = _private_copy(view)  # outside the lock: it is the expensive part
         return self._insert(block_hash, StoredBlock(meta, copy), copy.nbytes)

@@ -49,21 +49,37 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _cmd_down(args: argparse.Namespace) -> int:
     from kvtier.tools.cluster.local_fleet import STATE_FILE
-    from kvtier.tools.cluster.state import signal_owner
+    from kvtier.tools.cluster.state import owner_runs, read_state, signal_owner
     from kvtier.tools.vllm_server import STOP_GRACE_S
 
     spec = load_spec(Path(args.config) if args.config else None)
     state_path = spec.work_dir / STATE_FILE
+    state = read_state(state_path)
     pid = signal_owner(state_path, signal.SIGTERM)
     # the router's and the replicas' drains (all at once), then the rest
     limit_s = round(spec.router_drain_s + spec.local.replica_drain_s + STOP_GRACE_S + 60)
     deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline and state_path.exists():
+    while time.monotonic() < deadline and owner_runs(state):
         time.sleep(0.5)
-    if state_path.exists():
+    if owner_runs(state):
         raise KvtierError(f"cluster process {pid} did not stop within {limit_s} s")
+    if _records(state_path, pid):
+        raise KvtierError(
+            f"cluster process {pid} stopped, but not all it started did: {state_path} records "
+            "what is left; run `kvtier down` again to stop it"
+        )
     print("kvtier: cluster stopped")
     return 0
+
+
+def _records(state_path: Path, pid: int) -> bool:
+    """Whether `state_path` is a state file written by process `pid`."""
+    from kvtier.tools.cluster.state import read_state
+
+    try:
+        return read_state(state_path).pid == pid
+    except KvtierError:
+        return False
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

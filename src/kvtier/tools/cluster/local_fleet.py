@@ -38,6 +38,7 @@ from kvtier.tools.cluster.state import (
     Server,
     WorkDirLock,
     check_leftovers,
+    left_running,
     names_this_process,
     write_state,
 )
@@ -409,9 +410,10 @@ class LocalFleet:
             server.stop()
 
     def _remove_state(self) -> None:
-        """Remove the state file if this process wrote it (not if another `kvtier up` did)."""
+        """Remove the state file if this process wrote it (not if another `kvtier up` did),
+        unless a server or mount it records did not stop: it stays for `kvtier down`."""
         state = self.work_dir / STATE_FILE
-        if names_this_process(state):
+        if names_this_process(state) and not left_running(self._servers, self._mounts):
             state.unlink()
 
     def __enter__(self) -> Self:

@@ -23,7 +23,7 @@ import json
 import os
 import select
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -165,22 +165,39 @@ def clean_stale(path: Path, state: FleetState) -> KvtierError:
 
 
 def check_leftovers(path: Path) -> None:
-    """Raise `KvtierError` where the state file `path` is stale and a server it records still
-    runs or a mount it records is still mounted: `kvtier down` stops those first. For a new
-    `kvtier up` holding the work directory's lock (so the file's owner is gone); a missing or
-    malformed file, or a stale one with nothing left running, is for it to overwrite."""
+    """Raise `KvtierError` where the state file `path` names a `kvtier up` that runs still
+    (one of a version that takes no lock on the work directory), or is stale and a server it
+    records still runs or a mount it records is still mounted: `kvtier down` stops those first.
+    For a new `kvtier up` holding the work directory's lock; a missing or malformed file, or a
+    stale one with nothing left running, is for it to overwrite."""
     try:
         state = read_state(path)
     except KvtierError:
         return
-    running = [str(server) for server in state.servers if _running(server)]
-    left = running + [f"the mount {point}" for point in state.mounts if _fuse_mounted(point)]
+    if owner_runs(state):
+        raise KvtierError(
+            f"{path} names a `kvtier up` that runs still (pid {state.pid}) without a lock on the "
+            "work directory (an older version): stop it first. Nothing was started"
+        )
+    left = left_running(state.servers, state.mounts)
     if left:
         raise KvtierError(
             f"{path} was left by a `kvtier up` (pid {state.pid}) that was killed, and what it "
             f"started still runs: {', '.join(left)}. Run `kvtier down` (same --config) first: "
             "it stops them"
         )
+
+
+def left_running(servers: Iterable[Server], mounts: Iterable[str]) -> list[str]:
+    """Those of `servers` that run still and of `mounts` still mounted, named for a message."""
+    running = [str(server) for server in servers if _runs(server.pid, server.identity)]
+    return running + [f"the mount {point}" for point in mounts if _fuse_mounted(point)]
+
+
+def owner_runs(state: FleetState) -> bool:
+    """Whether the `kvtier up` that wrote `state` runs still (exited but not yet reaped by
+    its parent counts as gone)."""
+    return _runs(state.pid, state.identity)
 
 
 def check_serving(path: Path, recorded: Mapping[str, Any]) -> None:
@@ -330,9 +347,9 @@ def _send(pidfd: int, sig: signal.Signals, whom: str) -> None:
         ) from exc
 
 
-def _running(server: Server) -> bool:
-    """Whether `server` runs still (the very process recorded)."""
-    pidfd = _open_process(server.pid, server.identity)
+def _runs(pid: int, identity: str) -> bool:
+    """Whether the process of `pid` and `identity` runs still (has not exited)."""
+    pidfd = _open_process(pid, identity)
     if pidfd is None:
         return False
     try:
