@@ -21,6 +21,7 @@ from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.fake_replica import SSE_CHUNKS, FakeReplica
+from tests.helpers.procs import running
 
 TOOL = {
     "type": "function",
@@ -169,14 +170,6 @@ router.wait()
 """
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
-
-
 def test_a_router_whose_starter_dies_stops_itself(model_dir: str) -> None:
     """As `kvtier up` starts it (a session of its own): the starter killed (SIGKILL, out of
     memory) must not leave the router running, holding its port."""
@@ -200,11 +193,11 @@ def test_a_router_whose_starter_dies_stops_itself(model_dir: str) -> None:
         parent.kill()
         parent.wait(10)
         deadline = time.monotonic() + 30
-        while _running(router) and time.monotonic() < deadline:
+        while running(router) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not _running(router)
+        assert not running(router)
     finally:
         parent.kill()
         parent.wait(10)
-        if router and _running(router):
+        if router and running(router):
             os.kill(router, signal.SIGKILL)

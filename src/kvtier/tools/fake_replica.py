@@ -41,6 +41,8 @@ from typing import Any, Self
 
 import httptools
 
+from kvtier.core.parent_watch import stop_with_parent
+
 __all__ = ["SSE_CHUNKS", "FakeReplica", "adapter_path"]
 
 SSE_CHUNKS = [
@@ -316,6 +318,7 @@ def main() -> None:
     parser.add_argument("port", type=int)
     parser.add_argument("--mode", default="ok")
     args = parser.parse_args()
+    stop_with_parent()  # a fake a benchmark started stops should the benchmark die first
 
     async def serve() -> None:
         replica = await FakeReplica(mode=args.mode).start(port=args.port)

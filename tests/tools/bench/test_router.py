@@ -8,7 +8,9 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -204,6 +206,43 @@ def test_a_fake_replica_that_does_not_come_up_is_killed(
     finally:
         for proc in started:
             stop_fake_replica(proc)
+
+
+_STARTER = """
+import sys
+from pathlib import Path
+from kvtier.tools.bench.router_peers import start_fake_replica
+proc, url = start_fake_replica(Path(sys.argv[1]))
+print(proc.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_fake_replica_whose_benchmark_dies_stops_itself(tmp_path: Path) -> None:
+    """The benchmark SIGKILLed (out of memory, say): its fake, in a session of its own, must not
+    run on holding its port."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    fake = 0
+    try:
+        assert starter.stdout is not None
+        fake = int(starter.stdout.readline())
+        assert running(fake)
+        starter.kill()
+        starter.wait(10)
+        deadline = time.monotonic() + 15
+        while running(fake) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not running(fake)
+    finally:
+        starter.kill()
+        starter.wait(10)
+        if fake and running(fake):
+            os.killpg(fake, signal.SIGKILL)
 
 
 def test_the_bench_kills_its_fakes_when_the_replicas_fail_to_start(

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.errors import KvtierError
+from kvtier.core.parent_watch import STOP_WITH_PARENT_ENV, stop_with_parent
 from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 
@@ -45,6 +46,11 @@ ROUTERS = (
 )
 PASSTHROUGH = "passthrough"
 """Overhead reference: kvtier's HTTP stack forwarding without parsing or routing."""
+ROUTER_STOP_GRACE_S = 10
+"""A kvtier router (or the passthrough) whose benchmark died: seconds from its SIGTERM (a
+drain) to its SIGKILL (`kvtier.core.parent_watch`)."""
+FAKE_STOP_GRACE_S = 2
+"""The same for a fake replica, which has nothing to drain."""
 
 
 # ----- the routers under test -----
@@ -156,7 +162,12 @@ class RouterProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                # (kvtier's routers stop should this process die first; the others ignore it)
+                env={
+                    **os.environ,
+                    "HF_HUB_OFFLINE": "1",
+                    STOP_WITH_PARENT_ENV: f"{os.getpid()} {ROUTER_STOP_GRACE_S}",
+                },
                 preexec_fn=pinned_to(cpus),
             )
 
@@ -229,6 +240,7 @@ def start_fake_replica(
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=pinned_to(cpus),
+            env={**os.environ, STOP_WITH_PARENT_ENV: f"{os.getpid()} {FAKE_STOP_GRACE_S}"},
         )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -240,12 +252,15 @@ def start_fake_replica(
 
 
 def stop_fake_replica(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a fake replica's process group and reap it."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+    """SIGKILL a fake replica's process group and reap it (nothing once reaped: its id may
+    name another group by then)."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--passthrough":
+        stop_with_parent()
         _passthrough_main(int(sys.argv[2]), sys.argv[3])
