@@ -18,6 +18,7 @@ from kvtier.core.tiers import posix
 from kvtier.core.tiers.noreplace import RENAME_NOREPLACE, rename_noreplace
 from kvtier.tools.chaos.faultfs import FaultFS, _Control, _fuse_class, _operations
 from kvtier.tools.l2ops.juicefs import fuse_available, mounted_under
+from tests.helpers.faultfs import interrupt_the_first_mount_wait
 from tests.helpers.l2 import IDENTITY, make_block, needs_fuse
 from tests.helpers.procs import running
 
@@ -129,17 +130,7 @@ def test_a_mount_interrupted_while_it_waits_leaves_no_mount_and_no_daemon(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fs = FaultFS(str(tmp_path), str(tmp_path / "mnt"), str(tmp_path / "faultfs.log"))
-    daemons: list[int] = []
-    real = FaultFS.mounted
-
-    def interrupted_once(self: FaultFS) -> bool:
-        if not daemons:
-            assert self.process is not None
-            daemons.append(self.process.pid)
-            raise KeyboardInterrupt  # a Ctrl-C while mount() waits for the daemon
-        return real(self)
-
-    monkeypatch.setattr(FaultFS, "mounted", interrupted_once)
+    daemons = interrupt_the_first_mount_wait(monkeypatch)
     try:
         with pytest.raises(KeyboardInterrupt):
             fs.mount()

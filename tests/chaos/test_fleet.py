@@ -10,9 +10,9 @@ import psutil
 import pytest
 
 from kvtier.tools.chaos import fleet as chaos_fleet
-from kvtier.tools.chaos.faultfs import FaultFS
 from kvtier.tools.chaos.fleet import ChaosFleet, FleetOptions, PhaseName
 from kvtier.tools.l2ops.juicefs import mounted_under
+from tests.helpers.faultfs import interrupt_the_first_mount_wait
 from tests.helpers.l2 import needs_fuse
 from tests.helpers.procs import running
 
@@ -60,17 +60,7 @@ def test_a_start_interrupted_while_faultfs_mounts_leaves_no_mount(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(chaos_fleet, "LocalFleet", Replicas)
-    daemons: list[int] = []
-    real = FaultFS.mounted
-
-    def interrupted_once(self: FaultFS) -> bool:
-        if not daemons:
-            assert self.process is not None
-            daemons.append(self.process.pid)
-            raise KeyboardInterrupt  # a Ctrl-C while the fleet waits for the mount
-        return real(self)
-
-    monkeypatch.setattr(FaultFS, "mounted", interrupted_once)
+    daemons = interrupt_the_first_mount_wait(monkeypatch)  # while the fleet waits for it
     fleet = ChaosFleet("faultfs", tmp_path / "faultfs", FleetOptions())
     try:
         with pytest.raises(KeyboardInterrupt):

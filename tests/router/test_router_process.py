@@ -21,7 +21,7 @@ from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.tokenizer import Tokenizer
 from kvtier.tools.fake_replica import SSE_CHUNKS, FakeReplica
-from tests.helpers.procs import running
+from tests.helpers.procs import running, stops_with_its_starter
 
 TOOL = {
     "type": "function",
@@ -190,12 +190,7 @@ def test_a_router_whose_starter_dies_stops_itself(model_dir: str) -> None:
         assert parent.stdout is not None
         router = int(parent.stdout.readline())
         wait_ready(f"http://127.0.0.1:{port}/metrics", 120, exited=parent.poll, what="the router")
-        parent.kill()
-        parent.wait(10)
-        deadline = time.monotonic() + 30
-        while running(router) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not running(router)
+        assert stops_with_its_starter(parent, router, within_s=30)
     finally:
         parent.kill()
         parent.wait(10)

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +35,7 @@ from kvtier.tools.bench.router_peers import (
     stop_fake_replica,
 )
 from kvtier.tools.bench.router_workload import Workload, build_workload, ideal_hit_tokens
-from tests.helpers.procs import running
+from tests.helpers.procs import running, stops_with_its_starter
 
 BLOCK = 128
 
@@ -231,13 +230,7 @@ def test_a_fake_replica_whose_benchmark_dies_stops_itself(tmp_path: Path) -> Non
     try:
         assert starter.stdout is not None
         fake = int(starter.stdout.readline())
-        assert running(fake)
-        starter.kill()
-        starter.wait(10)
-        deadline = time.monotonic() + 15
-        while running(fake) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not running(fake)
+        assert running(fake) and stops_with_its_starter(starter, fake, within_s=15)
     finally:
         starter.kill()
         starter.wait(10)
