@@ -45,6 +45,10 @@ from kvtier.core.parent_watch import stop_with_parent
 
 __all__ = ["SSE_CHUNKS", "FakeReplica", "adapter_path"]
 
+DIE_AFTER_S = 0.2
+"""`die_mid_answer`: the pause between the first half and the reset, which makes the kernel
+drop what the peer has not read yet (under load, the whole half: an answer that never began)."""
+
 SSE_CHUNKS = [
     b'data: {"choices": [{"text": "a"}]}\n\n',
     b'data: {"choices": [{"text": "b"}]}\n\n',
@@ -244,6 +248,8 @@ class FakeReplica:
         if not cut:
             return True
         if self.mode == "die_mid_answer":
+            # the reset discards what the peer has not read yet: give it time to read the half
+            await asyncio.sleep(DIE_AFTER_S)
             return False
         await self.release.wait()
         writer.write(data[sent:])
