@@ -258,8 +258,9 @@ class StoreSettings(Settings):
     l2_path: Annotated[str, Field(min_length=1)] | None = None
     """Shared directory for L2 (a FUSE/NFS mount or a local directory); unset: no directory L2."""
     l2_url: str | None = None
-    """Valkey/Redis server for L2 (redis://host:port[/db]; rediss:// for TLS); unset: no Valkey
-    L2. Put no password in it (it shows in process listings): use `l2_password_file`."""
+    """Valkey/Redis server for L2 (redis://host:port[/db]; rediss:// for TLS), or any node of a
+    cluster (cluster mode: database 0, keys spread over its shards); unset: no Valkey L2. Put no
+    password in it (it shows in process listings): use `l2_password_file`."""
     l2_username: str | None = None
     """Valkey ACL user to authenticate as (with the password below); unset: the default user."""
     l2_password_file: str | None = None

@@ -19,6 +19,7 @@ from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops import cli
 from kvtier.tools.l2ops.valkey_server import ValkeyServer
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, refuse
+from tests.helpers.valkey_cluster import valkey_cluster
 
 
 def run(*argv: str) -> int:
@@ -209,6 +210,33 @@ def test_status_and_verify_on_a_valkey_l2(
     out = capsys.readouterr().out
     assert f"BAD {NAMESPACE}:{hashes[2].hex()}" in out
     assert tier.contains_many(hashes) == [True, True, False, True]
+
+
+@pytest.mark.valkey
+def test_status_and_verify_cover_every_shard_of_a_valkey_cluster(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with valkey_cluster(3) as nodes:
+        tier = ValkeyTier(ValkeyTierSettings(url=nodes[0].url), NAMESPACE, IDENTITY.manifest())
+        blocks = [make_block(42, i, 8192) for i in range(12)]
+        assert all(tier.put(*block).stored for block in blocks)
+        bad = [f"{NAMESPACE}:{h.hex()}" for h, _, _ in blocks[:: len(blocks) // 3]]
+        corrupted_on = set()
+        for node in nodes:
+            with valkey.Valkey.from_url(node.url) as admin:
+                for key in set(bad) & {k.decode() for k in admin.keys(f"{NAMESPACE}:*")}:
+                    admin.setrange(key, 5000, b"\xff")  # (on its own shard: no MOVED)
+                    corrupted_on.add(node.port)
+        assert len(corrupted_on) > 1
+        assert run("l2", "status", nodes[1].url, "--json") == 0
+        status = json.loads(capsys.readouterr().out)
+        assert (status["servers"], status["keys"]) == (3, len(blocks) + 1)
+        assert run("l2", "verify", nodes[1].url, "--remove") == 0
+        out = capsys.readouterr().out
+        assert all(f"BAD {key}" in out for key in bad)
+        found = tier.contains_many([h for h, _, _ in blocks])
+        assert found == [f"{NAMESPACE}:{h.hex()}" not in bad for h, _, _ in blocks]
+        tier.close()
 
 
 @pytest.mark.parametrize(

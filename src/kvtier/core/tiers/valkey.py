@@ -26,9 +26,13 @@ with TYPE, one more round trip on misses only. A server error on one command is 
 the server's `proto-max-bulk-len` (asked at start; 512 MiB if CONFIG is refused) is not sent,
 since the server drops the connection that sends it: the put fails, counted in `rejected`.
 
-Cluster mode: every command names one key, so a cluster-mode server holding all 16384 slots
-(one shard) works; several shards need a cluster client, which this tier is not (their MOVED
-replies are counted errors, i.e. misses).
+Cluster mode: the tier asks the server at the first contact (INFO) and, when it runs in
+cluster mode, talks to the whole cluster: each key goes to the shard holding its slot, and a
+batch is split into one pipeline per shard. Every command names one key, so no batch is ever
+refused as CROSSSLOT. A shard that is down or a cluster that refuses queries (CLUSTERDOWN)
+turns calls into misses like a server that is down; the client learns the shards' new
+addresses after such a fault. A server that refuses INFO (an ACL user not granted it) is
+taken as a single server.
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
@@ -46,12 +50,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Self, cast
 
 import valkey
 from pydantic import Field, model_validator
 from valkey.backoff import NoBackoff
+from valkey.cluster import ValkeyCluster
 from valkey.retry import Retry
 
 from kvtier.core.codec import (
@@ -74,6 +81,9 @@ log = logging.getLogger(__name__)
 
 PASSWORD_ENV = "KVTIER_L2_PASSWORD"
 """Environment variable holding the Valkey password when no `password_file` is given."""
+
+Client = valkey.Valkey | ValkeyCluster
+"""A client of one server, or of a cluster's shards."""
 
 MAX_BULK_DEFAULT = 512 * 1024**2
 """Valkey's and Redis's default `proto-max-bulk-len`: the largest value a SET may carry, assumed
@@ -176,11 +186,41 @@ class _Backoff:
             return recovered
 
 
-def _fault(exc: valkey.exceptions.ConnectionError | valkey.exceptions.TimeoutError) -> str:
-    """What a connection fault says of the server, for the log."""
+def _max_value_bytes(client: valkey.Valkey) -> int:
+    """The server's `proto-max-bulk-len`, else `MAX_BULK_DEFAULT`. A server sent a longer value
+    drops the connection, which would look like an outage and pause every call."""
+    try:
+        reply = cast("dict[str, str]", client.config_get("proto-max-bulk-len"))
+        return int(reply["proto-max-bulk-len"])
+    except (valkey.exceptions.ValkeyError, KeyError, TypeError, ValueError):
+        return MAX_BULK_DEFAULT
+
+
+def _cluster_mode(client: valkey.Valkey) -> bool:
+    """Whether the server runs in cluster mode; False where INFO is refused (an ACL user not
+    granted it), which then works as a single server, as before cluster support."""
+    try:
+        return cast("dict[str, object]", client.info("cluster")).get("cluster_enabled") == 1
+    except valkey.exceptions.ResponseError:
+        return False
+
+
+_FAULTS = (
+    valkey.exceptions.ConnectionError,
+    valkey.exceptions.TimeoutError,
+    valkey.exceptions.ValkeyClusterException,
+)
+"""What pauses the tier: the server, or part of a cluster (its slots not covered), is out of
+reach, or refuses kvtier's credentials or its URL (a database other than 0 in cluster mode)."""
+
+
+def _fault(exc: Exception) -> str:
+    """What a fault (one of `_FAULTS`) says of the server, for the log."""
     if isinstance(exc, valkey.exceptions.AuthenticationError):
         settings = f"l2_username, l2_password_file, ${PASSWORD_ENV}"
         return f"refused kvtier's credentials (check {settings})"
+    if isinstance(exc, valkey.exceptions.ValkeyClusterException):
+        return "cluster not usable"
     return "unreachable"
 
 
@@ -199,41 +239,61 @@ class ValkeyTier:
         self._where = redact_url(config.url)
         self._namespace = namespace
         self._prefix = f"{namespace}:"
-        options: dict[str, Any] = {}
+        self._options: dict[str, Any] = {
+            "socket_connect_timeout": config.connect_timeout_s,
+            "retry": Retry(NoBackoff(), 0),
+            "retry_on_timeout": False,
+        }
         if config.username is not None:
-            options["username"] = config.username
+            self._options["username"] = config.username
         password = _password(config)
         if password is not None:
-            options["password"] = password
+            self._options["password"] = password
         if config.tls_ca_file is not None:
-            options["ssl_ca_certs"] = config.tls_ca_file
-        self._client, self._lookup_client = (
-            valkey.Valkey.from_url(
-                config.url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=config.connect_timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                retry_on_timeout=False,
-                **options,
-            )
-            for timeout_s in (config.socket_timeout_s, config.lookup_timeout_s)
-        )
+            self._options["ssl_ca_certs"] = config.tls_ca_file
+        self._clients: tuple[Client, Client] | None = None
+        """(reads and writes, lookups), made on the first contact with the server."""
+        self._connecting = threading.Lock()
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
-        self._max_value_bytes = self._server_max_value_bytes()
+        self._max_value_bytes = MAX_BULK_DEFAULT
         self._warned_too_large = False
-        if manifest is not None:
-            body = json.dumps(manifest, sort_keys=True)
-            self._call(lambda c: c.set(self._prefix + "manifest", body, nx=True), "manifest")
+        self._manifest = None if manifest is None else json.dumps(manifest, sort_keys=True)
+        # The first contact, now: a server that is down is tried again after the backoff.
+        self._call(lambda client: None, "connect")
 
-    def _server_max_value_bytes(self) -> int:
-        """The server's `proto-max-bulk-len`, else `MAX_BULK_DEFAULT`. A server sent a longer
-        value drops the connection, which would look like an outage and pause every call."""
+    def _connect(self) -> tuple[Client, Client]:
+        """Clients for the server: cluster clients when it runs in cluster mode (the keys spread
+        over its shards), else plain ones. Learns the server's largest value and writes the
+        manifest on the way. Raises what contacting it raised."""
+        probe = valkey.Valkey.from_url(
+            self._config.url, socket_timeout=self._config.lookup_timeout_s, **self._options
+        )
         try:
-            reply = cast("dict[str, str]", self._lookup_client.config_get("proto-max-bulk-len"))
-            return int(reply["proto-max-bulk-len"])
-        except (valkey.exceptions.ValkeyError, KeyError, TypeError, ValueError):
-            return MAX_BULK_DEFAULT
+            cluster = _cluster_mode(probe)
+            self._max_value_bytes = _max_value_bytes(probe)
+        finally:
+            probe.close()  # type: ignore[no-untyped-call]
+        if cluster:
+            # One try per call: the tier's backoff handles faults (the client refreshes the
+            # shards' addresses after one), and a lookup must not wait out several timeouts.
+            make: Callable[..., Client] = partial(
+                ValkeyCluster.from_url, cluster_error_retry_attempts=0
+            )
+        else:
+            make = valkey.Valkey.from_url
+        reads, lookups = (
+            make(self._config.url, socket_timeout=timeout_s, **self._options)
+            for timeout_s in (self._config.socket_timeout_s, self._config.lookup_timeout_s)
+        )
+        try:
+            self._write_manifest(reads)
+        except BaseException:
+            reads.close()  # type: ignore[no-untyped-call]
+            lookups.close()  # type: ignore[no-untyped-call]
+            raise
+        log.info("kvtier L2 valkey: %s, %s", self._where, "cluster" if cluster else "one server")
+        return reads, lookups
 
     @property
     def tier(self) -> Tier:
@@ -244,19 +304,18 @@ class ValkeyTier:
 
     # ---- the one place that talks to the server ------------------------------------------
 
-    def _call(
-        self, fn: Callable[[valkey.Valkey], Any], op: str, client: valkey.Valkey | None = None
-    ) -> Any | None:
-        """Run `fn(client)` (default: the reads' and writes' client); None when the server is
-        in backoff or the call failed (both counted in `errors`: a call skipped in the backoff
-        is a lost read or write too)."""
+    def _call(self, fn: Callable[[Client], Any], op: str, *, lookup: bool = False) -> Any | None:
+        """Run `fn(client)` (the lookups' client with `lookup`, else the reads' and writes');
+        None when the server is in backoff or the call failed (both counted in `errors`: a call
+        skipped in the backoff is a lost read or write too)."""
         token = self._backoff.admit()
         if token is None:
             self._counters.add(errors=1)
             return None
         try:
-            result = fn(client or self._client)
-        except (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError) as exc:
+            reads, lookups = self._connected()
+            result = fn(lookups if lookup else reads)
+        except _FAULTS as exc:
             self._counters.add(errors=1)
             delay = self._backoff.failed(token)
             if delay is None:  # another call's failure already paused (and logged) this fault
@@ -278,6 +337,23 @@ class ValkeyTier:
             log.warning("kvtier L2 valkey: %s reachable again", self._where)
         return result
 
+    def _write_manifest(self, client: Client) -> None:
+        """The model identity under `<namespace>:manifest`, unless there; for humans only, so a
+        server refusing it (OOM, an ACL) is logged, not a fault."""
+        if self._manifest is None:
+            return
+        try:
+            client.set(self._prefix + "manifest", self._manifest, nx=True)
+        except valkey.exceptions.ResponseError as exc:
+            log.warning("kvtier L2 valkey: manifest not written: %s", exc)
+
+    def _connected(self) -> tuple[Client, Client]:
+        if self._clients is None:
+            with self._connecting:
+                if self._clients is None:
+                    self._clients = self._connect()
+        return self._clients
+
     # ---- batched reads -------------------------------------------------------------------
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
@@ -285,13 +361,13 @@ class ValkeyTier:
         if not hashes:
             return []
 
-        def run(client: valkey.Valkey) -> list[int]:
+        def run(client: Client) -> list[int]:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.exists(self.key(h))
             return list(pipe.execute())  # type: ignore[no-untyped-call]
 
-        found = self._call(run, "exists", self._lookup_client)
+        found = self._call(run, "exists", lookup=True)
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
@@ -301,7 +377,7 @@ class ValkeyTier:
         if not hashes:
             return []
 
-        def run(client: valkey.Valkey) -> list[bytes | None]:
+        def run(client: Client) -> list[bytes | None]:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.get(self.key(h))
@@ -324,7 +400,7 @@ class ValkeyTier:
         """Delete the keys of `hashes` (GET answered them nil) that hold another type than a
         string: not blocks, and in the way of the block's `SET NX`."""
 
-        def run(client: valkey.Valkey) -> list[bytes]:
+        def run(client: Client) -> list[bytes]:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.type(self.key(h))
@@ -339,7 +415,7 @@ class ValkeyTier:
         for h, t in foreign.items():
             log.warning("kvtier L2 valkey: removing %s: a %s, not a block", self.key(h), t.decode())
 
-        def delete(client: valkey.Valkey) -> int:
+        def delete(client: Client) -> int:
             pipe = client.pipeline(transaction=False)
             for h in foreign:
                 pipe.delete(self.key(h))  # one key per DEL: no CROSSSLOT in cluster mode
@@ -405,5 +481,18 @@ class ValkeyTier:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        self._client.close()  # type: ignore[no-untyped-call]
-        self._lookup_client.close()  # type: ignore[no-untyped-call]
+        for client in self._clients or ():
+            client.close()  # type: ignore[no-untyped-call]
+
+
+@contextmanager
+def shard_clients(url: str) -> Iterator[list[valkey.Valkey]]:
+    """One client per server holding keys: the server at `url`, or each primary of the cluster
+    it belongs to (a key lives on one of them, and its SCAN lists only its own). Closed on
+    exit."""
+    with valkey.Valkey.from_url(url) as probe:
+        if not _cluster_mode(probe):
+            yield [probe]
+            return
+    with ValkeyCluster.from_url(url) as cluster:
+        yield [cluster.get_valkey_connection(node) for node in cluster.get_primaries()]

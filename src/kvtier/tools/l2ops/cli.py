@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import cast
+from typing import Any, cast
 
 from kvtier.core.errors import ConfigError, TierError
 from kvtier.core.settings import redact_url
@@ -99,21 +99,20 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _valkey_status(url: str) -> dict[str, object]:
-    import valkey
+    """The server's memory, keys and evictions; a cluster's summed over its primaries."""
+    from kvtier.core.tiers.valkey import shard_clients
 
-    client = valkey.Valkey.from_url(url)
-    try:
-        memory = cast("dict[str, object]", client.info("memory"))
-        stats = cast("dict[str, object]", client.info("stats"))
+    with shard_clients(url) as clients:
+        memory = [cast("dict[str, Any]", c.info("memory")) for c in clients]
+        stats = [cast("dict[str, Any]", c.info("stats")) for c in clients]
         return {
-            "used_memory": memory["used_memory"],
-            "maxmemory": memory["maxmemory"],
-            "policy": memory["maxmemory_policy"],
-            "keys": client.dbsize(),
-            "evicted_keys": stats["evicted_keys"],
+            "servers": len(clients),
+            "used_memory": sum(m["used_memory"] for m in memory),
+            "maxmemory": sum(m["maxmemory"] for m in memory),
+            "policy": ",".join(sorted({str(m["maxmemory_policy"]) for m in memory})),
+            "keys": sum(int(c.dbsize()) for c in clients),
+            "evicted_keys": sum(s["evicted_keys"] for s in stats),
         }
-    finally:
-        client.close()  # type: ignore[no-untyped-call]
 
 
 def _gc(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from kvtier.core.codec import HEADER_BYTES, decode_header, verify_payload
 from kvtier.core.errors import CodecError
 from kvtier.core.keys import BlockHash, Namespace
 from kvtier.core.tiers.usage import BLOCK_SUFFIX, scan
+from kvtier.core.tiers.valkey import shard_clients
 
 
 @dataclass(slots=True)
@@ -87,23 +88,26 @@ def _valkey_blocks(client: valkey.Valkey) -> Iterator[str]:
 
 
 def verify_valkey(url: str, *, remove: bool = False) -> VerifyReport:
-    """Validate every `<namespace>:<hash>` value in the Valkey L2 at `url`."""
+    """Validate every `<namespace>:<hash>` value in the Valkey L2 at `url` (on every primary of
+    a cluster)."""
     report = VerifyReport()
-    client = valkey.Valkey.from_url(url)
-    try:
-        for key in _valkey_blocks(client):
-            value = cast("bytes | None", client.get(key))
-            if value is None:
-                continue  # evicted while we scanned
-            report.checked += 1
-            namespace, _, hexhash = key.partition(":")
-            try:
-                check_object(memoryview(value), Namespace(namespace), _key_parts(hexhash))
-            except CodecError as exc:
-                report.bad.append((key, str(exc)))
-                if remove:
-                    client.delete(key)  # 0 if evicted meanwhile: gone all the same
-                    report.removed += 1
-    finally:
-        client.close()  # type: ignore[no-untyped-call]
+    with shard_clients(url) as clients:
+        for client in clients:
+            _verify_server(client, report, remove=remove)
     return report
+
+
+def _verify_server(client: valkey.Valkey, report: VerifyReport, *, remove: bool) -> None:
+    for key in _valkey_blocks(client):
+        value = cast("bytes | None", client.get(key))
+        if value is None:
+            continue  # evicted while we scanned
+        report.checked += 1
+        namespace, _, hexhash = key.partition(":")
+        try:
+            check_object(memoryview(value), Namespace(namespace), _key_parts(hexhash))
+        except CodecError as exc:
+            report.bad.append((key, str(exc)))
+            if remove:
+                client.delete(key)  # 0 if evicted meanwhile: gone all the same
+                report.removed += 1

@@ -1,0 +1,100 @@
+"""The Valkey L2 tier on a real three-shard Valkey cluster on loopback."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import valkey
+
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, poll
+from tests.helpers.valkey_cluster import ClusterNode, cluster_ok, cluster_port, valkey_cluster
+
+pytestmark = pytest.mark.valkey
+
+KIB = 1024
+SHARDS = 3
+
+
+def tier_at(url: str) -> ValkeyTier:
+    settings = ValkeyTierSettings(url=url, backoff_initial_s=0.05, backoff_max_s=0.2)
+    return ValkeyTier(settings, NAMESPACE, IDENTITY.manifest())
+
+
+def keys_on(node: ClusterNode) -> int:
+    with valkey.Valkey.from_url(node.url) as admin:
+        return int(admin.dbsize())
+
+
+def test_blocks_spread_over_every_shard_and_another_replica_hits_them_in_one_batch() -> None:
+    blocks = [make_block(21, i, 4 * KIB) for i in range(24)]
+    hashes = [h for h, _, _ in blocks]
+    with valkey_cluster(SHARDS) as nodes:
+        writer = tier_at(nodes[0].url)
+        assert all(writer.put(*block).stored for block in blocks)
+        on_shards = [keys_on(node) for node in nodes]
+        assert all(on_shards) and sum(on_shards) == len(blocks) + 1  # and the manifest
+        reader = tier_at(nodes[2].url)  # another replica, given another node's address
+        assert reader.contains_many(hashes) == [True] * len(blocks)
+        got = reader.get_many(hashes)
+        assert [bytes(b.payload) if b else None for b in got] == [p for _, _, p in blocks]
+        assert not writer.put(*blocks[0]).stored  # SET NX: published once
+        stats, written = reader.stats(), writer.stats()
+        assert (stats.hits, stats.misses, stats.errors) == (len(blocks), 0, 0)
+        assert (written.stored, written.already_present, written.errors) == (len(blocks), 1, 0)
+        writer.close()
+        reader.close()
+
+
+def test_a_tier_made_before_the_cluster_answers_uses_its_shards_once_it_does() -> None:
+    """The client is chosen at the first contact, not at construction: a replica that starts
+    before its cluster must not stay on a single-server client (every key of other shards
+    MOVED)."""
+    port = cluster_port()
+    tier = tier_at(f"redis://127.0.0.1:{port}")
+    blocks = [make_block(22, i, 4 * KIB) for i in range(12)]
+    assert tier.contains_many([h for h, _, _ in blocks]) == [False] * len(blocks)
+    assert tier.stats().errors >= 1
+    with valkey_cluster(SHARDS - 1) as others, ClusterNode(ValkeyServerSpec(port=port)) as node:
+        with valkey.Valkey.from_url(node.url) as admin:
+            admin.execute_command("CLUSTER", "MEET", "127.0.0.1", others[0].port)
+        # the new node holds no slot: it answers every key with MOVED to the others
+        assert poll(lambda: cluster_ok(node, SHARDS), 30)
+        assert poll(lambda: tier.put(*blocks[0]).stored, 5)
+        assert all(tier.put(*block).stored for block in blocks[1:])
+        assert sum(keys_on(n) for n in others) == len(blocks) + 1
+        assert [bool(b) for b in tier.get_many([h for h, _, _ in blocks])] == [True] * len(blocks)
+        tier.close()
+
+
+def test_a_dead_shard_turns_calls_into_counted_misses_without_delay_then_its_slots_return() -> None:
+    blocks = [make_block(23, i, 4 * KIB) for i in range(24)]
+    hashes = [h for h, _, _ in blocks]
+    with valkey_cluster(SHARDS) as nodes:
+        tier = tier_at(nodes[0].url)
+        assert all(tier.put(*block).stored for block in blocks)
+        with valkey.Valkey.from_url(nodes[2].url) as admin:
+            on_dead = {key.decode() for key in admin.keys(f"{NAMESPACE}:*")}
+        lost = [tier.key(h) in on_dead for h in hashes]
+        assert 0 < sum(lost) < len(blocks)
+        nodes[2].kill()  # SIGKILL: its blocks are lost (no persistence), its slots unserved
+        started = time.monotonic()
+        for _ in range(20):  # calls in the outage and its backoff: misses, never a raise
+            assert sum(tier.contains_many(hashes)) < len(blocks)
+            assert sum(map(bool, tier.get_many(hashes))) < len(blocks)
+        assert time.monotonic() - started < 20  # bounded by the timeouts, not stuck
+        assert tier.stats().errors > 0
+        nodes[2].start()  # the same port and nodes.conf: it takes its slots back, empty
+        assert poll(lambda: all(cluster_ok(n, SHARDS) for n in nodes), 30)
+        kept = [not gone for gone in lost]
+        assert poll(lambda: tier.contains_many(hashes) == kept, 10)
+        assert poll(lambda: tier.put(*blocks[lost.index(True)]).stored, 5)
+        assert all(
+            tier.put(*b).stored == gone
+            for b, gone in zip(blocks, lost, strict=True)
+            if b is not blocks[lost.index(True)]
+        )
+        assert tier.contains_many(hashes) == [True] * len(blocks)
+        tier.close()

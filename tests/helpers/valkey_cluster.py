@@ -1,0 +1,82 @@
+"""Real Valkey clusters on loopback: cluster-mode servers whose hash slots are split between
+them, joined with CLUSTER MEET (what `valkey-cli --cluster create` does, without replicas)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+
+import valkey
+
+from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
+from tests.helpers.l2 import poll
+
+SLOTS = 16384
+BUS_OFFSET = 10000
+"""A cluster node also listens on its port + this (the cluster bus)."""
+
+
+class ClusterNode(ValkeyServer):
+    """A cluster-mode server (`cluster-enabled yes`; its slots and peers in `nodes.conf` of its
+    data directory, so a restart on the same port rejoins the cluster)."""
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--cluster-enabled", "yes", "--cluster-node-timeout", "1000"]
+
+
+def cluster_port() -> int:
+    """A free loopback port whose cluster-bus port is free too."""
+    for _ in range(200):
+        port = random.randrange(20000, 50000)
+        if all(_free(p) for p in (port, port + BUS_OFFSET)):
+            return port
+    raise RuntimeError("no free pair of ports for a cluster node")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def cluster_ok(node: ValkeyServer, nodes: int) -> bool:
+    """Whether `node` sees a healthy cluster of `nodes` nodes (every slot served)."""
+    admin = valkey.Valkey.from_url(node.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        info = admin.execute_command("CLUSTER", "INFO").decode()
+    except valkey.exceptions.ValkeyError:
+        return False
+    finally:
+        admin.close()  # type: ignore[no-untyped-call]
+    return "cluster_state:ok" in info and f"cluster_known_nodes:{nodes}" in info
+
+
+@contextmanager
+def valkey_cluster(
+    shards: int = 3, spec: ValkeyServerSpec | None = None
+) -> Iterator[list[ClusterNode]]:
+    """`shards` nodes holding equal ranges of the slots, each a primary without replicas;
+    stopped (their data directories removed) on exit, also on failure."""
+    with ExitStack() as stack:
+        nodes = [
+            stack.enter_context(
+                ClusterNode(replace(spec or ValkeyServerSpec(), port=cluster_port()))
+            )
+            for _ in range(shards)
+        ]
+        step = SLOTS // shards
+        for i, node in enumerate(nodes):
+            admin = stack.enter_context(valkey.Valkey.from_url(node.url))
+            last = SLOTS - 1 if i == shards - 1 else (i + 1) * step - 1
+            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
+            if i:
+                admin.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
+        if not poll(lambda: all(cluster_ok(n, shards) for n in nodes), 30):
+            raise RuntimeError(f"the {shards} Valkey nodes did not form a cluster in 30 s")
+        yield nodes
