@@ -17,6 +17,7 @@ import valkey
 
 from kvtier.core.codec import HEADER_BYTES
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+from kvtier.tools.l2ops.valkey_cluster import ClusterNode, cluster_port
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
 from tests.core.test_codec import reseal
 from tests.helpers.l2 import (
@@ -28,7 +29,6 @@ from tests.helpers.l2 import (
     run_worker,
     spawn_worker,
 )
-from tests.helpers.valkey_cluster import ClusterNode, cluster_port
 
 pytestmark = pytest.mark.valkey
 

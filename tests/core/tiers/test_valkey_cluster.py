@@ -8,9 +8,9 @@ import pytest
 import valkey
 
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+from kvtier.tools.l2ops.valkey_cluster import ClusterNode, cluster_ok, cluster_port, valkey_cluster
 from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, poll
-from tests.helpers.valkey_cluster import ClusterNode, cluster_ok, cluster_port, valkey_cluster
 
 pytestmark = pytest.mark.valkey
 

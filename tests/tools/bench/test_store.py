@@ -73,6 +73,7 @@ def test_cli_writes_all_figures_and_cleans_up(
     [
         pytest.param("valkey", marks=pytest.mark.valkey),
         pytest.param("valkey-aof", marks=pytest.mark.valkey),
+        pytest.param("valkey-cluster", marks=pytest.mark.valkey),
         pytest.param(
             "juicefs",
             marks=[
@@ -119,7 +120,7 @@ def test_cli_benchmarks_a_started_l2_target_next_to_its_raw_operations(
 def test_cli_rejects_an_unknown_l2_target(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "store", "--l2", "nfs"])
-    assert "posix:PATH, juicefs, valkey or valkey-aof" in capsys.readouterr().err
+    assert "posix:PATH, juicefs, valkey, valkey-aof or valkey-cluster" in capsys.readouterr().err
 
 
 @pytest.mark.valkey

@@ -17,9 +17,9 @@ from kvtier.core.settings import parse_bytes
 from kvtier.core.tiers.posix import PosixTier
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops import cli
+from kvtier.tools.l2ops.valkey_cluster import valkey_cluster
 from kvtier.tools.l2ops.valkey_server import ValkeyServer
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, refuse
-from tests.helpers.valkey_cluster import valkey_cluster
 
 
 def run(*argv: str) -> int:

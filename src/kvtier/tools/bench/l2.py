@@ -1,5 +1,5 @@
-"""L2 targets of `kvtier bench store --l2 posix:PATH|juicefs|valkey|valkey-aof`, with their raw
-baselines.
+"""L2 targets of `kvtier bench store --l2 posix:PATH|juicefs|valkey|valkey-aof|valkey-cluster`,
+with their raw baselines.
 
 A target is an L2 to benchmark, started before the run and torn down after it, together with
 the raw operation the tier wraps, on the same target and the same bytes:
@@ -14,6 +14,9 @@ the raw operation the tier wraps, on the same target and the same bytes:
                 raw = SET and GET of the same bytes, one key per block.
     valkey-aof  the same with an append-only file synced every second, as `l2CachePersistent`
                 runs it (in the temp directory or `workdir`): what persistence costs.
+    valkey-cluster
+                a fresh loopback Valkey cluster of three shards (`CLUSTER_SHARDS`, the memory
+                split between them); raw = SET and GET through a cluster client.
 
     with l2_target("juicefs") as target:
         writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
@@ -36,22 +39,26 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import valkey
+from valkey.cluster import ValkeyCluster
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
+from kvtier.core.tiers.valkey import Client
 
-KINDS = ("posix", "juicefs", "valkey", "valkey-aof")
+KINDS = ("posix", "juicefs", "valkey", "valkey-aof", "valkey-cluster")
+CLUSTER_SHARDS = 3
 _RAW_PREFIX = "kvtier-bench-raw:"
 _RAW_DIR = "raw"
 
 
 def parse_l2_spec(spec: str) -> tuple[str, str]:
-    """(kind, path) of `posix:PATH`, `juicefs`, `valkey` or `valkey-aof` (path empty but for
-    posix)."""
+    """(kind, path) of `posix:PATH` or one of the other `KINDS` (path empty but for posix)."""
     kind, _, where = spec.partition(":")
     if kind not in KINDS or (kind == "posix") != bool(where):
-        raise ConfigError(f"l2: expected posix:PATH, juicefs, valkey or valkey-aof, got {spec!r}")
+        raise ConfigError(
+            f"l2: expected posix:PATH, juicefs, valkey, valkey-aof or valkey-cluster, got {spec!r}"
+        )
     return kind, where
 
 
@@ -69,7 +76,7 @@ class L2Target:
     """Valkey URL (valkey)."""
     settle_s: float = 0.0
     """How long a file written on one side may stay invisible on the other (attribute cache)."""
-    _client: valkey.Valkey | None = field(default=None, repr=False)
+    _client: Client | None = field(default=None, repr=False)
 
     def open_tier(self, identity: ModelIdentity, *, reader: bool = False) -> BlockTier:
         """The kvtier L2 tier on this target (the reader side reads through the other mount)."""
@@ -95,10 +102,12 @@ class L2Target:
     def _raw_path(self, name: str, reader: bool) -> str:
         return os.path.join(self._root(reader), _RAW_DIR, name)
 
-    def _valkey(self) -> valkey.Valkey:
+    def _valkey(self) -> Client:
         if self._client is None:
             assert self.url is not None
-            self._client = valkey.Valkey.from_url(self.url, socket_timeout=30.0)
+            cluster = self.kind == "valkey-cluster"
+            make = ValkeyCluster.from_url if cluster else valkey.Valkey.from_url
+            self._client = make(self.url, socket_timeout=30.0)
         return self._client
 
     def raw_write(self, name: str, source: memoryview) -> None:
@@ -170,6 +179,17 @@ def l2_target(
             start_valkey,
         )
 
+        if kind == "valkey-cluster":
+            from kvtier.tools.l2ops.valkey_cluster import valkey_cluster
+
+            spec = ValkeyServerSpec(
+                maxmemory_bytes=valkey_maxmemory_bytes // CLUSTER_SHARDS,
+                data_dir=os.path.join(scratch, "valkey"),
+            )
+            with valkey_cluster(CLUSTER_SHARDS, spec) as nodes:
+                with _opened(L2Target(kind, url=nodes[0].url)) as target:
+                    yield target
+            return
         l2_on_valkey = kind != "juicefs"
         with start_valkey(
             ValkeyServerSpec(

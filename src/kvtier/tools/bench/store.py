@@ -32,7 +32,8 @@ Targets (issue 18): L1 ratios >= 0.9, L2 ratios >= 0.85 (`meets_target`).
 (default: the temp directory) benchmarks a fresh subdirectory of PATH; `juicefs` a fresh
 JuiceFS volume mounted twice, written through one mount and read through the other (another
 "node"); `valkey` a fresh loopback Valkey server; `valkey-aof` one with an append-only file
-synced every second (`l2CachePersistent`).
+synced every second (`l2CachePersistent`); `valkey-cluster` a fresh loopback Valkey cluster of
+three shards (raw SET and GET through a cluster client).
 
 Each figure is computed twice: from wall-clock time (the headline figures) and from the
 benchmark thread's CPU time (`cpu` in the JSON), which stays meaningful when other processes
@@ -223,13 +224,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--json", metavar="FILE", help="write all figures as JSON to FILE")
     p.add_argument(
         "--l2",
-        metavar="posix:PATH|juicefs|valkey|valkey-aof",
+        metavar="posix:PATH|juicefs|valkey|valkey-aof|valkey-cluster",
         type=_l2_spec,
         default=None,
         help="L2 target: a fresh subdirectory of PATH (default: under the temp "
         "directory), a fresh JuiceFS volume mounted twice (write through one "
         "mount, read through the other), or a fresh loopback Valkey server "
-        "(valkey-aof: with an append-only file synced every second)",
+        "(valkey-aof: with an append-only file synced every second; valkey-cluster: a "
+        "cluster of three shards)",
     )
     p.add_argument(
         "--block-tokens",

@@ -97,7 +97,7 @@ class StoreBenchConfig:
             )
         if self.repeats <= 0:
             raise ConfigError(f"repeats: must be positive, got {self.repeats}")
-        if parse_l2_spec(self.l2_spec)[0] == "valkey" and self.cold:
+        if parse_l2_spec(self.l2_spec)[0].startswith("valkey") and self.cold:
             raise ConfigError("cold: applies to directory targets, not valkey")
 
     @property

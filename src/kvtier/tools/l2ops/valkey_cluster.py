@@ -1,22 +1,27 @@
-"""Real Valkey clusters on loopback: cluster-mode servers whose hash slots are split between
-them, joined with CLUSTER MEET (what `valkey-cli --cluster create` does, without replicas)."""
+"""Valkey clusters on loopback, for tests and `kvtier bench store --l2 valkey-cluster`:
+cluster-mode servers whose hash slots are split between them, joined with CLUSTER MEET (what
+`valkey-cli --cluster create` does, without replicas)."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 
 import valkey
 
+from kvtier.core.errors import TierError
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
-from tests.helpers.l2 import poll
 
 SLOTS = 16384
 BUS_OFFSET = 10000
 """A cluster node also listens on its port + this (the cluster bus)."""
+FORM_TIMEOUT_S = 30.0
+"""How long the nodes may take to agree that the cluster is whole."""
 
 
 class ClusterNode(ValkeyServer):
@@ -33,7 +38,7 @@ def cluster_port() -> int:
         port = random.randrange(20000, 50000)
         if all(_free(p) for p in (port, port + BUS_OFFSET)):
             return port
-    raise RuntimeError("no free pair of ports for a cluster node")
+    raise TierError("no free pair of loopback ports for a Valkey cluster node")
 
 
 def _free(port: int) -> bool:
@@ -61,14 +66,22 @@ def cluster_ok(node: ValkeyServer, nodes: int) -> bool:
 def valkey_cluster(
     shards: int = 3, spec: ValkeyServerSpec | None = None
 ) -> Iterator[list[ClusterNode]]:
-    """`shards` nodes holding equal ranges of the slots, each a primary without replicas;
-    stopped (their data directories removed) on exit, also on failure."""
+    """`shards` nodes from `spec` (a free port each, and a directory of its own under its
+    `data_dir`) holding equal ranges of the slots, each a primary without replicas; stopped
+    (temporary data directories removed) on exit, also on failure."""
+    base = spec or ValkeyServerSpec()
     with ExitStack() as stack:
         nodes = [
             stack.enter_context(
-                ClusterNode(replace(spec or ValkeyServerSpec(), port=cluster_port()))
+                ClusterNode(
+                    replace(
+                        base,
+                        port=cluster_port(),
+                        data_dir=base.data_dir and os.path.join(base.data_dir, f"node{i}"),
+                    )
+                )
             )
-            for _ in range(shards)
+            for i in range(shards)
         ]
         step = SLOTS // shards
         for i, node in enumerate(nodes):
@@ -77,6 +90,11 @@ def valkey_cluster(
             admin.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
             if i:
                 admin.execute_command("CLUSTER", "MEET", "127.0.0.1", nodes[0].port)
-        if not poll(lambda: all(cluster_ok(n, shards) for n in nodes), 30):
-            raise RuntimeError(f"the {shards} Valkey nodes did not form a cluster in 30 s")
+        deadline = time.monotonic() + FORM_TIMEOUT_S
+        while not all(cluster_ok(n, shards) for n in nodes):
+            if time.monotonic() > deadline:
+                raise TierError(
+                    f"{shards} Valkey nodes did not form a cluster in {FORM_TIMEOUT_S:.0f} s"
+                )
+            time.sleep(0.05)
         yield nodes
