@@ -25,7 +25,7 @@ import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -181,8 +181,12 @@ class Prometheus:
         port: int | None = None,
         interval_s: float = 1.0,
         rules_dir: Path = RULES_DIR,
+        on_started: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_started` gets the server's pid as soon as its process exists, before the wait
+        for it to be ready (to record it: the server outlives a killed starter)."""
         self.work_dir = work_dir
+        self._on_started = on_started
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         rules = [rules_dir / name for name in RULE_FILES]
@@ -215,6 +219,8 @@ class Prometheus:
                 cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )
         try:
+            if self._on_started is not None:
+                self._on_started(self._proc.pid)
             wait_ready(self.url + "/-/ready", timeout_s, exited=self._proc.poll, what="prometheus")
         except BaseException:
             self.stop()

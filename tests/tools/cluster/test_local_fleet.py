@@ -120,6 +120,28 @@ def test_start_fails_at_once_naming_a_taken_port(
             f.start()
 
 
+def rotation_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "kvtier-log-rotation"]
+
+
+def test_logs_are_rotated_while_the_fleet_starts_and_no_more_once_it_failed_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    local = {"routerPort": free_port(), "replicaBasePort": free_port(), "workDir": str(tmp_path)}
+    f = LocalFleet(parse_spec({"replicas": 1, "kvtier": {**local, "logMaxMiB": 1}}))
+    rotating: list[int] = []
+
+    def fail() -> None:  # the L2 does not start
+        rotating.append(len(rotation_threads()))
+        raise KvtierError("no L2")
+
+    monkeypatch.setattr(f, "_start_l2", fail)
+    with pytest.raises(KvtierError, match="no L2"):
+        f.start()
+    assert rotating == [1] and f._log_rotator.max_bytes == 1024**2
+    assert not rotation_threads()
+
+
 def test_stop_leaves_the_state_file_of_another_kvtier_up(tmp_path: Path) -> None:
     state = tmp_path / STATE_FILE
     other = subprocess.Popen(["sleep", "60"])  # the `kvtier up` running on this work directory

@@ -57,6 +57,11 @@ def test_defaults_without_a_file() -> None:
     assert (spec.replicas, spec.strategy, spec.cache.l2.kind) == (2, "kvaware", "posix")
 
 
+def test_logs_are_bounded_to_64_mib_by_default_and_0_means_unbounded() -> None:
+    assert load_spec(None).local.log_max_mib == 64
+    assert parse_spec({"kvtier": {"logMaxMiB": 0}}).local.log_max_mib == 0
+
+
 def test_disabled_intelligent_routing_means_round_robin() -> None:
     spec = parse_spec({"intelligentRoutingSpec": {"enabled": False, "routingStrategy": "kvaware"}})
     assert spec.strategy == "roundrobin"
@@ -113,6 +118,10 @@ def test_tieredstorage_is_the_posix_backend() -> None:
             "kvtier.routerPort: input should be greater than or equal",
         ),
         ({"kvtier": {"routerPort": 8101}}, "kvtier.routerPort: collides"),
+        (
+            {"kvtier": {"logMaxMiB": -1}},
+            "kvtier.logMaxMiB: input should be greater than or equal to 0, got -1",
+        ),
         (
             {"kvtier": {"connector": {"block_tokens": 0}}},
             "kvtier.connector.block_tokens: input should be greater than 0",

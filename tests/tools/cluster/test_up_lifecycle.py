@@ -27,13 +27,19 @@ from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.state import process_identity
 from tests.helpers.l2 import needs_fuse
 from tests.helpers.procs import running
+from tests.helpers.waiting import wait_until
 
 # `kvtier up --config FILE [FLAGS]` whose replicas start at once (argv[2] "running") or never
-# ("starting": start-up stays under way), and which starts no router
+# ("starting": start-up stays under way), and which starts no router; with STAND_IN_VALKEY set,
+# the Valkey server it starts is that binary
 _UP = """
-import sys, time
+import os, sys, time
 from kvtier.cli import main
 from kvtier.tools.cluster.local_fleet import LocalFleet
+from kvtier.tools.l2ops import valkey_server
+
+if "STAND_IN_VALKEY" in os.environ:
+    valkey_server.find_valkey_binary = lambda: os.environ["STAND_IN_VALKEY"]
 
 def never_healthy(self):
     print("starting replicas", flush=True)
@@ -63,18 +69,24 @@ def write_config(path: Path, work_dir: Path, l2: str = "posix", replicas: int = 
 
 
 @contextmanager
-def kvtier_up(config: Path, phase: str, *flags: str) -> Iterator[subprocess.Popen[bytes]]:
+def kvtier_up(
+    config: Path, phase: str, *flags: str, stand_in_valkey: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """`kvtier up` with `config`, once its start-up is under way (`phase` "starting") or over
-    ("running"). Killed at the end, with its process group (a Valkey server it started), if
-    the test has not ended it."""
+    ("running"); with `stand_in_valkey`, the Valkey server binary it starts, at once (the test
+    follows that start-up itself). Killed at the end, with its process group (a Valkey server
+    it started), if the test has not ended it."""
+    env = {**os.environ, "STAND_IN_VALKEY": str(stand_in_valkey)} if stand_in_valkey else None
     up = subprocess.Popen(
         [sys.executable, "-c", _UP, str(config), phase, *flags],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env=env,
     )
     try:
-        wait_for(up, "starting replicas" if phase == "starting" else "stops everything")
+        if stand_in_valkey is None:
+            wait_for(up, "starting replicas" if phase == "starting" else "stops everything")
         yield up
     finally:
         if up.returncode is None:  # (unreaped: the group is still its own)
@@ -171,6 +183,32 @@ def test_down_stops_a_kvtier_up_still_starting(
         assert not recorded_running(leftovers[0]) and not (tmp_path / "work" / STATE_FILE).exists()
 
 
+# a Valkey server that never answers, as one still starting; writes its pid to the file beside it
+_VALKEY_STARTING = '#!/bin/sh\necho $$ > "$0.tmp" && mv "$0.tmp" "$0.pid" && exec sleep 120\n'
+
+
+def test_down_after_a_kvtier_up_killed_while_a_server_starts_stops_that_server(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], leftovers: list[dict[str, object]]
+) -> None:
+    stand_in, work = tmp_path / "valkey-server", tmp_path / "work"
+    stand_in.write_text(_VALKEY_STARTING)
+    stand_in.chmod(0o755)
+    pid_file = tmp_path / "valkey-server.pid"
+    config = write_config(tmp_path / "fleet.yaml", work, l2="valkey")
+    with kvtier_up(config, "running", stand_in_valkey=stand_in) as up:
+        wait_until(pid_file.exists, UP_TIMEOUT_S, "the Valkey server to start")
+        pid = int(pid_file.read_text())
+        leftovers.append({"pid": pid, "identity": process_identity(pid)})
+        # (well within the 15 s in which `kvtier up` expects a Valkey server to answer)
+        wait_until(lambda: recorded(work)["servers"], 5, "the starting server to be recorded")
+        up.kill()
+        up.wait()
+    assert recorded(work)["servers"] == [{"name": "valkey server", **leftovers[0]}]
+    assert main(["down", "--config", str(config)]) == 2
+    assert f"no longer runs; stopped valkey server (pid {pid})" in capsys.readouterr().err
+    assert not recorded_running(leftovers[0]) and not (work / STATE_FILE).exists()
+
+
 def dead_owner() -> tuple[int, str | None]:
     """The pid and identity of a `kvtier up` since killed: a process started, ended (its input
     closed: no signal) and reaped."""
@@ -180,10 +218,25 @@ def dead_owner() -> tuple[int, str | None]:
     return owner.pid, identity
 
 
+@pytest.fixture(params=["reaped", "unreaped"])
+def killed_owner(request: pytest.FixtureRequest) -> Iterator[tuple[int, str | None]]:
+    """The pid and identity of a `kvtier up` since killed: reaped (`dead_owner`), or exited but
+    not yet reaped by its parent (a zombie, until the test ends)."""
+    if request.param == "reaped":
+        yield dead_owner()
+        return
+    owner = subprocess.Popen(["true"])
+    try:
+        wait_until(lambda: not running(owner.pid), UP_TIMEOUT_S, "the owner to exit")
+        yield owner.pid, process_identity(owner.pid)
+    finally:
+        owner.wait()
+
+
 def test_status_of_a_kvtier_up_killed_while_starting_says_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], killed_owner: tuple[int, str | None]
 ) -> None:
-    pid, identity = dead_owner()
+    pid, identity = killed_owner
     state = tmp_path / STATE_FILE
     state.write_text(json.dumps({"pid": pid, "identity": identity, "phase": "starting"}))
     assert main(["status", "--state", str(state)]) == 2

@@ -6,7 +6,7 @@ and with `monitor`, a Prometheus scraping them (`kvtier.tools.monitoring`).
 directory's lock from start to stop (one fleet per work directory), and keeps a state file there
 from the start of start-up (`kvtier.tools.cluster.state`): it names the owning `kvtier up`
 process, so that `kvtier down` can ask it to stop, and what `kvtier down` cleans up should that
-process be killed.
+process be killed. While the fleet runs, its logs are bounded (`log_rotation`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from contextlib import ExitStack, suppress
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 from tqdm import tqdm
 
@@ -31,6 +31,7 @@ from kvtier.core.settings import to_flags
 from kvtier.net.ports import free_port
 from kvtier.net.readiness import wait_ready
 from kvtier.router.settings import RouterSettings
+from kvtier.tools.cluster.log_rotation import LogRotator
 from kvtier.tools.cluster.spec import FleetSpec
 from kvtier.tools.cluster.state import (
     RUNNING,
@@ -48,7 +49,11 @@ from kvtier.tools.router_cli import FLAGS as ROUTER_FLAGS
 from kvtier.tools.vllm_server import SHARED_MACHINE_WAIT, QueueWait, ServerProcess, ServerSpec
 from kvtier.vllm.settings import kv_transfer_config
 
+if TYPE_CHECKING:
+    from kvtier.tools.l2ops.juicefs import JuiceFSMount
+
 STATE_FILE = "cluster.json"
+MIB = 1024**2
 
 
 _MAX_SOCKET_DIR = 90
@@ -81,6 +86,7 @@ class LocalFleet:
         self._servers: list[Server] = []
         """What would outlive this process, were it killed, recorded in the state file."""
         self._mounts: list[str] = []
+        self._log_rotator = LogRotator(self.work_dir, spec.local.log_max_mib * MIB)
 
     @property
     def url(self) -> str:
@@ -103,14 +109,17 @@ class LocalFleet:
             self._check_ports_free()
             self._write_state(STARTING)
             (self.work_dir / "logs").mkdir(exist_ok=True)
+            self._log_rotator.start()
             self._start_l2()
             self._start_replicas()
             self._start_router()
             if self.monitor:
                 self.prometheus = Prometheus(
-                    self.work_dir / "prometheus", self.url, self.replica_urls
+                    self.work_dir / "prometheus",
+                    self.url,
+                    self.replica_urls,
+                    on_started=partial(self._record_server, "prometheus"),
                 ).start()
-                self._record_server("prometheus", self.prometheus.pid)
             self._write_state(RUNNING)
         except BaseException:
             self.stop()
@@ -156,11 +165,11 @@ class LocalFleet:
                         data_dir=str(self.work_dir / "valkey"),
                         maxmemory_bytes=int(cache.l2.size_gib * 1024**3),
                         appendfsync=PERSISTENT_L2_APPENDFSYNC if cache.l2.persistent else None,
-                    )
+                    ),
+                    on_started=partial(self._record_server, "valkey server"),
                 )
                 (self.work_dir / "valkey").mkdir(exist_ok=True)
                 url = self._stack.enter_context(server).url
-                self._record_server("valkey server", server.pid)
             self.l2_locations = [url] * self.spec.replicas
         else:  # juicefs: each replica mounts the one volume, as separate nodes would
             from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
@@ -169,10 +178,7 @@ class LocalFleet:
                 JuiceFSVolume(JuiceFSVolumeSpec(root=str(self.work_dir / "juicefs")))
             )
             for _ in range(self.spec.replicas):
-                mount = volume.mount()
-                self._mounts.append(mount.path)
-                self._record_server("juicefs mount", mount.process.pid)
-                self.l2_locations.append(mount.path)
+                self.l2_locations.append(volume.mount(on_started=self._record_mount).path)
 
     @property
     def l2_location(self) -> str | None:
@@ -336,11 +342,19 @@ class LocalFleet:
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
     def _record_server(self, name: str, pid: int | None) -> None:
-        """Record in the state file the server `name` just started (as process `pid`)."""
+        """Record in the state file the server `name` just started (as process `pid`), as soon
+        as its process exists: one still starting when this process is killed is stopped by
+        `kvtier down` all the same."""
         server = None if pid is None else Server.of(name, pid)
         if server is not None:
             self._servers.append(server)
             self._write_state(STARTING)
+
+    def _record_mount(self, mount: JuiceFSMount) -> None:
+        """Record in the state file the JuiceFS `mount` just started: its mount point (which
+        `kvtier down` unmounts only if mounted) and its daemon."""
+        self._mounts.append(mount.path)
+        self._record_server("juicefs mount", mount.process.pid)
 
     def _write_state(self, phase: str) -> None:
         """Write the state file: its owner, `phase`, what to clean up were this process
@@ -385,6 +399,7 @@ class LocalFleet:
             self._drain_serving,
             *kills,  # what did not drain (a no-op for what did)
             self._stack.close,
+            self._log_rotator.stop,
             self._remove_state,
             self._lock.release,
         ]

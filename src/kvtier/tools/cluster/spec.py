@@ -29,6 +29,7 @@ connector or router setting (`kvtier.connector`, `kvtier.router`: the keys of
       replicaDrainSeconds: 90      # a stopped replica finishes its requests in flight (0: aborts)
       vllmKvEvents: true           # kvaware: the router follows vLLM's own KV events (L0)
       workDir: .kvtier/cluster     # logs, default L2 directory, pid file
+      logMaxMiB: 64                # each log's bound: past it, copied to <name>.1 and emptied
       connector: {}                # e.g. {block_tokens: 256, admission: reused}
       router: {}                   # e.g. {health_interval_s: 0.5, max_blocks: 2000000}
     kubernetes: {}                 # the fleet on a cluster (`kvtier deploy render`)
@@ -191,6 +192,11 @@ class LocalSpec(Section):
     only from its own decisions and the connector's L1/L2 events."""
     work_dir: str = Field(".kvtier/cluster", alias="workDir")
     """Logs, the default L2 directory, the pid file."""
+    log_max_mib: Annotated[int, Field(ge=0)] = Field(64, alias="logMaxMiB")
+    """Bound of each log in workDir (the replicas', the router's, the Valkey server's, the
+    JuiceFS mounts', Prometheus'), in MiB: while `kvtier up` runs, a log grown past it is copied
+    to `<name>.1` (replacing the one before) and emptied in place, checked every 5 s; lines
+    written between the copy and the emptying are lost. 0: unbounded."""
     connector: dict[str, Any] = Field(default_factory=dict)
     """Connector settings for every replica (keys of `ConnectorSettings`)."""
     router: dict[str, Any] = Field(default_factory=dict)

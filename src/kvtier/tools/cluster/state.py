@@ -203,11 +203,12 @@ def owner_runs(state: FleetState) -> bool:
 def check_serving(path: Path, recorded: Mapping[str, Any]) -> None:
     """Raise `KvtierError` where the state file `path`, holding `recorded`, is one written while
     start-up was under way (it records no URLs yet), saying whether that `kvtier up` still
-    starts or was killed doing so."""
+    starts or was killed doing so (exited but not yet reaped by its parent counts as killed, as
+    in `owner_runs`)."""
     if recorded.get("phase") != STARTING:
         return
-    pid = recorded.get("pid")
-    if _valid_pid(pid) and process_identity(pid) == recorded.get("identity"):
+    pid, identity = recorded.get("pid"), recorded.get("identity")
+    if _valid_pid(pid) and isinstance(identity, str) and _runs(pid, identity):
         raise KvtierError(
             f"the fleet of {path} is starting (`kvtier up`, pid {pid}); its URLs are recorded "
             "once every replica is up: try again then"

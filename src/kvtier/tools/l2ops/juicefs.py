@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -285,8 +286,14 @@ class JuiceFSVolume:
             )
         self._formatted = True
 
-    def mount(self, path: str | None = None) -> JuiceFSMount:
-        """Mount the volume once more (a new "node"); formats it first if needed."""
+    def mount(
+        self,
+        path: str | None = None,
+        on_started: Callable[[JuiceFSMount], None] | None = None,
+    ) -> JuiceFSMount:
+        """Mount the volume once more (a new "node"); formats it first if needed. `on_started`
+        is called with the mount as soon as its daemon's process exists, before the wait for it
+        to be mounted (to record it: a daemon outlives its starter)."""
         if not fuse_available():
             raise TierError("FUSE mounts need root and a writable /dev/fuse")
         if not self._formatted:
@@ -328,6 +335,8 @@ class JuiceFSVolume:
             )
         handle = JuiceFSMount(str(mountpoint), proc, log_path, self.binary)
         self.mounts.append(handle)
+        if on_started is not None:
+            on_started(handle)
         deadline = time.monotonic() + self.spec.mount_timeout_s
         while time.monotonic() < deadline:
             if handle.mounted():

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal, Self
@@ -99,8 +100,13 @@ class ValkeyServerSpec:
 class ValkeyServer:
     """One running server. `url` is what the Valkey tier and JuiceFS (`/1` appended) use."""
 
-    def __init__(self, spec: ValkeyServerSpec) -> None:
+    def __init__(
+        self, spec: ValkeyServerSpec, on_started: Callable[[int], None] | None = None
+    ) -> None:
+        """`on_started` gets the server's pid as soon as its process exists, before the wait
+        for its answer (to record it: the server outlives a killed starter)."""
         self.spec = spec
+        self._on_started = on_started
         self.binary = spec.binary or find_valkey_binary()
         self.port = spec.port or free_port()
         self._own_dir = spec.data_dir is None
@@ -159,6 +165,8 @@ class ValkeyServer:
             stderr=subprocess.DEVNULL,
         )
         try:
+            if self._on_started is not None:
+                self._on_started(self._proc.pid)
             self._await_ping(self._proc)
         except BaseException:
             self.kill()
