@@ -6,8 +6,11 @@ import json
 import socket
 import threading
 import time
+from contextlib import ExitStack
+from dataclasses import replace
 
 import pytest
+import zmq
 
 from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.events import EventKind, KVEvent
@@ -15,8 +18,10 @@ from kvtier.core.keys import BlockHash, block_hashes
 from kvtier.core.tiers.base import Tier
 from kvtier.net.kv_events import (
     SNAPSHOT_MIN_INTERVAL_S,
+    SNAPSHOT_TOPIC_PREFIX,
     EventPublisher,
     EventSubscriber,
+    PublisherId,
     decode,
     encode,
 )
@@ -124,8 +129,6 @@ def test_publisher_rejects_an_endpoint_already_bound() -> None:
 
 
 def test_subscriber_skips_and_counts_malformed_frames() -> None:
-    import zmq
-
     endpoint = _free_endpoint()
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUB)
@@ -228,7 +231,7 @@ def test_a_snapshot_sent_amid_queued_events_keeps_their_numbers_in_order() -> No
     events' numbers must still only go up."""
     endpoint = _free_endpoint()
     with _HeldSender(endpoint) as pub, EventSubscriber([endpoint]) as sub:
-        pub.joiner = sub._snapshot_topic
+        pub.joiner = next(iter(sub._topics))  # the join's
         for _ in range(50):  # until the subscription has propagated
             pub.publish(EventKind.STORED, Tier.L1, _hashes(1))
             if sub.recv(timeout_s=0.1) is not None:
@@ -269,10 +272,10 @@ def test_a_resync_gets_a_fresh_snapshot_on_a_new_topic_and_the_others_hear_nothi
         ):
             _collect(other, 2)
             first = _collect(sub, 2)
-            old_topic = sub._snapshot_topic
+            old_topics = set(sub._topics)
             assert sub.resync()
             again = _collect(sub, 2)
-            assert sub._snapshot_topic != old_topic
+            assert old_topics.isdisjoint(sub._topics)
             assert other.drain(timeout_s=SNAPSHOT_MIN_INTERVAL_S) == []
             assert sub.malformed == 0
         assert pub.snapshots == 3
@@ -342,3 +345,114 @@ def test_resyncs_back_off_while_gaps_go_on_and_come_back_after_a_quiet_spell() -
         assert sub.resync()
         time.sleep(0.25)
         assert sub.resync()
+
+
+def _replicas(stack: ExitStack, n: int) -> list[EventPublisher]:
+    """`n` publishers, replica-0 to replica-(n-1), each holding one L1 block of its own (so
+    each has a snapshot to send), the block sent to nobody."""
+    publishers = []
+    for i, block in enumerate(_hashes(n)):
+        pub = stack.enter_context(EventPublisher(_free_endpoint(), f"replica-{i}"))
+        pub.publish(EventKind.STORED, Tier.L1, (block,))
+        publishers.append(pub)
+    time.sleep(0.3)  # sent to nobody: each subscriber hears it only in a snapshot
+    return publishers
+
+
+def _snapshot_senders(events: list[KVEvent]) -> list[str]:
+    """The replicas whose snapshot `events` hold, each once, sorted (asserting all are)."""
+    assert all(e.snapshot for e in events)
+    return sorted({e.replica for e in events})
+
+
+def test_the_join_asks_every_publisher_and_a_resync_naming_one_asks_it_alone() -> None:
+    """A gap in one replica's events must not make every replica of the fleet re-send its
+    holdings to a router that is already too slow."""
+    with ExitStack() as stack:
+        pubs = _replicas(stack, 3)
+        sub = stack.enter_context(
+            EventSubscriber([p.endpoint for p in pubs], resync_interval_s=0.0)
+        )
+        assert _snapshot_senders(_collect(sub, 6)) == ["replica-0", "replica-1", "replica-2"]
+        assert sub.resync([PublisherId(pubs[1].replica, pubs[1].epoch)])
+        again = _collect(sub, 2)
+        again += sub.drain(timeout_s=SNAPSHOT_MIN_INTERVAL_S + 0.5)  # the others' round is due
+        assert [p.snapshots for p in pubs] == [1, 2, 1]
+        assert sub.malformed == 0
+    assert [(e.replica, e.kind, e.hashes) for e in again] == [
+        ("replica-1", EventKind.CLEARED, ()),
+        ("replica-1", EventKind.STORED, _hashes(3)[1:2]),
+    ]
+
+
+def test_a_publisher_connected_after_a_targeted_resync_still_sends_its_snapshot() -> None:
+    """The join's topic, naming no publisher, stays subscribed: a replica added (or
+    reconnected) after a resync named another still hears it and answers."""
+    with ExitStack() as stack:
+        first, late = _replicas(stack, 2)
+        sub = stack.enter_context(EventSubscriber([first.endpoint], resync_interval_s=0.0))
+        assert _snapshot_senders(_collect(sub, 2)) == ["replica-0"]
+        assert sub.resync([PublisherId(first.replica, first.epoch)])
+        assert _snapshot_senders(_collect(sub, 2)) == ["replica-0"]
+        sub.connect(late.endpoint)
+        assert _snapshot_senders(_collect(sub, 2)) == ["replica-1"]
+        assert late.snapshots == 1
+
+
+def _raw_subscriber(stack: ExitStack, endpoints: list[str]) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    stack.callback(sock.close, 0)
+    for endpoint in endpoints:
+        sock.connect(endpoint)
+    return sock
+
+
+def _senders_on(sock: zmq.Socket, topic: bytes, wait_s: float) -> list[str]:
+    """Subscribe `sock` to snapshot `topic`, then the replicas whose snapshot frames arrive on
+    it within `wait_s`, each once, sorted."""
+    sock.setsockopt(zmq.SUBSCRIBE, topic)
+    senders = set()
+    deadline = time.monotonic() + wait_s
+    while sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+        frame_topic, frame = sock.recv_multipart()
+        assert frame_topic == topic
+        senders.add(decode(frame).replica)
+    return sorted(senders)
+
+
+def test_snapshot_topics_on_the_wire_named_or_as_an_earlier_router_sends_them() -> None:
+    """`kvtier.snap.<16 hex>/<epoch>/<replica>` asks that publisher alone; an earlier router's
+    topic, `kvtier.snap.<16 hex>`, names none and every publisher still answers it."""
+    with ExitStack() as stack:
+        pubs = _replicas(stack, 3)
+        sock = _raw_subscriber(stack, [p.endpoint for p in pubs])
+        named = SNAPSHOT_TOPIC_PREFIX + b"0" * 16 + b"/" + pubs[2].epoch.encode() + b"/replica-2"
+        wait_s = SNAPSHOT_MIN_INTERVAL_S + 1.0  # a round each, however late it comes
+        assert _senders_on(sock, named, wait_s) == ["replica-2"]
+        unnamed = SNAPSHOT_TOPIC_PREFIX + b"1" * 16
+        assert _senders_on(sock, unnamed, wait_s) == ["replica-0", "replica-1", "replica-2"]
+        assert [p.snapshots for p in pubs] == [1, 1, 2]
+
+
+def test_an_earlier_publisher_answering_every_resync_is_heard_as_a_snapshot() -> None:
+    """A replica of an earlier version answers a snapshot topic that names another replica:
+    its snapshot is as valid as ever, and the subscriber takes it as one."""
+    endpoint = _free_endpoint()
+    with ExitStack() as stack:
+        earlier = zmq.Context.instance().socket(zmq.XPUB)
+        stack.callback(earlier.close, 0)
+        earlier.setsockopt(zmq.XPUB_VERBOSE, 1)
+        earlier.bind(endpoint)
+        sub = stack.enter_context(EventSubscriber([endpoint], resync_interval_s=0.0))
+        assert sub.resync([PublisherId("replica-1", "e")])
+        topics = set()
+        while earlier.poll(5000):  # TOPIC, the join's and the resync's, in order
+            topics.add(earlier.recv()[1:])
+            if len(topics) == 3:
+                break
+        (resync_topic,) = {t for t in topics if t.endswith(b"/e/replica-1")}
+        event = KVEvent(EventKind.STORED, "replica-0", "e0", Tier.L1, _hashes(1), 3)
+        earlier.send_multipart([resync_topic, encode(event)])
+        got = sub.recv(timeout_s=5)
+        assert got == replace(event, snapshot=True)
+        assert sub.malformed == 0

@@ -6,6 +6,8 @@ import asyncio
 import socket
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -16,7 +18,7 @@ import zmq.asyncio
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import BlockHash, block_hashes, extra_key
 from kvtier.core.tiers.base import Tier
-from kvtier.net.kv_events import EventPublisher
+from kvtier.net.kv_events import SNAPSHOT_MIN_INTERVAL_S, EventPublisher
 from kvtier.router.event_feed import EventFeed, KvtierApplier, VllmRehasher
 from kvtier.router.index import SHARED, PrefixIndex
 
@@ -255,7 +257,7 @@ def test_a_snapshot_past_lost_events_is_no_gap_and_a_gap_asks_for_one() -> None:
     up to it, so those lost before them leave nothing to repair."""
     index = PrefixIndex()
     counts, gaps = Counts(), Counts()
-    applier = KvtierApplier(index, count=counts, on_gap=lambda replica: gaps("gap", replica))
+    applier = KvtierApplier(index, count=counts, on_gap=lambda pub: gaps("gap", pub.replica))
     applier.apply(kv(EventKind.STORED, Tier.L1, HASHES[:1], seq=5), now=0.0)
     snapshot = KVEvent(EventKind.STORED, "r1", "e1", Tier.L1, HASHES, 9, snapshot=True)
     applier.apply(snapshot, now=0.0)  # 6 to 8 lost, but the snapshot says what they did
@@ -440,22 +442,36 @@ def _flood_a_stalled_router(
     time.sleep(1.0)  # holds the loop: the sender pushes what fits, the rest is lost
 
 
-def _lose_in_a_flood(
-    tmp_path: Path, stale: list[BlockHash]
-) -> tuple[PrefixIndex, Counts, list[BlockHash]]:
-    """A feed follows a publisher over ipc (resyncs 0.5 s apart at most); the `stale` blocks
-    are stored in L1 and L2 and seen; a flood of `FLOOD` stored blocks, then the removal of
-    `stale` from L1, reaches a stalled router, which loses some of them (asserted); one more
-    event shows the gap. Returns the index and counts once the index holds every flooded
-    block (at most 10 s), and those blocks."""
+@dataclass
+class Flooded:
+    """What `_lose_in_a_flood` left: the router's index and counts, the flooded blocks, and
+    the number of snapshots each bystander sent."""
+
+    index: PrefixIndex
+    counts: Counts
+    blocks: list[BlockHash]
+    bystander_snapshots: list[int]
+
+
+def _lose_in_a_flood(tmp_path: Path, stale: list[BlockHash], bystanders: int = 0) -> Flooded:
+    """A feed follows a publisher, r1, over ipc (resyncs 0.5 s apart at most) and `bystanders`
+    more (r2, ...), each holding one L1 block it stored before the feed started; the `stale`
+    blocks are stored in L1 and L2 and seen; a flood of `FLOOD` stored blocks, then the removal
+    of `stale` from L1, reaches a stalled router, which loses some of r1's events (asserted);
+    one more event shows the gap. Returns once the index holds every flooded block (at most
+    10 s), and a snapshot round more has passed."""
     blocks = [_block(i) for i in range(FLOOD)]
     index, counts = PrefixIndex(), Counts()
+    sent: list[int] = []
 
     async def scenario() -> None:
         endpoint = f"ipc://{tmp_path}/kv"
-        with EventPublisher(endpoint, "r1", max_queue=2 * FLOOD) as pub:
+        with ExitStack() as stack:
+            pub = stack.enter_context(EventPublisher(endpoint, "r1", max_queue=2 * FLOOD))
+            others = [_bystander(stack, tmp_path, f"r{i}") for i in range(2, 2 + bystanders)]
+            endpoints = [endpoint, *(other.endpoint for other in others)]
             feed = EventFeed(
-                index, [endpoint], {}, counts, time.monotonic, 1000, resync_interval_s=0.5
+                index, endpoints, {}, counts, time.monotonic, 1000, resync_interval_s=0.5
             )
             feed.start()
             try:
@@ -474,27 +490,51 @@ def _lose_in_a_flood(
                     await asyncio.sleep(0.1)
                     if _held(index, blocks) == FLOOD:
                         break
+                await asyncio.sleep(SNAPSHOT_MIN_INTERVAL_S)  # any other answer is sent by now
+                sent.extend(other.snapshots for other in others)
             finally:
                 await feed.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 60))
-    return index, counts, blocks
+    return Flooded(index, counts, blocks, sent)
+
+
+def _bystander(stack: ExitStack, tmp_path: Path, replica: str) -> EventPublisher:
+    """A publisher at ipc://TMP/`replica` that stored `replica`'s own block in L1."""
+    pub = stack.enter_context(EventPublisher(f"ipc://{tmp_path}/{replica}", replica))
+    pub.publish(EventKind.STORED, Tier.L1, [_own_block(replica)])
+    return pub
+
+
+def _own_block(replica: str) -> BlockHash:
+    return BlockHash(replica.encode().rjust(16, b"\0"))
 
 
 def test_blocks_whose_stored_events_a_slow_router_lost_come_back_with_a_resync(
     tmp_path: Path,
 ) -> None:
-    index, counts, blocks = _lose_in_a_flood(tmp_path, [])
-    assert _held(index, blocks) == FLOOD
-    assert ("kvtier", "gap") in counts.calls
-    assert counts.calls.count(("kvtier", "resync")) == 1
+    flooded = _lose_in_a_flood(tmp_path, [])
+    assert _held(flooded.index, flooded.blocks) == FLOOD
+    assert ("kvtier", "gap") in flooded.counts.calls
+    assert flooded.counts.calls.count(("kvtier", "resync")) == 1
 
 
 def test_an_entry_whose_removal_a_slow_router_lost_goes_with_the_resync(tmp_path: Path) -> None:
     stale = [_block(FLOOD + 1)]
-    index, _, blocks = _lose_in_a_flood(tmp_path, stale)
-    assert _held(index, blocks) == FLOOD
-    assert index.match(stale) == {"r1": [Tier.L2]}  # its L1 entry gone; the pool's copy stays
+    flooded = _lose_in_a_flood(tmp_path, stale)
+    assert _held(flooded.index, flooded.blocks) == FLOOD
+    assert flooded.index.match(stale) == {"r1": [Tier.L2]}  # L1's entry gone; the pool's stays
+
+
+def test_a_resync_asks_only_the_replica_whose_events_were_lost(tmp_path: Path) -> None:
+    """Every replica's snapshot at the join; after r1's gap, r1's alone (in a fleet of many,
+    every replica answering would send the slow router far more than it lost)."""
+    flooded = _lose_in_a_flood(tmp_path, [], bystanders=2)
+    assert _held(flooded.index, flooded.blocks) == FLOOD
+    assert flooded.counts.calls.count(("kvtier", "resync")) == 1
+    assert flooded.bystander_snapshots == [1, 1]  # the join's, no more
+    for replica in ("r2", "r3"):
+        assert flooded.index.match([_own_block(replica)]).get(replica) == [Tier.L1]
 
 
 def test_a_burst_of_gaps_gets_at_most_one_resync_an_interval(tmp_path: Path) -> None:

@@ -31,23 +31,37 @@ replica's tier exactly as listed: entries a lost removal left stale go. Until th
 stored-event is applied the subscriber knows less of it (a colder routing choice at worst). A
 cleared-event is a kind every reader knows; older routers apply it the same way.
 
+Snapshot topics: `SNAPSHOT_TOPIC_PREFIX` + 16 random hex digits names no publisher (every
+publisher answers it: the join's); followed by `/` + epoch + `/` + replica (`PublisherId`, as the
+publisher's events carry them) it names one, and only that publisher answers it. A subscription
+reaches every publisher the subscriber is connected to; a publisher of an earlier version
+(without targeted resyncs) answers every snapshot topic, named or not (its snapshot is valid
+all the same), and a subscriber of that version names none, so either side may be the older.
+
 Resync: a subscriber that sees a jump in a replica's numbers (it read too slowly: its socket's
-queue, or the publisher socket's queue for it, overflowed) asks for a fresh snapshot
-(`EventSubscriber.resync`): it subscribes to a new snapshot topic and leaves the old one. A
-subscription reaches every publisher, so every replica sends it a snapshot. Resyncs are at most
-one per `RESYNC_MIN_INTERVAL_S` per subscriber, the join included. A resync costs at most, per
-replica, `max_held_blocks` hashes per tier (35 bytes each on the wire) in `SNAPSHOT_CHUNK`
-frames, and the interval doubles (up to `RESYNC_MAX_INTERVAL_S`) while each resync is followed
-by new gaps, so a subscriber that keeps losing events is not sent holdings over and over. The
-old topic's frames still
-on their way are dropped by the SUB socket once it leaves the topic (never counted malformed),
-and the new snapshot lists what they would have. A jump that comes from the publisher's own
-event queue (`max_queue`, full) is repaired the same way: each event published, sent or
-dropped, goes to a journal (`publish` only appends to it, under the lock), which the sender
-thread records in its holdings before each snapshot, so snapshots list what dropped events
-announced; building a snapshot never holds the lock `publish` takes. Not detected: a snapshot
-cut short by the socket's high-water mark for a subscriber so slow its queue is full (its
-events carry no numbers of their own); the next gap's resync repairs it.
+queue, or the publisher socket's queue for it, overflowed) asks that replica for a fresh
+snapshot (`EventSubscriber.resync`): it subscribes to a new snapshot topic naming it and leaves
+the one it asked it on before; the join's topic, naming none, stays, so a publisher connected
+or reconnected later still sends its snapshot. Resyncs are at most one per
+`RESYNC_MIN_INTERVAL_S` per subscriber, the join included, each naming every replica whose gaps
+came since the last. A resync costs at most, per replica named, `max_held_blocks` hashes per
+tier (35 bytes each on the wire) in `SNAPSHOT_CHUNK` frames, and the interval doubles (up to
+`RESYNC_MAX_INTERVAL_S`) while each resync is followed by new gaps, so a subscriber that keeps
+losing events is not sent holdings over and over. The replaced topic's frames still on their
+way are dropped by the SUB socket once it leaves the topic (never counted malformed), and the
+new snapshot lists what they would have; the topics of the other replicas stay until they are
+`NAMED_TOPIC_TTL_S` old (left by the first resync after that), so a slowly read snapshot of one
+replica is not cut by the resync of another. Every topic still subscribed is sent again when
+a connection is re-established, so a replica that reconnects within that time (same epoch)
+answers its own named topic as well as the join's (two snapshots, once).
+
+A jump that comes from the publisher's own event queue (`max_queue`, full) is repaired the
+same way: each event published, sent or dropped, goes to a journal (`publish` only appends to
+it, under the lock), which the sender thread records in its holdings before each snapshot, so
+snapshots list what dropped events announced; building a snapshot never holds the lock
+`publish` takes. Not detected: a snapshot cut short by the socket's high-water mark for a
+subscriber so slow its queue is full (its events carry no numbers of their own); the next
+gap's resync repairs it.
 
 What is accepted: `decode` takes only a frame of at most `MAX_EVENT_BYTES` holding exactly
 the fields above with their types (hashes as 32 lower-case hex digits); anything else is a
@@ -76,9 +90,9 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import zmq
 
@@ -90,12 +104,14 @@ from kvtier.core.tiers.base import TIER_ORDER, Tier
 from kvtier.net.holdings import Holdings
 
 __all__ = [
+    "NAMED_TOPIC_TTL_S",
     "RESYNC_MIN_INTERVAL_S",
     "SNAPSHOT_TOPIC_PREFIX",
     "TOPIC",
     "WIRE_VERSION",
     "EventPublisher",
     "EventSubscriber",
+    "PublisherId",
     "curve_secret_from_env",
     "decode",
     "encode",
@@ -119,12 +135,17 @@ SNAPSHOTS_PER_ROUND = 8
 """Snapshot topics served per round; the others wait for the next round (a client joining
 under many topics gets at most this many snapshots sent a second)."""
 RESYNC_MIN_INTERVAL_S = 5.0
-"""At most one resync per interval per subscriber: each makes every replica send that
-subscriber its holdings, and the subscriber that lost events is the slow one; the gaps seen
+"""At most one resync per interval per subscriber: each makes the replicas it names send that
+subscriber their holdings, and the subscriber that lost events is the slow one; the gaps seen
 within the interval wait for the next resync, which repairs them all at once."""
 RESYNC_MAX_INTERVAL_S = 60.0
 """The interval doubles, up to this, each time a resync comes as soon as the interval allows
 (gaps go on); it is back to its least once a resync comes later than twice the interval."""
+NAMED_TOPIC_TTL_S = 60.0
+"""A subscriber keeps a snapshot topic naming one publisher at least this long (unless a new
+resync of that publisher replaces it), so the snapshot asked on it arrives whole however slowly
+it is read; the first resync after that leaves it."""
+_NAME_SEPARATOR = b"/"
 _JOURNAL_MAX = 50_000
 """Events the journal holds at most: the sender empties it on every pass, so only a sender
 stalled for that many events overflows it (the holdings are then taken as incomplete)."""
@@ -144,9 +165,39 @@ def new_epoch() -> str:
     return secrets.token_hex(8)
 
 
-def _new_snapshot_topic() -> bytes:
-    """A snapshot topic no other subscriber, nor this one before, has used."""
-    return SNAPSHOT_TOPIC_PREFIX + new_epoch().encode()
+class PublisherId(NamedTuple):
+    """One publisher as its events name it: the `replica` and `epoch` they carry."""
+
+    replica: str
+    epoch: str
+
+    def topic_suffix(self) -> bytes:
+        """What follows the random part of a snapshot topic naming this publisher (any string
+        encodes: a lone surrogate escaped, the same on both sides)."""
+        sep = _NAME_SEPARATOR
+        epoch, replica = (s.encode(errors="backslashreplace") for s in (self.epoch, self.replica))
+        return sep + epoch + sep + replica
+
+
+def _new_snapshot_topic(publisher: PublisherId | None = None) -> bytes:
+    """A snapshot topic no other subscriber, nor this one before, has used, naming `publisher`
+    (it alone answers) or none (every publisher answers)."""
+    topic = SNAPSHOT_TOPIC_PREFIX + new_epoch().encode()
+    return topic if publisher is None else topic + publisher.topic_suffix()
+
+
+def _asks(topic: bytes, publisher: PublisherId) -> bool:
+    """Whether snapshot topic `topic` asks `publisher` for a snapshot: it names it, or none."""
+    _, sep, name = topic.removeprefix(SNAPSHOT_TOPIC_PREFIX).partition(_NAME_SEPARATOR)
+    return not sep or sep + name == publisher.topic_suffix()
+
+
+class _Asked(NamedTuple):
+    """A snapshot topic a subscriber listens on: the publisher it names (None: every one) and
+    when it was subscribed to."""
+
+    publisher: PublisherId | None
+    at: float
 
 
 def encode(event: KVEvent) -> bytes:
@@ -223,8 +274,9 @@ class EventPublisher:
     `publish(kind, tier, hashes)` stamps replica and epoch and enqueues; the sender thread
     numbers each event as it sends it (so a snapshot sent between queued events never puts
     numbers out of order), skipping one number per event the full queue dropped, and sends a
-    snapshot of the held blocks to each new subscriber alone (at most `max_held_blocks` per
-    tier; each tier of its own listed whole starts with a cleared-event);
+    snapshot of the held blocks to each new subscriber alone, on each snapshot topic that names
+    this publisher or none (at most `max_held_blocks` per tier; each tier of its own listed whole
+    starts with a cleared-event);
     `close()` sends what is queued (up to `linger_s`) and stops it.
     """
 
@@ -250,6 +302,7 @@ class EventPublisher:
         self.endpoint = endpoint
         self.replica = replica
         self.epoch = epoch or new_epoch()
+        self._identity = PublisherId(replica, self.epoch)
         self._linger_s = linger_s
         self._queue: queue.Queue[KVEvent | None] = queue.Queue(max_queue)
         self._lock = threading.Lock()
@@ -342,16 +395,16 @@ class EventPublisher:
         self._socket.close()
 
     def _read_joins(self, due: dict[bytes, None]) -> None:
-        """Add to `due` the snapshot topics subscribed to, drop those unsubscribed from; reads
-        at most `_MAX_JOINS_READ` messages, so a flood of them cannot hold the sender off its
-        events, and keeps at most `_MAX_JOINS_PENDING` topics."""
+        """Add to `due` the snapshot topics subscribed to that ask this publisher (`_asks`), drop
+        those unsubscribed from; reads at most `_MAX_JOINS_READ` messages, so a flood of them
+        cannot hold the sender off its events, and keeps at most `_MAX_JOINS_PENDING` topics."""
         for _ in range(_MAX_JOINS_READ):
             if not self._socket.poll(0):
                 return
             message = self._socket.recv()
             topic = message[1:]
-            if not topic.startswith(SNAPSHOT_TOPIC_PREFIX):
-                continue  # the live topic, or anything else: no snapshot asked for
+            if not topic.startswith(SNAPSHOT_TOPIC_PREFIX) or not _asks(topic, self._identity):
+                continue  # the live topic, another publisher's snapshot topic, anything else
             if message[:1] == b"\x00":  # an unsubscription: it left before its snapshot
                 due.pop(topic, None)
             elif len(due) < _MAX_JOINS_PENDING:
@@ -435,6 +488,8 @@ class EventSubscriber:
 
     Malformed frames are skipped and counted in `malformed`. ZMQ reconnects on its own when a
     replica restarts at the same endpoint. Events of a snapshot come with `snapshot` set.
+    The join's snapshot topic names no publisher: each publisher, connected now or later, sends
+    its snapshot; `resync` asks the publishers it names alone.
     """
 
     def __init__(
@@ -462,13 +517,14 @@ class EventSubscriber:
             self._socket.curve_publickey = public
             self._socket.curve_secretkey = secret
             self._socket.curve_serverkey = key
-        self._snapshot_topic = _new_snapshot_topic()
-        """Where the publishers send this subscriber, and it alone, their snapshots."""
         self._socket.setsockopt(zmq.SUBSCRIBE, TOPIC)
-        self._socket.setsockopt(zmq.SUBSCRIBE, self._snapshot_topic)
+        self._topics: dict[bytes, _Asked] = {}
+        """Where the publishers send this subscriber, and it alone, their snapshots: each
+        snapshot topic subscribed to -> whom it asks, since when."""
         self._least_interval_s = resync_interval_s
         self._interval_s = resync_interval_s
         self._last_request = time.monotonic()
+        self._listen(None, self._last_request)
         self._endpoints: list[str] = []
         self.malformed = 0
         for endpoint in endpoints:
@@ -493,24 +549,38 @@ class EventSubscriber:
                 self._socket.disconnect(endpoint)
                 self._endpoints.remove(endpoint)
 
-    def resync(self) -> bool:
-        """Ask every publisher for a fresh snapshot (this subscriber missed events): subscribe
-        to a new snapshot topic, leave the old one. False, asking nothing, within the current
-        interval of the last request; the interval doubles when this one comes within twice
-        it (gaps go on), and is back to its least otherwise."""
-        topic = _new_snapshot_topic()
+    def resync(self, publishers: Collection[PublisherId] = ()) -> bool:
+        """Ask `publishers` (none given: every publisher) for a fresh snapshot (this subscriber
+        missed their events): subscribe to a new snapshot topic naming each, leaving the topic
+        it was asked on before, and the topics naming others that are over `NAMED_TOPIC_TTL_S`
+        old. False, asking nothing, within the current interval of the last request; the
+        interval doubles when this one comes within twice it (gaps go on), and is back to its
+        least otherwise."""
+        wanted: set[PublisherId | None] = set(publishers) or {None}
         with self._lock:
-            since = time.monotonic() - self._last_request
+            now = time.monotonic()
+            since = now - self._last_request
             if since < self._interval_s:
                 return False
             gaps_go_on = since < 2 * self._interval_s
             doubled = min(RESYNC_MAX_INTERVAL_S, 2 * self._interval_s)
             self._interval_s = doubled if gaps_go_on else self._least_interval_s
-            self._socket.setsockopt(zmq.SUBSCRIBE, topic)
-            self._socket.setsockopt(zmq.UNSUBSCRIBE, self._snapshot_topic)
-            self._snapshot_topic = topic
-            self._last_request = time.monotonic()
+            self._last_request = now
+            for topic, asked in list(self._topics.items()):
+                expired = asked.publisher is not None and now - asked.at > NAMED_TOPIC_TTL_S
+                if asked.publisher in wanted or expired:
+                    self._socket.setsockopt(zmq.UNSUBSCRIBE, topic)
+                    del self._topics[topic]
+            for publisher in wanted:
+                self._listen(publisher, now)
         return True
+
+    def _listen(self, publisher: PublisherId | None, now: float) -> None:
+        """Subscribe to a new snapshot topic naming `publisher` (None: every one); under the
+        lock, or before the subscriber is shared."""
+        topic = _new_snapshot_topic(publisher)
+        self._socket.setsockopt(zmq.SUBSCRIBE, topic)
+        self._topics[topic] = _Asked(publisher, now)
 
     def recv(self, timeout_s: float | None = None) -> KVEvent | None:
         """The next event, or None when none arrives within `timeout_s` (None: wait forever)."""
@@ -543,7 +613,7 @@ class EventSubscriber:
         return events
 
     def _parse(self, frames: list[bytes]) -> KVEvent | None:
-        if len(frames) != 2 or frames[0] not in (TOPIC, self._snapshot_topic):
+        if len(frames) != 2 or (frames[0] != TOPIC and frames[0] not in self._topics):
             self.malformed += 1
             return None
         try:

@@ -6,13 +6,14 @@ Two sources:
   are purged first; the shared pool's L2 entries stay (they outlive the replica).
   A jump in a replica's `seq` means events were lost (its publisher's queue was full, or this
   subscriber was slow): counted as a `gap`, and repaired by a resync (`EventSubscriber.resync`,
-  `count("kvtier", "resync")`): every replica sends a fresh snapshot, whose cleared-events drop
-  the entries of the replica's own tiers that lost removals left stale and whose stored-events
-  restore what lost stores left out. One resync at most per `RESYNC_MIN_INTERVAL_S`: a gap seen
-  within it is repaired by the next one. A snapshot's events are no gap, whatever their `seq`
-  (they stand for everything up to it). Until then, and for what a resync cannot repair (L2
-  entries another replica's janitor removed), a stale entry costs a routing miss, never wrong
-  output.
+  `count("kvtier", "resync")` once per request): each replica whose events had gaps since the
+  last resync (by replica and epoch), and it alone, sends a fresh snapshot, whose
+  cleared-events drop the entries of the replica's own tiers that lost removals left stale and
+  whose stored-events restore what lost stores left out. One resync at most per
+  `RESYNC_MIN_INTERVAL_S`: the replicas with a gap seen within it are named by the next one.
+  A snapshot's events are no gap, whatever their `seq` (they stand for everything up to it).
+  Until then, and for what a resync cannot repair (L2 entries another replica's janitor
+  removed), a stale entry costs a routing miss, never wrong output.
   L2 blocks are stored under the pseudo-replica `SHARED` (they count for every replica).
 - vLLM's `--kv-events-config` publisher (msgpack `KVEventBatch` over ZMQ, frames topic, seq,
   payload). Its block hashes are seeded per process, so `VllmRehasher` re-hashes each stored
@@ -60,7 +61,7 @@ import zmq.asyncio
 from kvtier.core.events import EventKind, KVEvent
 from kvtier.core.keys import BlockHash, chain_hash, extra_key, root_hash
 from kvtier.core.tiers.base import Tier
-from kvtier.net.kv_events import RESYNC_MIN_INTERVAL_S, EventSubscriber
+from kvtier.net.kv_events import RESYNC_MIN_INTERVAL_S, EventSubscriber, PublisherId
 from kvtier.router.index import SHARED, PrefixIndex
 
 __all__ = ["REPLAY_MAX_BATCHES", "REPLAY_TIMEOUT_S", "EventFeed", "KvtierApplier", "VllmRehasher"]
@@ -77,16 +78,17 @@ class KvtierApplier:
 
     `known(replica)` is the allow-list: an event naming a replica the router does not serve
     (a stray or forged publisher) is ignored, so it can neither fill the index nor purge a
-    real replica's entries. `count("kvtier", "gap")` and then `on_gap(replica)` are called for
-    each jump in a replica's `seq` (events lost before this one); a snapshot's event is no jump:
-    it re-announces the replica's holdings as of its `seq`."""
+    real replica's entries. `count("kvtier", "gap")` and then `on_gap(publisher)` (the event's
+    replica and epoch) are called for each jump in a replica's `seq` (events lost before this
+    one); a snapshot's event is no jump: it re-announces the replica's holdings as of its
+    `seq`."""
 
     def __init__(
         self,
         index: PrefixIndex,
         known: Callable[[str], bool] | None = None,
         count: Count = lambda source, kind: None,
-        on_gap: Callable[[str], None] = lambda replica: None,
+        on_gap: Callable[[PublisherId], None] = lambda publisher: None,
     ) -> None:
         self._index = index
         self._known = known
@@ -108,7 +110,7 @@ class KvtierApplier:
             self._count("kvtier", "restart")
         elif not event.snapshot and event.seq > self._next_seq.get(event.replica, event.seq):
             self._count("kvtier", "gap")
-            self._on_gap(event.replica)
+            self._on_gap(PublisherId(event.replica, event.epoch))
         self._epochs[event.replica] = event.epoch
         self._next_seq[event.replica] = event.seq + 1
         holder = SHARED if event.tier is Tier.L2 else event.replica
@@ -305,7 +307,8 @@ class EventFeed:
         self._clock = clock
         self._count = count
         self._kvtier = KvtierApplier(index, known, count, self._gap_seen)
-        self._resync_due = False
+        self._resync_due: set[PublisherId] = set()
+        """The publishers whose events had gaps since the last resync request."""
         self._subscriber = (
             EventSubscriber(
                 kvtier_endpoints,
@@ -385,14 +388,15 @@ class EventFeed:
                 self._count("kvtier", event.kind.value if applied else "foreign")
             self._resync(subscriber)
 
-    def _gap_seen(self, replica: str) -> None:
-        self._resync_due = True
+    def _gap_seen(self, publisher: PublisherId) -> None:
+        self._resync_due.add(publisher)
 
     def _resync(self, subscriber: EventSubscriber) -> None:
-        """After a gap, ask for fresh snapshots as soon as the subscriber's rate limit allows
-        (`count("kvtier", "resync")` each time)."""
-        if self._resync_due and subscriber.resync():
-            self._resync_due = False
+        """After gaps, ask the publishers that had them for fresh snapshots as soon as the
+        subscriber's rate limit allows (`count("kvtier", "resync")` once per request, whatever
+        the number of publishers it names)."""
+        if self._resync_due and subscriber.resync(self._resync_due):
+            self._resync_due.clear()
             self._count("kvtier", "resync")
 
     async def _vllm_loop(self, source: _VllmSource) -> None:

@@ -220,8 +220,9 @@ ROUTER_METRICS: tuple[MetricDef, ...] = (
         "source: kvtier (connector), vllm (engine); kind: stored, removed, cleared, malformed, "
         "gap (a jump in a replica's sequence numbers: events lost before this one; vllm: for "
         "good, no replay filled it), restart (a new epoch or sequence: the tiers that source "
-        "announced for the replica dropped); kvtier only: resync (after gaps, every replica "
-        "asked for a fresh snapshot of its holdings; rate-limited); vllm only: "
+        "announced for the replica dropped); kvtier only: resync (after gaps, one request asking "
+        "the replicas that had them for a fresh snapshot of their holdings; rate-limited); "
+        "vllm only: "
         "replayed (a lost batch asked back from the replica's replay endpoint and applied), "
         "replay_failed (a replay that failed or timed out)",
     ),
