@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import valkey
 
+from kvtier.core.codec import BlockMeta
+from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.l2ops.valkey_cluster import ClusterNode, cluster_ok, cluster_port, valkey_cluster
 from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec
@@ -16,6 +20,7 @@ pytestmark = pytest.mark.valkey
 
 KIB = 1024
 SHARDS = 3
+Block = tuple[BlockHash, BlockMeta, bytes]
 
 
 def tier_at(url: str) -> ValkeyTier:
@@ -28,12 +33,22 @@ def keys_on(node: ClusterNode) -> int:
         return int(admin.dbsize())
 
 
-def test_blocks_spread_over_every_shard_and_another_replica_hits_them_in_one_batch() -> None:
-    blocks = [make_block(21, i, 4 * KIB) for i in range(24)]
-    hashes = [h for h, _, _ in blocks]
+@contextmanager
+def stored_on_a_cluster(seed: int) -> Iterator[tuple[list[ClusterNode], ValkeyTier, list[Block]]]:
+    """A three-shard cluster, a tier on it (closed on exit) and 24 blocks it stored."""
+    blocks = [make_block(seed, i, 4 * KIB) for i in range(24)]
     with valkey_cluster(SHARDS) as nodes:
-        writer = tier_at(nodes[0].url)
-        assert all(writer.put(*block).stored for block in blocks)
+        tier = tier_at(nodes[0].url)
+        try:
+            assert all(tier.put(*block).stored for block in blocks)
+            yield nodes, tier, blocks
+        finally:
+            tier.close()
+
+
+def test_blocks_spread_over_every_shard_and_another_replica_hits_them_in_one_batch() -> None:
+    with stored_on_a_cluster(21) as (nodes, writer, blocks):
+        hashes = [h for h, _, _ in blocks]
         on_shards = [keys_on(node) for node in nodes]
         assert all(on_shards) and sum(on_shards) == len(blocks) + 1  # and the manifest
         reader = tier_at(nodes[2].url)  # another replica, given another node's address
@@ -44,7 +59,6 @@ def test_blocks_spread_over_every_shard_and_another_replica_hits_them_in_one_bat
         stats, written = reader.stats(), writer.stats()
         assert (stats.hits, stats.misses, stats.errors) == (len(blocks), 0, 0)
         assert (written.stored, written.already_present, written.errors) == (len(blocks), 1, 0)
-        writer.close()
         reader.close()
 
 
@@ -70,11 +84,8 @@ def test_a_tier_made_before_the_cluster_answers_uses_its_shards_once_it_does() -
 
 
 def test_a_dead_shard_turns_calls_into_counted_misses_without_delay_then_its_slots_return() -> None:
-    blocks = [make_block(23, i, 4 * KIB) for i in range(24)]
-    hashes = [h for h, _, _ in blocks]
-    with valkey_cluster(SHARDS) as nodes:
-        tier = tier_at(nodes[0].url)
-        assert all(tier.put(*block).stored for block in blocks)
+    with stored_on_a_cluster(23) as (nodes, tier, blocks):
+        hashes = [h for h, _, _ in blocks]
         with valkey.Valkey.from_url(nodes[2].url) as admin:
             on_dead = {key.decode() for key in admin.keys(f"{NAMESPACE}:*")}
         lost = [tier.key(h) in on_dead for h in hashes]
@@ -97,4 +108,3 @@ def test_a_dead_shard_turns_calls_into_counted_misses_without_delay_then_its_slo
             if b is not blocks[lost.index(True)]
         )
         assert tier.contains_many(hashes) == [True] * len(blocks)
-        tier.close()
