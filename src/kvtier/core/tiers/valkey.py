@@ -365,7 +365,7 @@ class ValkeyTier:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.exists(self.key(h))
-            return list(pipe.execute())  # type: ignore[no-untyped-call]
+            return list(pipe.execute())
 
         found = self._call(run, "exists", lookup=True)
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
@@ -381,7 +381,7 @@ class ValkeyTier:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.get(self.key(h))
-            replies = pipe.execute(raise_on_error=False)  # type: ignore[no-untyped-call]
+            replies = pipe.execute(raise_on_error=False)
             # A key's error (WRONGTYPE: a key of another type) is a nil, as MGET answers it;
             # the TYPE check of the nils removes such a key, or counts the error it answers too.
             return [None if isinstance(r, valkey.exceptions.ResponseError) else r for r in replies]
@@ -404,7 +404,7 @@ class ValkeyTier:
             pipe = client.pipeline(transaction=False)
             for h in hashes:
                 pipe.type(self.key(h))
-            return list(pipe.execute())  # type: ignore[no-untyped-call]
+            return list(pipe.execute())
 
         types = self._call(run, "type")
         if types is None:
@@ -419,7 +419,7 @@ class ValkeyTier:
             pipe = client.pipeline(transaction=False)
             for h in foreign:
                 pipe.delete(self.key(h))  # one key per DEL: no CROSSSLOT in cluster mode
-            return sum(pipe.execute())  # type: ignore[no-untyped-call]
+            return sum(pipe.execute())
 
         removed = self._call(delete, "delete")
         self._counters.add(corrupt_removed=removed or 0)
@@ -494,5 +494,5 @@ def shard_clients(url: str) -> Iterator[list[valkey.Valkey]]:
         if not _cluster_mode(probe):
             yield [probe]
             return
-    with ValkeyCluster.from_url(url) as cluster:
+    with ValkeyCluster.from_url(url) as cluster:  # type: ignore[no-untyped-call]
         yield [cluster.get_valkey_connection(node) for node in cluster.get_primaries()]

@@ -182,11 +182,11 @@ def l2_target(
         if kind == "valkey-cluster":
             from kvtier.tools.l2ops.valkey_cluster import valkey_cluster
 
-            spec = ValkeyServerSpec(
+            node_spec = ValkeyServerSpec(
                 maxmemory_bytes=valkey_maxmemory_bytes // CLUSTER_SHARDS,
                 data_dir=os.path.join(scratch, "valkey"),
             )
-            with valkey_cluster(CLUSTER_SHARDS, spec) as nodes:
+            with valkey_cluster(CLUSTER_SHARDS, node_spec) as nodes:
                 with _opened(L2Target(kind, url=nodes[0].url)) as target:
                     yield target
             return

@@ -110,7 +110,7 @@ def _valkey_status(url: str) -> dict[str, object]:
             "used_memory": sum(m["used_memory"] for m in memory),
             "maxmemory": sum(m["maxmemory"] for m in memory),
             "policy": ",".join(sorted({str(m["maxmemory_policy"]) for m in memory})),
-            "keys": sum(int(c.dbsize()) for c in clients),
+            "keys": sum(cast("int", c.dbsize()) for c in clients),
             "evicted_keys": sum(s["evicted_keys"] for s in stats),
         }
 

@@ -54,7 +54,7 @@ def cluster_ok(node: ValkeyServer, nodes: int) -> bool:
     """Whether `node` sees a healthy cluster of `nodes` nodes (every slot served)."""
     admin = valkey.Valkey.from_url(node.url, socket_timeout=1.0, socket_connect_timeout=1.0)
     try:
-        info = admin.execute_command("CLUSTER", "INFO").decode()
+        info = admin.execute_command("CLUSTER", "INFO").decode()  # type: ignore[no-untyped-call]
     except valkey.exceptions.ValkeyError:
         return False
     finally:
