@@ -15,7 +15,8 @@ Engines (each a real `vllm serve` on the embedded model, one pinned thread):
 - `reference`: no connector; computes every expected output once, then stops;
 - `replica_a`, `replica_b`: the connector with a tiny L0 (40 x 128 tokens) and one shared L2
   directory; `replica_b` never sees a prompt before the L2 tests send it there;
-- one connector engine with an unusable L2 path (its own test);
+- one connector engine with an unusable L2 path, one on a JuiceFS mount, one on a Valkey
+  cluster (their own tests);
 - two offline engines (`BatchEngine`) for prompts that must share a scheduler step.
 """
 
@@ -30,6 +31,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from valkey.cluster import ValkeyCluster
 
 from kvtier.core.codec import HEADER_BYTES, decode_header
 from kvtier.core.events import EventKind
@@ -41,6 +43,7 @@ from kvtier.net.ports import free_port
 from kvtier.tools.bench.corpus import Corpus
 from kvtier.tools.bench.tiers import prompt_ids
 from kvtier.tools.l2ops.juicefs import JuiceFSMount
+from kvtier.tools.l2ops.valkey_cluster import valkey_cluster
 from kvtier.tools.vllm_server import ServerProcess
 from tests.helpers.engines import (
     BatchEngine,
@@ -74,7 +77,8 @@ LENGTHS = {
     "salted": 1200,
     "no_l2": 900,
     "events": 1000,
-    "juicefs": 1700,  # (last: each prompt's text depends on its position)
+    "juicefs": 1700,
+    "valkey_cluster": 1500,  # (add new ones last: each prompt's text depends on its position)
 }
 
 
@@ -327,6 +331,44 @@ def test_an_l2_hit_through_another_juicefs_mount_is_read_beside_the_forward(
         # no L1 to copy from on a fresh replica: only piece reads are layered
         assert metric(server, LAYERED) > 0
         assert metric(server, FAILED) == 0
+
+
+@pytest.mark.valkey
+def test_an_l2_hit_from_a_valkey_cluster_gives_identical_tokens(
+    replica_a: ServerProcess,
+    l2_dir: Path,
+    expected: dict[tuple[str, int], list[int]],
+    prompts: dict[str, list[int]],
+    tmp_path: Path,
+    model_dir: str,
+) -> None:
+    """Replica A's blocks, stored in a three-shard Valkey cluster (a Valkey L2 value holds the
+    bytes of the block's file), are loaded by a replica whose `l2_url` names one node: the
+    tokens of an L2 hit, its blocks read from every shard."""
+    tokens = prompts["valkey_cluster"]
+    assert complete(replica_a, tokens) == expected["valkey_cluster", 0]
+    files = _block_files(l2_dir, tokens)
+    _wait_for_files(files)
+    namespace = files[0].parents[2].name
+    with valkey_cluster(3) as nodes:
+        with ValkeyCluster.from_url(nodes[0].url) as client:
+            for f in files:
+                client.set(f"{namespace}:{f.name.removesuffix('.kvt')}", f.read_bytes())
+            assert all(client.dbsize(target_nodes=node) for node in client.get_primaries())
+        with start(
+            model_dir,
+            tmp_path,
+            "replica-valkey-cluster",
+            tiny_cache=True,
+            cpu_ids="1",
+            connector=kv_transfer_config(
+                l2_url=nodes[1].url, l1_bytes=1 << 30, background_cpus=CO_LOCATED
+            ),
+        ) as server:
+            hit = HITS["valkey_cluster"][1]
+            assert complete(server, tokens) == expected["valkey_cluster", hit]
+            assert metric(server, LOADED, L2) == _usable(tokens) // BLOCK
+            assert metric(server, FAILED) == 0
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 import valkey
+from valkey.crc import key_slot
 
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
-from kvtier.tools.l2ops.valkey_cluster import ClusterNode, cluster_ok, cluster_port, valkey_cluster
+from kvtier.tools.l2ops.valkey_cluster import (
+    SLOTS,
+    ClusterNode,
+    cluster_ok,
+    cluster_port,
+    valkey_cluster,
+)
 from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec
 from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block, poll
 
@@ -108,3 +118,70 @@ def test_a_dead_shard_turns_calls_into_counted_misses_without_delay_then_its_slo
             if b is not blocks[lost.index(True)]
         )
         assert tier.contains_many(hashes) == [True] * len(blocks)
+
+
+def test_a_hung_shard_costs_a_call_one_timeout_and_no_call_raises() -> None:
+    """A shard that stops answering (SIGSTOP) costs a batch one timeout, not one per key, and
+    every call is a miss. (valkey-py's cluster client, used before, retried each key alone: a
+    lookup took 8 s, and get_many raised a TypeError on the exceptions among its values.)"""
+    with stored_on_a_cluster(24) as (nodes, _, blocks):
+        hashes = [h for h, _, _ in blocks]
+        settings = ValkeyTierSettings(
+            url=nodes[0].url,
+            socket_timeout_s=1.0,
+            lookup_timeout_s=0.5,
+            backoff_initial_s=0.05,
+            backoff_max_s=0.2,
+        )
+        tier = ValkeyTier(settings, NAMESPACE, IDENTITY.manifest())
+        assert tier.contains_many(hashes) == [True] * len(blocks)
+        assert nodes[2].pid is not None
+        os.kill(nodes[2].pid, signal.SIGSTOP)
+        try:
+            for call, bound_s in ((tier.contains_many, 0.5), (tier.get_many, 1.0)):
+                time.sleep(0.25)  # past the pause of the fault before
+                started = time.monotonic()
+                assert not any(call(hashes))
+                assert time.monotonic() - started < bound_s + 1.0
+        finally:
+            os.kill(nodes[2].pid, signal.SIGCONT)
+        assert tier.stats().errors >= 2
+        assert poll(lambda: tier.contains_many(hashes) == [True] * len(blocks), 10)
+        tier.close()
+
+
+def test_a_cluster_that_refuses_queries_pauses_the_tier_with_one_warning_per_pause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CLUSTERDOWN (a shard is gone, its slots unserved) is an outage: calls are misses, the
+    tier pauses and logs once per pause. (Before, each call logged a warning, each batch a
+    false "reachable again", and each put slept 0.25 s in the cluster client.)"""
+    with stored_on_a_cluster(25) as (nodes, tier, blocks):
+        alive = 2 * (SLOTS // SHARDS)  # nodes 0 and 1 hold the slots below (valkey_cluster)
+        hashes = [h for h, _, _ in blocks if key_slot(tier.key(h).encode()) < alive]
+        fresh = [make_block(26, i, 4 * KIB) for i in range(200)]
+        fresh = [b for b in fresh if key_slot(tier.key(b[0]).encode()) < alive][:50]
+        nodes[2].kill()
+        assert poll(lambda: not cluster_ok(nodes[0], SHARDS), 10)
+        caplog.clear()
+        started = time.monotonic()
+        for block in fresh:  # asking only the shards still up: each answers CLUSTERDOWN
+            assert not any(tier.contains_many(hashes))
+            assert not tier.put(*block).stored
+        elapsed = time.monotonic() - started
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert elapsed < 10
+        assert 1 <= len(warnings) <= elapsed / 0.2 + 5, warnings
+        assert all("cluster not usable now (CLUSTERDOWN" in w for w in warnings), warnings
+        assert "reachable again" not in caplog.text
+
+
+def test_a_cluster_url_naming_a_database_other_than_0_is_logged_as_such(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with valkey_cluster(SHARDS) as nodes:
+        tier = tier_at(nodes[0].url + "/2")
+        assert not tier.put(*make_block(27, 0, 4 * KIB)).stored
+        assert tier.stats().errors >= 1
+        assert "cluster not usable now (a cluster has database 0 only" in caplog.text
+        tier.close()

@@ -26,13 +26,15 @@ with TYPE, one more round trip on misses only. A server error on one command is 
 the server's `proto-max-bulk-len` (asked at start; 512 MiB if CONFIG is refused) is not sent,
 since the server drops the connection that sends it: the put fails, counted in `rejected`.
 
-Cluster mode: the tier asks the server at the first contact (INFO) and, when it runs in
-cluster mode, talks to the whole cluster: each key goes to the shard holding its slot, and a
-batch is split into one pipeline per shard. Every command names one key, so no batch is ever
-refused as CROSSSLOT. A shard that is down or a cluster that refuses queries (CLUSTERDOWN)
-turns calls into misses like a server that is down; the client learns the shards' new
-addresses after such a fault. A server that refuses INFO (an ACL user not granted it) is
-taken as a single server.
+Cluster mode: at the first contact the tier asks the server for its slots (`CLUSTER SLOTS`,
+`kvtier.core.tiers.valkey_shards`); in cluster mode it keeps a client per primary and sends
+each key to the one holding its slot, a batch as one pipeline per shard. Every command names
+one key, so nothing is refused as CROSSSLOT. A reply saying the slots moved or are not served
+(MOVED, ASK, CLUSTERDOWN, TRYAGAIN), or a shard out of reach, is an outage like a server down:
+the tier pauses, and the call that ends the pause asks the URL for the slots again (new shards,
+new addresses). Nothing is redirected or retried within a call, so a shard that hangs costs a
+batch one timeout. A server refusing CLUSTER SLOTS (an ACL user not granted it) is taken as a
+single server.
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
@@ -52,13 +54,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Self, cast
 
 import valkey
 from pydantic import Field, model_validator
 from valkey.backoff import NoBackoff
-from valkey.cluster import ValkeyCluster
 from valkey.retry import Retry
 
 from kvtier.core.codec import (
@@ -73,6 +73,7 @@ from kvtier.core.errors import CodecError, ConfigError
 from kvtier.core.keys import BlockHash, Namespace
 from kvtier.core.settings import L2_URL_SCHEMES, Settings, redact_url
 from kvtier.core.tiers.base import PutResult, StoredBlock, Tier, TierCounters, TierStats
+from kvtier.core.tiers.valkey_shards import ShardFault, Shards, open_shards
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -81,9 +82,6 @@ log = logging.getLogger(__name__)
 
 PASSWORD_ENV = "KVTIER_L2_PASSWORD"
 """Environment variable holding the Valkey password when no `password_file` is given."""
-
-Client = valkey.Valkey | ValkeyCluster
-"""A client of one server, or of a cluster's shards."""
 
 MAX_BULK_DEFAULT = 512 * 1024**2
 """Valkey's and Redis's default `proto-max-bulk-len`: the largest value a SET may carry, assumed
@@ -196,22 +194,10 @@ def _max_value_bytes(client: valkey.Valkey) -> int:
         return MAX_BULK_DEFAULT
 
 
-def _cluster_mode(client: valkey.Valkey) -> bool:
-    """Whether the server runs in cluster mode; False where INFO is refused (an ACL user not
-    granted it), which then works as a single server, as before cluster support."""
-    try:
-        return cast("dict[str, object]", client.info("cluster")).get("cluster_enabled") == 1
-    except valkey.exceptions.ResponseError:
-        return False
-
-
-_FAULTS = (
-    valkey.exceptions.ConnectionError,
-    valkey.exceptions.TimeoutError,
-    valkey.exceptions.ValkeyClusterException,
-)
-"""What pauses the tier: the server, or part of a cluster (its slots not covered), is out of
-reach, or refuses kvtier's credentials or its URL (a database other than 0 in cluster mode)."""
+_FAULTS = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, ShardFault)
+"""What pauses the tier (and opens its clients anew after the pause): the server, or a shard of
+its cluster, is out of reach or refuses kvtier's credentials; the cluster's slots moved or
+are not served; a cluster URL names a database other than 0."""
 
 
 def _fault(exc: Exception) -> str:
@@ -219,8 +205,8 @@ def _fault(exc: Exception) -> str:
     if isinstance(exc, valkey.exceptions.AuthenticationError):
         settings = f"l2_username, l2_password_file, ${PASSWORD_ENV}"
         return f"refused kvtier's credentials (check {settings})"
-    if isinstance(exc, valkey.exceptions.ValkeyClusterException):
-        return "cluster not usable"
+    if isinstance(exc, ShardFault):
+        return "cluster not usable now"
     return "unreachable"
 
 
@@ -251,7 +237,7 @@ class ValkeyTier:
             self._options["password"] = password
         if config.tls_ca_file is not None:
             self._options["ssl_ca_certs"] = config.tls_ca_file
-        self._clients: tuple[Client, Client] | None = None
+        self._clients: tuple[Shards, Shards] | None = None
         """(reads and writes, lookups), made on the first contact with the server."""
         self._connecting = threading.Lock()
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
@@ -262,37 +248,22 @@ class ValkeyTier:
         # The first contact, now: a server that is down is tried again after the backoff.
         self._call(lambda client: None, "connect")
 
-    def _connect(self) -> tuple[Client, Client]:
-        """Clients for the server: cluster clients when it runs in cluster mode (the keys spread
-        over its shards), else plain ones. Learns the server's largest value and writes the
+    def _connect(self) -> tuple[Shards, Shards]:
+        """Clients for the server, or for each shard of its cluster (`open_shards`): one set for
+        reads and writes, one for lookups. Learns the server's largest value and writes the
         manifest on the way. Raises what contacting it raised."""
-        probe = valkey.Valkey.from_url(
-            self._config.url, socket_timeout=self._config.lookup_timeout_s, **self._options
-        )
+        config = self._config
+        timeouts = (config.socket_timeout_s, config.lookup_timeout_s)
+        reads, lookups = open_shards(config.url, self._options, timeouts)
         try:
-            cluster = _cluster_mode(probe)
-            self._max_value_bytes = _max_value_bytes(probe)
-        finally:
-            probe.close()  # type: ignore[no-untyped-call]
-        if cluster:
-            # One try per call: the tier's backoff handles faults (the client refreshes the
-            # shards' addresses after one), and a lookup must not wait out several timeouts.
-            make: Callable[..., Client] = partial(
-                ValkeyCluster.from_url, cluster_error_retry_attempts=0
-            )
-        else:
-            make = valkey.Valkey.from_url
-        reads, lookups = (
-            make(self._config.url, socket_timeout=timeout_s, **self._options)
-            for timeout_s in (self._config.socket_timeout_s, self._config.lookup_timeout_s)
-        )
-        try:
+            self._max_value_bytes = _max_value_bytes(lookups.clients[0])
             self._write_manifest(reads)
         except BaseException:
-            reads.close()  # type: ignore[no-untyped-call]
-            lookups.close()  # type: ignore[no-untyped-call]
+            reads.close()
+            lookups.close()
             raise
-        log.info("kvtier L2 valkey: %s, %s", self._where, "cluster" if cluster else "one server")
+        kind = f"a cluster of {len(reads.clients)} shards" if reads.cluster else "one server"
+        log.info("kvtier L2 valkey: %s, %s", self._where, kind)
         return reads, lookups
 
     @property
@@ -304,10 +275,11 @@ class ValkeyTier:
 
     # ---- the one place that talks to the server ------------------------------------------
 
-    def _call(self, fn: Callable[[Client], Any], op: str, *, lookup: bool = False) -> Any | None:
-        """Run `fn(client)` (the lookups' client with `lookup`, else the reads' and writes');
+    def _call(self, fn: Callable[[Shards], Any], op: str, *, lookup: bool = False) -> Any | None:
+        """Run `fn(shards)` (the lookups' clients with `lookup`, else the reads' and writes');
         None when the server is in backoff or the call failed (both counted in `errors`: a call
-        skipped in the backoff is a lost read or write too)."""
+        skipped in the backoff is a lost read or write too). A fault drops the clients: the
+        call that ends the pause opens new ones from the URL."""
         token = self._backoff.admit()
         if token is None:
             self._counters.add(errors=1)
@@ -317,6 +289,7 @@ class ValkeyTier:
             result = fn(lookups if lookup else reads)
         except _FAULTS as exc:
             self._counters.add(errors=1)
+            self._clients = None  # (calls still using them finish on them: no close here)
             delay = self._backoff.failed(token)
             if delay is None:  # another call's failure already paused (and logged) this fault
                 return None
@@ -337,17 +310,18 @@ class ValkeyTier:
             log.warning("kvtier L2 valkey: %s reachable again", self._where)
         return result
 
-    def _write_manifest(self, client: Client) -> None:
+    def _write_manifest(self, shards: Shards) -> None:
         """The model identity under `<namespace>:manifest`, unless there; for humans only, so a
         server refusing it (OOM, an ACL) is logged, not a fault."""
         if self._manifest is None:
             return
+        key, body = self._prefix + "manifest", self._manifest
         try:
-            client.set(self._prefix + "manifest", self._manifest, nx=True)
+            shards.one(key, lambda client: client.set(key, body, nx=True))
         except valkey.exceptions.ResponseError as exc:
             log.warning("kvtier L2 valkey: manifest not written: %s", exc)
 
-    def _connected(self) -> tuple[Client, Client]:
+    def _connected(self) -> tuple[Shards, Shards]:
         if self._clients is None:
             with self._connecting:
                 if self._clients is None:
@@ -361,11 +335,8 @@ class ValkeyTier:
         if not hashes:
             return []
 
-        def run(client: Client) -> list[int]:
-            pipe = client.pipeline(transaction=False)
-            for h in hashes:
-                pipe.exists(self.key(h))
-            return list(pipe.execute())
+        def run(shards: Shards) -> list[int]:
+            return shards.each([self.key(h) for h in hashes], lambda pipe, key: pipe.exists(key))
 
         found = self._call(run, "exists", lookup=True)
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
@@ -377,11 +348,9 @@ class ValkeyTier:
         if not hashes:
             return []
 
-        def run(client: Client) -> list[bytes | None]:
-            pipe = client.pipeline(transaction=False)
-            for h in hashes:
-                pipe.get(self.key(h))
-            replies = pipe.execute(raise_on_error=False)
+        def run(shards: Shards) -> list[bytes | None]:
+            keys = [self.key(h) for h in hashes]
+            replies = shards.each(keys, lambda pipe, key: pipe.get(key), raise_on_error=False)
             # A key's error (WRONGTYPE: a key of another type) is a nil, as MGET answers it;
             # the TYPE check of the nils removes such a key, or counts the error it answers too.
             return [None if isinstance(r, valkey.exceptions.ResponseError) else r for r in replies]
@@ -400,11 +369,8 @@ class ValkeyTier:
         """Delete the keys of `hashes` (GET answered them nil) that hold another type than a
         string: not blocks, and in the way of the block's `SET NX`."""
 
-        def run(client: Client) -> list[bytes]:
-            pipe = client.pipeline(transaction=False)
-            for h in hashes:
-                pipe.type(self.key(h))
-            return list(pipe.execute())
+        def run(shards: Shards) -> list[bytes]:
+            return shards.each([self.key(h) for h in hashes], lambda pipe, key: pipe.type(key))
 
         types = self._call(run, "type")
         if types is None:
@@ -415,11 +381,9 @@ class ValkeyTier:
         for h, t in foreign.items():
             log.warning("kvtier L2 valkey: removing %s: a %s, not a block", self.key(h), t.decode())
 
-        def delete(client: Client) -> int:
-            pipe = client.pipeline(transaction=False)
-            for h in foreign:
-                pipe.delete(self.key(h))  # one key per DEL: no CROSSSLOT in cluster mode
-            return sum(pipe.execute())
+        def delete(shards: Shards) -> int:
+            keys = [self.key(h) for h in foreign]  # one key per DEL: no CROSSSLOT in a cluster
+            return sum(shards.each(keys, lambda pipe, key: pipe.delete(key)))
 
         removed = self._call(delete, "delete")
         self._counters.add(corrupt_removed=removed or 0)
@@ -437,7 +401,7 @@ class ValkeyTier:
             verify_payload(header, payload)
         except CodecError as exc:
             log.warning("kvtier L2 valkey: removing invalid block %s: %s", block_hash.hex(), exc)
-            removed = self._call(lambda c: c.delete(self.key(block_hash)), "delete")
+            removed = self._delete(block_hash)
             self._counters.add(misses=1, corrupt_removed=removed or 0)
             return None
         self._counters.add(hits=1, bytes_read=payload.nbytes)
@@ -466,7 +430,10 @@ class ValkeyTier:
             return PutResult(stored=False)
         value = encode_header(self._namespace, block_hash, meta, view) + view
         # SET NX answers None when the key exists; bool() keeps None for "the call failed".
-        created = self._call(lambda c: bool(c.set(self.key(block_hash), value, nx=True)), "set")
+        key = self.key(block_hash)
+        created = self._call(
+            lambda shards: bool(shards.one(key, lambda c: c.set(key, value, nx=True))), "set"
+        )
         if created:
             self._counters.add(stored=1, bytes_written=view.nbytes)
             return PutResult(stored=True)
@@ -475,14 +442,21 @@ class ValkeyTier:
         return PutResult(stored=False)
 
     def remove(self, block_hash: BlockHash) -> bool:
-        return bool(self._call(lambda c: c.delete(self.key(block_hash)), "delete"))
+        return bool(self._delete(block_hash))
+
+    def _delete(self, block_hash: BlockHash) -> int | None:
+        """DEL of the block's key: 1 or 0 keys removed, None when the call failed."""
+        key = self.key(block_hash)
+        return self._call(lambda shards: shards.one(key, lambda c: c.delete(key)), "delete")
 
     def stats(self) -> TierStats:
         return self._counters.snapshot()
 
     def close(self) -> None:
-        for client in self._clients or ():
-            client.close()  # type: ignore[no-untyped-call]
+        with self._connecting:
+            clients, self._clients = self._clients, None
+        for shards in clients or ():
+            shards.close()
 
 
 @contextmanager
@@ -490,9 +464,8 @@ def shard_clients(url: str) -> Iterator[list[valkey.Valkey]]:
     """One client per server holding keys: the server at `url`, or each primary of the cluster
     it belongs to (a key lives on one of them, and its SCAN lists only its own). Closed on
     exit."""
-    with valkey.Valkey.from_url(url) as probe:
-        if not _cluster_mode(probe):
-            yield [probe]
-            return
-    with ValkeyCluster.from_url(url) as cluster:  # type: ignore[no-untyped-call]
-        yield [cluster.get_valkey_connection(node) for node in cluster.get_primaries()]
+    (shards,) = open_shards(url, {}, [None])
+    try:
+        yield shards.clients
+    finally:
+        shards.close()

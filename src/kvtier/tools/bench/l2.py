@@ -16,7 +16,7 @@ the raw operation the tier wraps, on the same target and the same bytes:
                 runs it (in the temp directory or `workdir`): what persistence costs.
     valkey-cluster
                 a fresh loopback Valkey cluster of three shards (`CLUSTER_SHARDS`, the memory
-                split between them); raw = SET and GET through a cluster client.
+                split between them); raw = SET and GET sent to the shard holding the key.
 
     with l2_target("juicefs") as target:
         writer, reader = target.open_tier(identity), target.open_tier(identity, reader=True)
@@ -38,13 +38,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
-import valkey
-from valkey.cluster import ValkeyCluster
-
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
-from kvtier.core.tiers.valkey import Client
+from kvtier.core.tiers.valkey_shards import Shards, open_shards
 
 KINDS = ("posix", "juicefs", "valkey", "valkey-aof", "valkey-cluster")
 CLUSTER_SHARDS = 3
@@ -76,7 +73,7 @@ class L2Target:
     """Valkey URL (valkey)."""
     settle_s: float = 0.0
     """How long a file written on one side may stay invisible on the other (attribute cache)."""
-    _client: Client | None = field(default=None, repr=False)
+    _shards: Shards | None = field(default=None, repr=False)
 
     def open_tier(self, identity: ModelIdentity, *, reader: bool = False) -> BlockTier:
         """The kvtier L2 tier on this target (the reader side reads through the other mount)."""
@@ -102,18 +99,18 @@ class L2Target:
     def _raw_path(self, name: str, reader: bool) -> str:
         return os.path.join(self._root(reader), _RAW_DIR, name)
 
-    def _valkey(self) -> Client:
-        if self._client is None:
+    def _valkey(self) -> Shards:
+        """Clients of the server, or of each shard of the cluster (a key sent to its own)."""
+        if self._shards is None:
             assert self.url is not None
-            cluster = self.kind == "valkey-cluster"
-            make = ValkeyCluster.from_url if cluster else valkey.Valkey.from_url
-            self._client = make(self.url, socket_timeout=30.0)
-        return self._client
+            (self._shards,) = open_shards(self.url, {}, [30.0])
+        return self._shards
 
     def raw_write(self, name: str, source: memoryview) -> None:
         """The plain operation a tier put wraps, on the same bytes (writer side)."""
         if self.url is not None:
-            self._valkey().set(_RAW_PREFIX + name, source)
+            key = _RAW_PREFIX + name
+            self._valkey().one(key, lambda client: client.set(key, source))
             return
         with open(self._raw_path(name, False), "wb", buffering=0) as f:
             f.write(source)
@@ -121,7 +118,8 @@ class L2Target:
     def raw_read(self, name: str) -> int:
         """The plain operation a tier get wraps, into a fresh buffer (reader side); bytes read."""
         if self.url is not None:
-            return len(cast("bytes | None", self._valkey().get(_RAW_PREFIX + name)) or b"")
+            key = _RAW_PREFIX + name
+            return len(cast("bytes | None", self._valkey().one(key, lambda c: c.get(key))) or b"")
         with open(self._raw_path(name, True), "rb", buffering=0) as f:
             return len(f.read())
 
@@ -132,7 +130,8 @@ class L2Target:
 
     def raw_remove(self, name: str) -> None:
         if self.url is not None:
-            self._valkey().delete(_RAW_PREFIX + name)
+            key = _RAW_PREFIX + name
+            self._valkey().one(key, lambda client: client.delete(key))
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._raw_path(name, False))
@@ -143,9 +142,9 @@ class L2Target:
             time.sleep(self.settle_s)
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.close()  # type: ignore[no-untyped-call]
-            self._client = None
+        if self._shards is not None:
+            self._shards.close()
+            self._shards = None
 
 
 @contextlib.contextmanager

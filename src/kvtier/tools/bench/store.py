@@ -33,7 +33,7 @@ Targets (issue 18): L1 ratios >= 0.9, L2 ratios >= 0.85 (`meets_target`).
 JuiceFS volume mounted twice, written through one mount and read through the other (another
 "node"); `valkey` a fresh loopback Valkey server; `valkey-aof` one with an append-only file
 synced every second (`l2CachePersistent`); `valkey-cluster` a fresh loopback Valkey cluster of
-three shards (raw SET and GET through a cluster client).
+three shards (raw SET and GET sent to the shard holding the key).
 
 Each figure is computed twice: from wall-clock time (the headline figures) and from the
 benchmark thread's CPU time (`cpu` in the JSON), which stays meaningful when other processes
