@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -185,3 +187,103 @@ def test_a_cluster_url_naming_a_database_other_than_0_is_logged_as_such(
         assert tier.stats().errors >= 1
         assert "cluster not usable now (a cluster has database 0 only" in caplog.text
         tier.close()
+
+
+def _shard_of(key: str) -> int:
+    """Which of `valkey_cluster(SHARDS)`'s nodes holds `key` (equal slot ranges, in order)."""
+    return min(key_slot(key.encode()) // (SLOTS // SHARDS), SHARDS - 1)
+
+
+def _configure(nodes: list[ClusterNode], name: str, value: str) -> None:
+    for node in nodes:
+        with valkey.Valkey.from_url(node.url) as admin:
+            admin.config_set(name, value)
+
+
+def test_nodes_that_announce_no_address_are_reached_at_the_urls_host() -> None:
+    """A cluster behind a load balancer announces no endpoint (CLUSTER SLOTS names no host, or
+    "?"): the shards are reached at the URL's host, not at localhost:6379 or by a TypeError."""
+    blocks = [make_block(28, i, 4 * KIB) for i in range(12)]
+    with valkey_cluster(SHARDS) as nodes:
+        for endpoint in ("unknown-endpoint", "hostname"):
+            _configure(nodes, "cluster-preferred-endpoint-type", endpoint)
+            tier = tier_at(nodes[1].url)
+            for block in blocks:  # (stored by the first round, present in the second)
+                tier.put(*block)
+            assert tier.contains_many([h for h, _, _ in blocks]) == [True] * len(blocks)
+            assert tier.stats().errors == 0
+            tier.close()
+
+
+def test_a_lookup_after_a_pause_waits_the_lookup_timeout_not_the_read_timeout() -> None:
+    """The call that ends a pause reopens the clients; it must not wait out the reads' 10 s
+    (the manifest was written again at each reopen, through the reads' clients)."""
+    with stored_on_a_cluster(29) as (nodes, _, blocks):
+        hashes = [h for h, _, _ in blocks]
+        settings = ValkeyTierSettings(url=nodes[0].url, backoff_initial_s=0.05, backoff_max_s=0.2)
+        tier = ValkeyTier(settings, NAMESPACE, IDENTITY.manifest())
+        hung = nodes[_shard_of(f"{NAMESPACE}:manifest")]
+        assert hung.pid is not None
+        os.kill(hung.pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                time.sleep(0.25)  # past the pause
+                started = time.monotonic()
+                assert not all(tier.contains_many(hashes))
+                assert time.monotonic() - started < 2 * settings.lookup_timeout_s + 0.5
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        tier.close()
+
+
+def test_the_url_node_dead_the_tier_asks_the_other_nodes_for_the_slots() -> None:
+    """The node the URL names dies (its slots unserved; the others serve theirs, coverage not
+    required): the tier reopens from the other nodes the last map named, and hits the blocks
+    on the shards that live."""
+    with stored_on_a_cluster(30) as (nodes, tier, blocks):
+        _configure(nodes, "cluster-require-full-coverage", "no")
+        hashes = [h for h, _, _ in blocks]
+        alive = [_shard_of(tier.key(h)) != 0 for h in hashes]
+        assert 0 < sum(alive) < len(hashes)
+        nodes[0].kill()
+        assert not all(tier.contains_many(hashes))  # a fault: the map is asked again
+        kept = [h for h, up in zip(hashes, alive, strict=True) if up]
+        assert poll(lambda: tier.contains_many(kept) == [True] * len(kept), 15)
+
+
+def test_calls_from_many_threads_while_connections_break_never_raise() -> None:
+    """Faults drop a cluster's clients while other threads use them and reopen them: no call
+    may raise (a race once returned None from the reopen, a TypeError out of the tier)."""
+    with stored_on_a_cluster(31) as (nodes, tier, blocks):
+        hashes = [h for h, _, _ in blocks]
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def lookups() -> None:
+            while not stop.is_set():
+                try:
+                    tier.contains_many(hashes)
+                    tier.get_many(hashes[:4])
+                except BaseException as exc:  # what the test is about
+                    errors.append(exc)
+                    return
+
+        threads = [threading.Thread(target=lookups) for _ in range(8)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + 4
+            while time.monotonic() < deadline and not errors:
+                for node in nodes:
+                    with valkey.Valkey.from_url(node.url) as admin:
+                        admin.client_kill_filter(_type="normal", skipme=True)
+                time.sleep(0.02)
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(30)
+            sys.setswitchinterval(interval)
+        assert errors == []
+        assert poll(lambda: tier.contains_many(hashes) == [True] * len(hashes), 10)

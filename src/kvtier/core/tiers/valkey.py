@@ -8,7 +8,8 @@ and a stored block is never replaced, so readers only see complete values. Capac
 server's job: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (what
 `kvtier.tools.l2ops.valkey_server` does), and the server evicts least-recently-used blocks itself.
 
-Batched calls (`contains_many`, `get_many`) are one pipelined round trip for many blocks, which
+Batched calls (`contains_many`, `get_many`) are one pipelined round trip for many blocks (one per
+shard holding some, shard after shard, on a cluster), which
 is what a prefix lookup over a network needs; the single-block calls of the tier protocol are
 thin wrappers.
 
@@ -30,11 +31,12 @@ Cluster mode: at the first contact the tier asks the server for its slots (`CLUS
 `kvtier.core.tiers.valkey_shards`); in cluster mode it keeps a client per primary and sends
 each key to the one holding its slot, a batch as one pipeline per shard. Every command names
 one key, so nothing is refused as CROSSSLOT. A reply saying the slots moved or are not served
-(MOVED, ASK, CLUSTERDOWN, TRYAGAIN), or a shard out of reach, is an outage like a server down:
-the tier pauses, and the call that ends the pause asks the URL for the slots again (new shards,
-new addresses). Nothing is redirected or retried within a call, so a shard that hangs costs a
+(MOVED, ASK, CLUSTERDOWN, TRYAGAIN), a slot the map gives no shard, or a shard out of reach, is
+an outage like a server down: the tier pauses and drops the cluster's clients, and the call
+that ends the pause asks for the slots again, of the URL's node, else of the other nodes the
+last map named. Nothing is redirected or retried within a call, so a shard that hangs costs a
 batch one timeout. A server refusing CLUSTER SLOTS (an ACL user not granted it) is taken as a
-single server.
+single server, whose clients outlive its faults (their pool reconnects).
 
 Access control: `username` and a password (from `password_file` or $KVTIER_L2_PASSWORD, read
 once at start, never logged: logged URLs are redacted) authenticate to a server with
@@ -238,7 +240,11 @@ class ValkeyTier:
         if config.tls_ca_file is not None:
             self._options["ssl_ca_certs"] = config.tls_ca_file
         self._clients: tuple[Shards, Shards] | None = None
-        """(reads and writes, lookups), made on the first contact with the server."""
+        """(reads and writes, lookups), made at the first contact with the server, and again
+        after a fault of its cluster."""
+        self._nodes: list[str] = []
+        """The cluster's nodes the last map named: asked for a new map should the URL fail."""
+        self._first_contact = True
         self._connecting = threading.Lock()
         self._backoff = _Backoff(config.backoff_initial_s, config.backoff_max_s, clock)
         self._counters = TierCounters()
@@ -250,18 +256,22 @@ class ValkeyTier:
 
     def _connect(self) -> tuple[Shards, Shards]:
         """Clients for the server, or for each shard of its cluster (`open_shards`): one set for
-        reads and writes, one for lookups. Learns the server's largest value and writes the
-        manifest on the way. Raises what contacting it raised."""
+        reads and writes, one for lookups. At the first contact, learns the server's largest
+        value and writes the manifest (with the lookups' short timeout). Raises what contacting
+        it raised."""
         config = self._config
         timeouts = (config.socket_timeout_s, config.lookup_timeout_s)
-        reads, lookups = open_shards(config.url, self._options, timeouts)
+        reads, lookups = open_shards(config.url, self._options, timeouts, self._nodes)
         try:
-            self._max_value_bytes = _max_value_bytes(lookups.clients[0])
-            self._write_manifest(reads)
+            if self._first_contact:
+                self._max_value_bytes = _max_value_bytes(lookups.clients[0])
+                self._write_manifest(lookups)
+                self._first_contact = False
         except BaseException:
             reads.close()
             lookups.close()
             raise
+        self._nodes = reads.nodes
         kind = f"a cluster of {len(reads.clients)} shards" if reads.cluster else "one server"
         log.info("kvtier L2 valkey: %s, %s", self._where, kind)
         return reads, lookups
@@ -278,18 +288,20 @@ class ValkeyTier:
     def _call(self, fn: Callable[[Shards], Any], op: str, *, lookup: bool = False) -> Any | None:
         """Run `fn(shards)` (the lookups' clients with `lookup`, else the reads' and writes');
         None when the server is in backoff or the call failed (both counted in `errors`: a call
-        skipped in the backoff is a lost read or write too). A fault drops the clients: the
-        call that ends the pause opens new ones from the URL."""
+        skipped in the backoff is a lost read or write too). A fault of a cluster drops the
+        clients: the call that ends the pause asks for the slots again."""
         token = self._backoff.admit()
         if token is None:
             self._counters.add(errors=1)
             return None
+        clients = None
         try:
-            reads, lookups = self._connected()
-            result = fn(lookups if lookup else reads)
+            clients = self._connected()
+            result = fn(clients[1] if lookup else clients[0])
         except _FAULTS as exc:
             self._counters.add(errors=1)
-            self._clients = None  # (calls still using them finish on them: no close here)
+            if clients is not None and (clients[0].cluster or isinstance(exc, ShardFault)):
+                self._drop(clients)
             delay = self._backoff.failed(token)
             if delay is None:  # another call's failure already paused (and logged) this fault
                 return None
@@ -322,16 +334,25 @@ class ValkeyTier:
             log.warning("kvtier L2 valkey: manifest not written: %s", exc)
 
     def _connected(self) -> tuple[Shards, Shards]:
-        if self._clients is None:
+        clients = self._clients
+        if clients is None:
             with self._connecting:
-                if self._clients is None:
-                    self._clients = self._connect()
-        return self._clients
+                clients = self._clients
+                if clients is None:
+                    clients = self._clients = self._connect()
+        return clients
+
+    def _drop(self, clients: tuple[Shards, Shards]) -> None:
+        """Forget `clients` unless others replaced them already (calls still using them finish
+        on them: they close when the last lets go)."""
+        with self._connecting:
+            if self._clients is clients:
+                self._clients = None
 
     # ---- batched reads -------------------------------------------------------------------
 
     def contains_many(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        """Existence of each block, in one pipelined round trip."""
+        """Existence of each block, in one pipelined round trip (per shard on a cluster)."""
         if not hashes:
             return []
 
@@ -342,9 +363,9 @@ class ValkeyTier:
         return [bool(n) for n in found] if found is not None else [False] * len(hashes)
 
     def get_many(self, hashes: Sequence[BlockHash]) -> list[StoredBlock | None]:
-        """Each block (None on a miss), fetched in one pipelined round trip of GETs: one key per
-        command, so a cluster-mode server (one shard holding every slot) serves it, where an
-        MGET of keys in different hash slots is refused (CROSSSLOT)."""
+        """Each block (None on a miss), fetched in one pipelined round trip of GETs (per shard on
+        a cluster): one key per command, where an MGET of keys in different hash slots would be
+        refused in cluster mode (CROSSSLOT)."""
         if not hashes:
             return []
 
