@@ -197,9 +197,9 @@ def _max_value_bytes(client: valkey.Valkey) -> int:
 
 
 _FAULTS = (valkey.exceptions.ConnectionError, valkey.exceptions.TimeoutError, ShardFault)
-"""What pauses the tier (and opens its clients anew after the pause): the server, or a shard of
-its cluster, is out of reach or refuses kvtier's credentials; the cluster's slots moved or
-are not served; a cluster URL names a database other than 0."""
+"""What pauses the tier (and, on a cluster, makes it ask for the slots again after the pause):
+the server, or a shard of its cluster, is out of reach or refuses kvtier's credentials; the
+cluster's slots moved or are not served; a cluster URL names a database other than 0."""
 
 
 def _fault(exc: Exception) -> str:
