@@ -187,12 +187,13 @@ class _Backoff:
 
 
 def _max_value_bytes(client: valkey.Valkey) -> int:
-    """The server's `proto-max-bulk-len`, else `MAX_BULK_DEFAULT`. A server sent a longer value
-    drops the connection, which would look like an outage and pause every call."""
+    """The server's `proto-max-bulk-len`, else (CONFIG refused) `MAX_BULK_DEFAULT`. A server
+    sent a longer value drops the connection, which would look like an outage and pause every
+    call. Raises a server out of reach (asked again at the next contact)."""
     try:
         reply = cast("dict[str, str]", client.config_get("proto-max-bulk-len"))
         return int(reply["proto-max-bulk-len"])
-    except (valkey.exceptions.ValkeyError, KeyError, TypeError, ValueError):
+    except (valkey.exceptions.ResponseError, KeyError, TypeError, ValueError):
         return MAX_BULK_DEFAULT
 
 

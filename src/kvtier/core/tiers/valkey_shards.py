@@ -152,8 +152,9 @@ def open_shards(
 def _ask_map(
     urls: Sequence[str], timeout: float | None, options: Mapping[str, Any]
 ) -> tuple[list[SlotRange], list[str]]:
-    """(the slot ranges, every node's URL) of the first of `urls` that answers; a single
-    server: one range held by `urls[0]`, no nodes. Raises what the last one raised."""
+    """(the slot ranges, every node's URL) of the first of `urls` that answers with a map; a
+    single server (`urls[0]` answering none): one range held by it, no nodes. Raises what the
+    last one raised, or `ShardFault` where the other nodes answer no map."""
     for i, url in enumerate(urls):
         probe = valkey.Valkey.from_url(_on_database_0(url), socket_timeout=timeout, **options)
         try:
@@ -164,22 +165,29 @@ def _ask_map(
             continue
         finally:
             probe.close()  # type: ignore[no-untyped-call]
-        if reply is None:
-            return [(0, SLOTS - 1, urls[0])], []
-        return _read_map(urls[0], reply)
-    raise AssertionError("no URL to ask")  # (urls always holds the URL)
+        if reply is not None:
+            return _read_map(urls[0], reply, answered=url)
+        if i == 0:
+            return [(0, SLOTS - 1, url)], []
+    raise ShardFault("no other node of the cluster answers CLUSTER SLOTS")
 
 
-def _read_map(url: str, reply: object) -> tuple[list[SlotRange], list[str]]:
-    """The slot ranges and every node's URL in `CLUSTER SLOTS`'s `reply`, each node reached as
-    `url` is (scheme, credentials, options)."""
+def _read_map(
+    url: str, reply: object, answered: str | None = None
+) -> tuple[list[SlotRange], list[str]]:
+    """The slot ranges and every node's URL in `CLUSTER SLOTS`'s `reply` (from the node at
+    `answered`, default `url`), each node reached as `url` is (scheme, credentials, options),
+    at the host of `answered` where it announces none."""
+    if urlsplit(url).scheme == "unix":
+        raise ShardFault("a cluster's shards cannot be reached through a unix:// URL")
     if int(parse_url(url).get("db") or 0):
         raise ShardFault(f"a cluster has database 0 only; the URL names {urlsplit(url).path}")
+    default_host = urlsplit(answered or url).hostname or "localhost"
     ranges: list[SlotRange] = []
     nodes: dict[str, None] = {}
     try:
         for first, last, *servers in reply:  # type: ignore[attr-defined]
-            urls = [_node_url(url, server[0], int(server[1])) for server in servers]
+            urls = [_node_url(url, server[0], int(server[1]), default_host) for server in servers]
             ranges.append((int(first), int(last), urls[0]))
             nodes.update(dict.fromkeys(urls))
     except (TypeError, ValueError, IndexError) as exc:
@@ -189,13 +197,13 @@ def _read_map(url: str, reply: object) -> tuple[list[SlotRange], list[str]]:
     return ranges, list(nodes)
 
 
-def _node_url(url: str, host: object, port: int) -> str:
+def _node_url(url: str, host: object, port: int, default_host: str) -> str:
     """`url` (its scheme, credentials and options, not its database) for the node at `host`
-    (the URL's own where the node announces none) and `port`."""
+    (`default_host` where the node announces none) and `port`."""
     parts = urlsplit(_on_database_0(url))
     name = host.decode() if isinstance(host, bytes) else str(host or "")
     if name in _NO_HOST:
-        name = parts.hostname or "localhost"
+        name = default_host
     if ":" in name:  # an IPv6 address
         name = f"[{name}]"
     userinfo = parts.netloc.rpartition("@")[0]
