@@ -34,6 +34,17 @@ def test_no_port_is_handed_out_twice_in_one_process() -> None:
     assert len(seen) == len(set(seen))
 
 
+def test_ports_step_apart_are_all_free_and_never_handed_out_again() -> None:
+    seen: list[int] = []
+    for _ in range(50):
+        base = free_port_range(2, step=10000)  # a Valkey cluster node and its bus
+        for port in (base, base + 10000):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        seen += [base, base + 10000]
+    assert len(seen) == len(set(seen))
+
+
 def test_a_port_someone_listens_on_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))

@@ -29,21 +29,23 @@ def free_port() -> int:
     return free_port_range(1)
 
 
-def free_port_range(count: int, attempts: int = 200) -> int:
-    """First of `count` consecutive such ports."""
+def free_port_range(count: int, attempts: int = 200, step: int = 1) -> int:
+    """First of `count` such ports, `step` apart (1: consecutive)."""
     low, high = _pick_range()
-    if high - low < count:
+    span = step * (count - 1) + 1
+    if high - low < span:
         raise KvtierError(
-            f"no room for {count} ports outside the ephemeral range ({_EPHEMERAL_RANGE})"
+            f"no room for {count} ports {step} apart outside the ephemeral range "
+            f"({_EPHEMERAL_RANGE})"
         )
     for _ in range(attempts):
-        base = random.randrange(low, high - count + 1)
-        ports = range(base, base + count)
+        base = random.randrange(low, high - span + 1)
+        ports = range(base, base + span, step)
         if _handed_out.intersection(ports) or not _all_free(ports):
             continue
         _handed_out.update(ports)
         return base
-    raise KvtierError(f"no {count} consecutive free ports found in {low}-{high}")
+    raise KvtierError(f"no {count} free ports {step} apart found in {low}-{high}")
 
 
 def _pick_range() -> tuple[int, int]:

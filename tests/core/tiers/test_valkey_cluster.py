@@ -18,8 +18,8 @@ from valkey.crc import key_slot
 from kvtier.core.codec import BlockMeta
 from kvtier.core.keys import BlockHash
 from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+from kvtier.core.tiers.valkey_shards import SLOTS
 from kvtier.tools.l2ops.valkey_cluster import (
-    SLOTS,
     ClusterNode,
     cluster_ok,
     cluster_port,

@@ -5,8 +5,6 @@ cluster-mode servers whose hash slots are split between them, joined with CLUSTE
 from __future__ import annotations
 
 import os
-import random
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -15,9 +13,10 @@ from dataclasses import replace
 import valkey
 
 from kvtier.core.errors import TierError
+from kvtier.core.tiers.valkey_shards import SLOTS
+from kvtier.net.ports import free_port_range
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec
 
-SLOTS = 16384
 BUS_OFFSET = 10000
 """A cluster node also listens on its port + this (the cluster bus)."""
 FORM_TIMEOUT_S = 30.0
@@ -34,20 +33,7 @@ class ClusterNode(ValkeyServer):
 
 def cluster_port() -> int:
     """A free loopback port whose cluster-bus port is free too."""
-    for _ in range(200):
-        port = random.randrange(20000, 50000)
-        if all(_free(p) for p in (port, port + BUS_OFFSET)):
-            return port
-    raise TierError("no free pair of loopback ports for a Valkey cluster node")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+    return free_port_range(2, step=BUS_OFFSET)
 
 
 def cluster_ok(node: ValkeyServer, nodes: int) -> bool:
