@@ -12,7 +12,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvtier.tools.cluster.log_rotation import LogRotator
-from tests.helpers.waiting import wait_until
+from tests.helpers.l2 import poll
 
 BOUND = 4096
 INTERVAL_S = 0.05
@@ -68,11 +68,11 @@ def test_a_log_past_the_bound_is_copied_to_dot_1_and_emptied_while_its_server_wr
     with writing_server(log):
         inode = log.stat().st_ino
         with rotating(tmp_path, BOUND):
-            wait_until(backup.exists, WAIT_S, "the rotation")
+            assert poll(backup.exists, WAIT_S), "the rotation"
         earlier = numbers(backup)
         assert earlier[0] == 0 and backup.stat().st_size > BOUND
         # the server writes on, into the same file
-        wait_until(lambda: len(numbers(log)) > 100, WAIT_S, "lines written since")
+        assert poll(lambda: len(numbers(log)) > 100, WAIT_S), "lines written since"
         later = numbers(log)
     assert later[0] > earlier[-1] and log.stat().st_ino == inode
 
@@ -81,5 +81,5 @@ def test_a_bound_of_0_never_rotates(tmp_path: Path) -> None:
     log = tmp_path / "logs" / "router.log"
     with writing_server(log), rotating(tmp_path, 0):
         # seconds: dozens of checks
-        wait_until(lambda: log.stat().st_size > 4 * BOUND, WAIT_S, "the log to grow")
+        assert poll(lambda: log.stat().st_size > 4 * BOUND, WAIT_S), "the log to grow"
     assert numbers(log)[0] == 0 and list(log.parent.iterdir()) == [log]

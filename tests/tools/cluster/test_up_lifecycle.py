@@ -25,9 +25,8 @@ from kvtier.cli import main
 from kvtier.net.ports import free_port, free_port_range
 from kvtier.tools.cluster.local_fleet import STATE_FILE, LocalFleet
 from kvtier.tools.cluster.state import process_identity
-from tests.helpers.l2 import needs_fuse
+from tests.helpers.l2 import needs_fuse, poll
 from tests.helpers.procs import running
-from tests.helpers.waiting import wait_until
 
 # `kvtier up --config FILE [FLAGS]` whose replicas start at once (argv[2] "running") or never
 # ("starting": start-up stays under way), and which starts no router; with STAND_IN_VALKEY set,
@@ -196,11 +195,11 @@ def test_down_after_a_kvtier_up_killed_while_a_server_starts_stops_that_server(
     pid_file = tmp_path / "valkey-server.pid"
     config = write_config(tmp_path / "fleet.yaml", work, l2="valkey")
     with kvtier_up(config, "running", stand_in_valkey=stand_in) as up:
-        wait_until(pid_file.exists, UP_TIMEOUT_S, "the Valkey server to start")
+        assert poll(pid_file.exists, UP_TIMEOUT_S), "the Valkey server to start"
         pid = int(pid_file.read_text())
         leftovers.append({"pid": pid, "identity": process_identity(pid)})
         # (well within the 15 s in which `kvtier up` expects a Valkey server to answer)
-        wait_until(lambda: recorded(work)["servers"], 5, "the starting server to be recorded")
+        assert poll(lambda: recorded(work)["servers"], 5), "the starting server to be recorded"
         up.kill()
         up.wait()
     assert recorded(work)["servers"] == [{"name": "valkey server", **leftovers[0]}]
@@ -227,7 +226,7 @@ def killed_owner(request: pytest.FixtureRequest) -> Iterator[tuple[int, str | No
         return
     owner = subprocess.Popen(["true"])
     try:
-        wait_until(lambda: not running(owner.pid), UP_TIMEOUT_S, "the owner to exit")
+        assert poll(lambda: not running(owner.pid), UP_TIMEOUT_S), "the owner to exit"
         yield owner.pid, process_identity(owner.pid)
     finally:
         owner.wait()
