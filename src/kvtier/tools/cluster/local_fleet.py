@@ -341,11 +341,11 @@ class LocalFleet:
             )
         wait_ready(self.url + "/health", 120, exited=self.router.poll, what="the router")
 
-    def _record_server(self, name: str, pid: int | None) -> None:
+    def _record_server(self, name: str, pid: int) -> None:
         """Record in the state file the server `name` just started (as process `pid`), as soon
         as its process exists: one still starting when this process is killed is stopped by
         `kvtier down` all the same."""
-        server = None if pid is None else Server.of(name, pid)
+        server = Server.of(name, pid)
         if server is not None:
             self._servers.append(server)
             self._write_state(STARTING)
