@@ -16,7 +16,7 @@ import pytest
 import valkey
 
 from kvtier.core.codec import HEADER_BYTES
-from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings, set_if_absent
 from kvtier.tools.l2ops.valkey_cluster import ClusterNode, cluster_port
 from kvtier.tools.l2ops.valkey_server import ValkeyServer, ValkeyServerSpec, start_valkey
 from tests.core.test_codec import reseal
@@ -78,6 +78,44 @@ def test_keys_are_namespace_and_hash_hex_with_codec_bytes(valkey_server: ValkeyS
     )
     assert raw is not None and raw.startswith(b"KVTBLK\r\n") and raw.endswith(payload)
     assert len(raw) == 4096 + len(payload)
+
+
+def test_set_if_absent_stores_the_pieces_joined_and_never_replaces_a_value(
+    valkey_server: ValkeyServer,
+) -> None:
+    client = valkey.Valkey.from_url(valkey_server.url)
+    wide = memoryview(bytearray(range(256)) * 40).cast("H")  # 5,120 elements of 2 bytes
+    assert set_if_absent(client, "k", [b"head:", wide, b":end"])
+    assert client.get("k") == b"head:" + wide.tobytes() + b":end"
+    assert not set_if_absent(client, "k", [b"other"])
+    assert client.get("k") == b"head:" + wide.tobytes() + b":end"
+    client.close()
+
+
+def test_set_if_absent_keeps_its_connection_after_an_error_reply_and_drops_it_after_a_timeout() -> (
+    None
+):
+    """An error reply leaves the connection in step (reused); a timeout leaves a reply on its
+    way, so the connection is closed and never answers the next command with it."""
+    with ValkeyServer(ValkeyServerSpec(maxmemory_bytes=1024**2, maxmemory_policy="noeviction")) as (
+        server
+    ):
+        assert server.pid is not None
+        client = valkey.Valkey.from_url(server.url, socket_timeout=0.3)
+        first = client.client_id()
+        with pytest.raises(valkey.exceptions.ResponseError, match="maxmemory"):
+            set_if_absent(client, "big", [b"x" * (2 * 1024**2)])
+        assert client.client_id() == first
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(valkey.exceptions.TimeoutError):
+                set_if_absent(client, "small", [b"late"])
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        # its own reply (the SET may or may not have run), not the SET's late "OK"
+        assert client.get("small") in (None, b"late")
+        assert client.client_id() != first
+        client.close()
 
 
 def test_concurrent_writers_of_the_same_blocks_publish_once_and_readers_never_see_a_mix(

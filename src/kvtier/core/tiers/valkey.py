@@ -450,11 +450,11 @@ class ValkeyTier:
                     self._max_value_bytes,
                 )
             return PutResult(stored=False)
-        value = encode_header(self._namespace, block_hash, meta, view) + view
-        # SET NX answers None when the key exists; bool() keeps None for "the call failed".
+        value = (encode_header(self._namespace, block_hash, meta, view), view)
         key = self.key(block_hash)
+        # None from _call: the call failed
         created = self._call(
-            lambda shards: bool(shards.one(key, lambda c: c.set(key, value, nx=True))), "set"
+            lambda shards: shards.one(key, lambda c: set_if_absent(c, key, value)), "set"
         )
         if created:
             self._counters.add(stored=1, bytes_written=view.nbytes)
@@ -479,6 +479,29 @@ class ValkeyTier:
             clients, self._clients = self._clients, None
         for shards in clients or ():
             shards.close()
+
+
+def set_if_absent(client: valkey.Valkey, key: str, pieces: Sequence[Buffer]) -> bool:
+    """`SET key value NX`, the value being `pieces` joined; True when it was stored, False when
+    the key existed. The pieces go to the socket as they are (a RESP bulk string may arrive in
+    any number of writes): a block's header and payload are never copied into one value.
+    Raises what the client's own commands raise; a connection that failed mid-command is
+    closed, never reused with a reply still on its way."""
+    views = [byte_view(piece) for piece in pieces]
+    name = key.encode()
+    size = sum(view.nbytes for view in views)
+    command = [
+        b"*4\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, size),
+        *views,
+        b"\r\n$2\r\nNX\r\n",
+    ]
+    pool = client.connection_pool
+    conn = pool.get_connection("SET")
+    try:
+        conn.send_packed_command(command)  # (both close the connection on a fault)
+        return conn.read_response() is not None
+    finally:
+        pool.release(conn)
 
 
 @contextmanager
