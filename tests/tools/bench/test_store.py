@@ -31,6 +31,8 @@ FIGURES = (
 )
 READ_INTO = ("l2_read_into_gbps", "raw_read_into_gbps", "l2_read_into_ratio")
 """The connector's path, measured on directory targets (not on Valkey)."""
+READ_BATCH = ("l2_read_batch_gbps", "raw_read_batch_gbps", "l2_read_batch_ratio")
+"""The store's batched load, measured on Valkey targets."""
 
 
 def test_cli_writes_all_figures_and_cleans_up(
@@ -109,8 +111,10 @@ def test_cli_benchmarks_a_started_l2_target_next_to_its_raw_operations(
     )
     assert code == 0
     result = json.loads(out.read_text())
-    for key in FIGURES + (READ_INTO if target == "juicefs" else ()):
+    extra = READ_INTO if target == "juicefs" else READ_BATCH
+    for key in FIGURES + extra:
         assert result[key] > 0, key
+    assert not (set(READ_INTO + READ_BATCH) - set(extra)) & set(result)
     assert result["l2"] == target
     # the server (and the mounts) were stopped and their scratch directory removed
     assert set(Path(tempfile.gettempdir()).glob(f"kvtier-bench-{target}-*")) == before

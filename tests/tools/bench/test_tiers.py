@@ -9,16 +9,20 @@ import os
 import signal
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from kvtier.cli import main
 from kvtier.core.errors import KvtierError
+from kvtier.core.tiers.posix import PosixTier
+from kvtier.core.tiers.valkey import ValkeyTier, ValkeyTierSettings
 from kvtier.tools.bench.tiers import (
     PLAIN,
     Bench,
     Row,
     copy_blocks,
+    copy_blocks_to_valkey,
     paired_ratios,
     parse_variant,
 )
@@ -31,7 +35,11 @@ from kvtier.tools.bench.tiers_breakdown import (
     write_chart,
 )
 from kvtier.tools.bench.tiers_chart import paired_breakdowns
+from tests.helpers.l2 import IDENTITY, NAMESPACE, make_block
 from tests.helpers.procs import running
+
+if TYPE_CHECKING:
+    from kvtier.tools.l2ops.valkey_server import ValkeyServer
 
 METRICS = """\
 # HELP kvtier_connector_hit_phase_seconds_total Seconds cache hits spent per phase.
@@ -126,6 +134,24 @@ def test_blocks_are_copied_to_another_mount_under_the_same_names(tmp_path: Path)
     copy_blocks(src, dst, [rel])  # already there: left alone
     assert (dst / rel).read_bytes() == b"block"
     assert [p.name for p in (dst / rel).parent.iterdir()] == ["abcd.kvt"]
+
+
+@pytest.mark.valkey
+def test_blocks_copied_into_valkey_are_hits_of_the_valkey_tier(
+    tmp_path: Path, valkey_server: ValkeyServer
+) -> None:
+    writer = PosixTier(str(tmp_path), NAMESPACE, IDENTITY.manifest())
+    blocks = [make_block(9, i, 4096) for i in range(3)]
+    for h, meta, payload in blocks:
+        assert writer.put(h, meta, payload).stored
+    files = [Path(os.path.relpath(writer.path(h), tmp_path)) for h, _, _ in blocks]
+    copy_blocks_to_valkey(tmp_path, valkey_server.url, files)
+    reader = ValkeyTier(ValkeyTierSettings(url=valkey_server.url), NAMESPACE)
+    got = reader.get_many([h for h, _, _ in blocks])
+    assert [bytes(b.payload) if b else None for b in got] == [p for _, _, p in blocks]
+    assert reader.stats().corrupt_removed == 0
+    reader.close()
+    writer.close()
 
 
 def _run_json(path: Path, ttfts: dict[tuple[int, str], float]) -> str:

@@ -11,7 +11,8 @@ server's job: run it with `maxmemory` and `maxmemory-policy allkeys-lru` (what
 Batched calls (`contains_many`, `get_many`) are one pipelined round trip for many blocks (one per
 shard holding some, shard after shard, on a cluster), which
 is what a prefix lookup over a network needs; the single-block calls of the tier protocol are
-thin wrappers.
+thin wrappers. Large values are sent as they are (`set_if_absent`); replies are parsed by
+libvalkey (C), which valkey-py uses when it is installed.
 
 Faults never reach the caller. A lost connection (server restarted, network gone) turns the
 call into misses or a failed put, counted in `errors`; the tier then stops talking to the

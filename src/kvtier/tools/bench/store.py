@@ -25,6 +25,11 @@ moments of a shared, noisy machine:
                    payload into a staging buffer it reuses, header and checksum verified.
     raw_read_into_gbps
                    the plain read into a reused buffer: open() + readinto() of the plain files.
+    l2_read_batch_gbps
+                   a load of an L2 hit from a Valkey target: the tier's `get_many` of batches of
+                   `L2_BATCH` blocks (pipelines, validation, checksums).
+    raw_read_batch_gbps
+                   the plain batch read: the same keys' GETs in one pipeline (per shard).
 
 Targets (issue 18): L1 ratios >= 0.9, L2 ratios >= 0.85 (`meets_target`).
 
@@ -80,6 +85,7 @@ TARGETS = {
     "l2_write_ratio": 0.85,
     "l2_read_ratio": 0.85,
     "l2_read_into_ratio": 0.85,
+    "l2_read_batch_ratio": 0.85,
 }
 """The least each kvtier/baseline ratio should reach (issue 18), on a loaded machine too."""
 _PAIRS = {
@@ -88,6 +94,7 @@ _PAIRS = {
     "l2_write_ratio": ("l2_write", "raw_write"),
     "l2_read_ratio": ("l2_read", "raw_read"),
     "l2_read_into_ratio": ("l2_read_into", "raw_read_into"),
+    "l2_read_batch_ratio": ("l2_read_batch", "raw_read_batch"),
 }
 
 

@@ -16,7 +16,7 @@ from kvtier.core.codec import BlockMeta
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import BlockHash, ModelIdentity, block_hashes, extra_key, root_hash
 from kvtier.core.settings import StoreSettings
-from kvtier.core.store import TieredStore
+from kvtier.core.store import L2_BATCH, TieredStore
 from kvtier.core.tiers.base import BlockTier, ReadsInto
 from kvtier.tools.bench.l2 import L2Target, parse_l2_spec
 
@@ -162,6 +162,15 @@ def _get(tier: BlockTier, hashes: Sequence[BlockHash], i: int) -> None:
     tier.get(hashes[i])
 
 
+def _get_batch(tier: BlockTier, hashes: Sequence[BlockHash], i: int) -> None:
+    if not all(tier.get_many(hashes[i * L2_BATCH : (i + 1) * L2_BATCH])):
+        raise RuntimeError("L2 get_many missed a block that was written")
+
+
+def _raw_read_batch(target: L2Target, names: Sequence[str], i: int) -> None:
+    target.raw_read_many(names[i * L2_BATCH : (i + 1) * L2_BATCH])
+
+
 def _read_into(tier: ReadsInto, hashes: Sequence[BlockHash], buffer: memoryview, i: int) -> None:
     if tier.read_into(hashes[i], buffer) is None:
         raise RuntimeError("L2 read_into missed a block that was written")
@@ -289,6 +298,15 @@ def measure_l2(
                 ("l2_read", t_l2_r),
             ):
                 seconds[name].append(t)
+            if target.url is not None:
+                # The store's load of an L2 hit from a network tier: batches of `L2_BATCH` blocks
+                t_raw_b, t_l2_b = paired(
+                    -(-n // L2_BATCH),
+                    partial(_raw_read_batch, target, names),
+                    partial(_get_batch, reader, hashes),
+                )
+                seconds.setdefault("raw_read_batch", []).append(t_raw_b)
+                seconds.setdefault("l2_read_batch", []).append(t_l2_b)
             if isinstance(reader, ReadsInto) and target.url is None:
                 # The connector's path: into a staging buffer each side reuses (pre-faulted).
                 if config.cold:

@@ -1,5 +1,5 @@
 """S1 `kvtier bench tiers`: TTFT of a prompt served cold, from L0, from L1 and from another
-replica's L2 (a local directory and JuiceFS mounts), for kvtier and plain vLLM, side by side in
+replica's L2 (a local directory, JuiceFS mounts, Valkey), for kvtier and plain vLLM, side by side in
 one run, with the spread of the runs and, with `--breakdown`, where an L1 and an L2 hit's time
 goes.
 
@@ -16,6 +16,8 @@ core of the one being measured):
   blocks (copied file by file: the same bytes A wrote), so every hit crosses FUSE, JuiceFS's
   client and its object store, as on another node; it runs the `juicefs` L2 profile, as a
   user on JuiceFS would;
+- `kvtier-valkey` (`--valkey`): a replica whose L2 is a loopback Valkey server holding A's blocks
+  (each file's bytes as the value of its key: what A would have stored there);
 - `kvtier-NAME` for each `--variant NAME:key=value,...`: another L2 reader with those connector
   settings (e.g. the data path before this release, to compare in the same run); with
   `l2=juicefs`, on a JuiceFS mount of its own, with the `juicefs` profile unless the variant
@@ -38,6 +40,7 @@ of the paired ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -190,6 +193,18 @@ def copy_blocks(src_root: Path, dst_root: Path, files: Sequence[Path]) -> None:
         tmp = dst.with_name(f"{dst.name}.{os.getpid()}.copy.tmp")
         shutil.copyfile(src_root / rel, tmp)
         os.rename(tmp, dst)
+
+
+def copy_blocks_to_valkey(src_root: Path, url: str, files: Sequence[Path]) -> None:
+    """Store `files` (`<namespace>/../<hash>.kvt` under `src_root`) in the Valkey server at `url`
+    as the Valkey tier names and stores blocks: `<namespace>:<hash>`, the file's bytes, if
+    absent."""
+    import valkey
+
+    with valkey.Valkey.from_url(url) as client:
+        for rel in files:
+            key = f"{rel.parts[0]}:{rel.name.removesuffix('.kvt')}"
+            client.set(key, (src_root / rel).read_bytes(), nx=True)
 
 
 def failure_reason(log_path: Path) -> str:
@@ -362,12 +377,14 @@ class Bench:
         run_every(server.stop for server in servers.values())
 
 
-def _transfer(bench: Bench, l2: Path, **settings: Any) -> dict[str, Any]:
+def _transfer(bench: Bench, l2: Path | None, **settings: Any) -> dict[str, Any]:
+    """A replica's connector settings: L2 in the directory `l2`, or where `settings` say."""
+    where = {} if l2 is None else {"l2_path": str(l2)}
     return kv_transfer_config(
         ConnectorSettings(
             l1_bytes=int(bench.args.l1_gib * GIB),
-            l2_path=str(l2),
             block_tokens=bench.args.block_tokens,
+            **where,
             **settings,
         )
     )
@@ -398,12 +415,16 @@ def parse_variant(text: str) -> tuple[str, dict[str, Any]]:
 class _S1:
     """The side-by-side run (see the module docstring)."""
 
-    def __init__(self, bench: Bench, jfs_mount: Callable[[], Path] | None) -> None:
+    def __init__(
+        self, bench: Bench, jfs_mount: Callable[[], Path] | None, valkey_url: str | None
+    ) -> None:
         """`jfs_mount` mounts the JuiceFS volume once more: the first mount is A's (its blocks
         are copied in there), every reader gets one of its own, as on a node of its own (two
-        readers on one mount would share its page cache and JuiceFS's block cache)."""
+        readers on one mount would share its page cache and JuiceFS's block cache).
+        `valkey_url`: the server of `kvtier-valkey`."""
         self.bench = bench
         self.jfs_mount = jfs_mount
+        self.valkey_url = valkey_url
         self.jfs_writer = jfs_mount() if jfs_mount is not None else None
         self.readers: dict[str, str] = {"kvtier": "kvtier-b"}
         """L2-reading system -> its server label."""
@@ -420,6 +441,9 @@ class _S1:
         if self.jfs_mount is not None:
             b.start("kvtier-juicefs", _transfer(b, self.jfs_mount(), l2_profile="juicefs"))
             self.readers["kvtier-juicefs"] = "kvtier-juicefs"
+        if self.valkey_url is not None:
+            b.start("kvtier-valkey", _transfer(b, None, l2_url=self.valkey_url))
+            self.readers["kvtier-valkey"] = "kvtier-valkey"
         for name, variant in b.args.variant or ():
             settings = dict(variant)
             on_juicefs = settings.pop("l2", "dir") == "juicefs"
@@ -468,6 +492,8 @@ class _S1:
         with b.use("kvtier-a") as url:  # L1
             reset_l0(url)
             self.hit(url, "kvtier", n, "l1", tokens)
+        if self.valkey_url is not None:
+            copy_blocks_to_valkey(b.l2_dir, self.valkey_url, files)
         if self.jfs_writer is not None:
             copy_blocks(b.l2_dir, self.jfs_writer, files)
             time.sleep(1.2)  # the other mount's attribute and entry caches (1 s)
@@ -495,29 +521,34 @@ class _S1:
 
 def _kvtier(bench: Bench) -> list[str]:
     """The side-by-side run; returns the L2-reading systems."""
-    if not bench.args.juicefs:
-        s1 = _S1(bench, None)
+    from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec, start_valkey
+
+    with contextlib.ExitStack() as stack:
+        jfs_mount: Callable[[], Path] | None = None
+        if bench.args.juicefs:
+            from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
+
+            # Metadata in Valkey, as a multi-node volume keeps it (SQLite serialises two mounts).
+            meta = ValkeyServerSpec(maxmemory_bytes=0, data_dir=str(bench.work / "juicefs-meta"))
+            server = stack.enter_context(start_valkey(meta))
+            volume = stack.enter_context(
+                JuiceFSVolume(
+                    JuiceFSVolumeSpec(root=str(bench.work / "juicefs"), meta_url=server.url + "/1")
+                )
+            )
+
+            def jfs_mount() -> Path:
+                return Path(volume.mount().path)
+
+        valkey_url = None
+        if bench.args.valkey:
+            l2_server = stack.enter_context(start_valkey(ValkeyServerSpec(maxmemory_bytes=0)))
+            valkey_url = l2_server.url
+        stack.callback(bench.close)  # first: engines let go of the mounts before they unmount
+        s1 = _S1(bench, jfs_mount, valkey_url)
         s1.start()
         s1.run()
         return list(s1.readers)
-    from kvtier.tools.l2ops.juicefs import JuiceFSVolume, JuiceFSVolumeSpec
-    from kvtier.tools.l2ops.valkey_server import ValkeyServerSpec, start_valkey
-
-    # Metadata in Valkey, as a multi-node volume keeps it (SQLite serialises two mounts).
-    meta = ValkeyServerSpec(maxmemory_bytes=0, data_dir=str(bench.work / "juicefs-meta"))
-    with (
-        start_valkey(meta) as server,
-        JuiceFSVolume(
-            JuiceFSVolumeSpec(root=str(bench.work / "juicefs"), meta_url=server.url + "/1")
-        ) as volume,
-    ):
-        try:
-            s1 = _S1(bench, lambda: Path(volume.mount().path))
-            s1.start()
-            s1.run()
-            return list(s1.readers)
-        finally:
-            bench.close()  # engines must let go of the mounts before they unmount
 
 
 def _peer(
@@ -675,6 +706,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         action="store_true",
         help="also measure L2 hits through a JuiceFS volume in the same run (system "
         "'kvtier-juicefs': A's blocks land through one FUSE mount, the reader uses another)",
+    )
+    p.add_argument(
+        "--valkey",
+        action="store_true",
+        help="also measure L2 hits from a loopback Valkey server in the same run (system "
+        "'kvtier-valkey': A's blocks stored there as the Valkey tier stores them)",
     )
     p.add_argument(
         "--variant",
