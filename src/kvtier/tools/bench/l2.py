@@ -38,12 +38,18 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from valkey.connection import Encoder, PythonRespSerializer
+from valkey.connection import PythonRespSerializer
 
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
 from kvtier.core.tiers.valkey_shards import Shards, open_shards
+
+
+def _encode(arg: object) -> bytes | memoryview:
+    """A command argument as valkey-py sends it: bytes as they are, anything else as text."""
+    return arg if isinstance(arg, bytes | memoryview) else str(arg).encode()
+
 
 KINDS = ("posix", "juicefs", "valkey", "valkey-aof", "valkey-cluster")
 CLUSTER_SHARDS = 3
@@ -107,7 +113,7 @@ class L2Target:
             assert self.url is not None
             # valkey-py packs commands with libvalkey when installed, which copies a large
             # value into one buffer first; its Python packer sends it as it is, the faster plain SET
-            packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+            packer = PythonRespSerializer(6000, _encode)
             (self._shards,) = open_shards(self.url, {"command_packer": packer}, [30.0])
         return self._shards
 
