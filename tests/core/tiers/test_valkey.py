@@ -101,21 +101,26 @@ def test_set_if_absent_keeps_its_connection_after_an_error_reply_and_drops_it_af
         server
     ):
         assert server.pid is not None
-        client = valkey.Valkey.from_url(server.url, socket_timeout=0.3)
+        client = valkey.Valkey.from_url(server.url)
         first = client.client_id()
         with pytest.raises(valkey.exceptions.ResponseError, match="maxmemory"):
             set_if_absent(client, "big", [b"x" * (2 * 1024**2)])
         assert client.client_id() == first
+        client.close()
+        hasty = valkey.Valkey.from_url(server.url, socket_timeout=0.3)
+        first = hasty.client_id()
         os.kill(server.pid, signal.SIGSTOP)
         try:
             with pytest.raises(valkey.exceptions.TimeoutError):
-                set_if_absent(client, "small", [b"late"])
+                set_if_absent(hasty, "small", [b"late"])
+            idle = hasty.connection_pool._available_connections
+            assert [conn._sock for conn in idle] == [None]  # closed before the reply came
         finally:
             os.kill(server.pid, signal.SIGCONT)
         # its own reply (the SET may or may not have run), not the SET's late "OK"
-        assert client.get("small") in (None, b"late")
-        assert client.client_id() != first
-        client.close()
+        assert hasty.get("small") in (None, b"late")
+        assert hasty.client_id() != first
+        hasty.close()
 
 
 def test_concurrent_writers_of_the_same_blocks_publish_once_and_readers_never_see_a_mix(

@@ -499,8 +499,13 @@ def set_if_absent(client: valkey.Valkey, key: str, pieces: Sequence[Buffer]) -> 
     pool = client.connection_pool
     conn = pool.get_connection("SET")
     try:
-        conn.send_packed_command(command)  # (both close the connection on a fault)
+        conn.send_packed_command(command)
         return conn.read_response() is not None
+    except valkey.exceptions.ResponseError:
+        raise  # an error reply, read whole: the connection is in step
+    except BaseException:
+        conn.disconnect()  # (both calls do on their faults; not between them, on an interrupt)
+        raise
     finally:
         pool.release(conn)
 

@@ -40,6 +40,7 @@ from typing import cast
 
 from valkey.connection import PythonRespSerializer
 
+from kvtier.core.codec import byte_view
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import ModelIdentity
 from kvtier.core.tiers.base import BlockTier
@@ -47,8 +48,13 @@ from kvtier.core.tiers.valkey_shards import Shards, open_shards
 
 
 def _encode(arg: object) -> bytes | memoryview:
-    """A command argument as valkey-py sends it: bytes as they are, anything else as text."""
-    return arg if isinstance(arg, bytes | memoryview) else str(arg).encode()
+    """A command argument as valkey-py's encoder makes it: a buffer as bytes (its packer counts
+    `len()`), text and numbers as UTF-8; anything else is refused."""
+    if isinstance(arg, bytes | bytearray | memoryview):
+        return byte_view(arg)
+    if isinstance(arg, str | int | float):
+        return str(arg).encode()
+    raise TypeError(f"a Valkey command argument of type {type(arg).__name__}")
 
 
 KINDS = ("posix", "juicefs", "valkey", "valkey-aof", "valkey-cluster")

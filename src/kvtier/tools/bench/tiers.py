@@ -201,10 +201,12 @@ def copy_blocks_to_valkey(src_root: Path, url: str, files: Sequence[Path]) -> No
     absent."""
     import valkey
 
+    from kvtier.core.tiers.valkey import set_if_absent
+
     with valkey.Valkey.from_url(url) as client:
         for rel in files:
             key = f"{rel.parts[0]}:{rel.name.removesuffix('.kvt')}"
-            client.set(key, (src_root / rel).read_bytes(), nx=True)
+            set_if_absent(client, key, [(src_root / rel).read_bytes()])
 
 
 def failure_reason(log_path: Path) -> str:
