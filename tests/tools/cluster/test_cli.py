@@ -35,7 +35,11 @@ def run_up(tmp_path: Path, nohup: bool) -> tuple[subprocess.Popen[str], Path]:
     config.write_text(f"kvtier: {{workDir: {tmp_path}}}\n")
     command = [sys.executable, "-c", _UP, str(config), str(stopped)]
     up = subprocess.Popen(
-        ["nohup", *command] if nohup else command, stdout=subprocess.PIPE, text=True
+        ["nohup", *command] if nohup else command,
+        stdout=subprocess.PIPE,
+        text=True,
+        # as from a terminal, though the tests themselves run under nohup (hangups ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL),
     )
     assert up.stdout is not None and up.stdout.readline() == "up\n"
     # (a signal inside the stand-in's __enter__ would skip its __exit__: the real fleet stops
