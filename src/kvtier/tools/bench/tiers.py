@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.errors import KvtierError, run_every
+from kvtier.core.tiers.posix import SUFFIX
 from kvtier.net.ports import free_port
 from kvtier.router.health import engine_block_tokens
 from kvtier.tools.bench.client import call
@@ -161,7 +162,7 @@ def block_files(l2_dir: Path, tokens: Sequence[int], block_tokens: int) -> list[
     namespaces = [p.name for p in l2_dir.iterdir() if p.is_dir() and not p.name.startswith(".")]
     if len(namespaces) != 1:
         raise KvtierError(f"{l2_dir}: expected one namespace directory, found {namespaces}")
-    return [Path(namespaces[0], h[0:2], h[2:4], f"{h}.kvt") for h in names]
+    return [Path(namespaces[0], h[0:2], h[2:4], h + SUFFIX) for h in names]
 
 
 def wait_for_l2(
@@ -205,7 +206,7 @@ def copy_blocks_to_valkey(src_root: Path, url: str, files: Sequence[Path]) -> No
 
     with valkey.Valkey.from_url(url) as client:
         for rel in files:
-            key = f"{rel.parts[0]}:{rel.name.removesuffix('.kvt')}"
+            key = f"{rel.parts[0]}:{rel.name.removesuffix(SUFFIX)}"
             set_if_absent(client, key, [(src_root / rel).read_bytes()])
 
 
